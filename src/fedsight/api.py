@@ -12,7 +12,7 @@ import tomli_w
 import torch
 
 from . import registry as R
-from .client import LocalTraining
+from .client import SGD_TRAINER, LocalTraining
 from .config import ConfigError, stage_configs, validate
 from .engine.simulation import Recipe, Schedule, Simulation, Stage, clients_per_round
 from .models.base import load_weights, save_weights
@@ -46,7 +46,12 @@ def build_recipe(cfg: Any) -> Recipe:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"recipe.components: {', '.join(dup)} listed twice")
+    trainers = [(c.name, c.trainer()) for c in components]
+    trainers = [(n, t) for n, t in trainers if t is not None]
+    if len(trainers) > 1:
+        raise ConfigError(f"recipe: {' and '.join(n for n, _ in trainers)} both set the local procedure; keep one of them")
     return Recipe(
+        trainer=trainers[0][1] if trainers else SGD_TRAINER,
         weighting=_exclusive("weighting", rc.weighting, "data_size", R.WEIGHTINGS, components),
         aggregator=_exclusive("aggregator", rc.aggregator, "mean", R.AGGREGATORS, components),
         server_optimizer=R.build(R.SERVER_OPTIMIZERS, cfg.server.optimizer.name, cfg.server.optimizer),
@@ -59,7 +64,8 @@ def build_local(cfg: Any) -> LocalTraining:
     t = cfg.train
     return LocalTraining(
         batch_size=t.batch_size, lr=t.lr, epochs=t.epochs, steps=t.steps, momentum=t.momentum, weight_decay=t.weight_decay,
-        steps_range=tuple(t.steps_range) if t.steps_range else None,
+        steps_range=tuple(t.steps_range) if t.steps_range else None, temperature=t.temperature,
+        freeze=tuple(t.freeze),
     )
 
 

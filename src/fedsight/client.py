@@ -1,7 +1,9 @@
 """The local training loop, written once for every task and recipe.
 
-Recipe components plug in through hooks (``fedsight.recipe.base.Component``): extra loss terms, gradient
-transforms after ``backward()``, and upload transforms at the end.
+Recipe components plug in through hooks (``fedsight.recipe.base.Component``): output transforms, extra
+loss terms, gradient transforms after ``backward()``, and upload transforms at the end. What a client
+does in a round is a ``Trainer``: plain SGD by default; a component may claim the slot with a different
+local procedure (FedAlt's alternating passes, Ditto's personal model, Fed3R's statistics pass).
 """
 
 from __future__ import annotations
@@ -13,17 +15,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .models.base import NORM_TYPES
 from .recipe.base import ClientContext, ClientState, Component
 from .records import ClientResult
 from .rng import np_rng, torch_gen
 from .tasks.base import Task
+
+#: the parameter groups ``train.freeze`` may name (``FedModel.parameter_groups``)
+FREEZABLE = ("backbone", "head", "norm")
 
 
 @dataclass(frozen=True)
 class LocalTraining:
     """Local optimisation: SGD over whole epochs, a fixed number of steps, or (heterogeneous local
     work, as FedNova studies) a number of steps drawn per round and client uniformly from
-    ``steps_range`` = (low, high) inclusive, from the stream ("steps", round, client)."""
+    ``steps_range`` = (low, high) inclusive, from the stream ("steps", round, client).
+
+    ``temperature`` divides the model's outputs before the task loss: the tempered softmax of thesis
+    eq. 3.2 (tau = 0.1 after a Fed3R initialisation, Sec. 3.7). ``freeze`` names parameter groups that
+    do not train (FT(psi) freezes ``backbone``, FT(phi) freezes ``head``); frozen parameters are neither
+    uploaded nor re-downloaded, and normalisation layers whose parameters are all frozen run in eval mode
+    (their running statistics stay fixed)."""
 
     batch_size: int
     lr: float
@@ -32,6 +44,8 @@ class LocalTraining:
     steps_range: tuple[int, int] | None = None
     momentum: float = 0.0
     weight_decay: float = 0.0
+    temperature: float = 1.0
+    freeze: tuple[str, ...] = ()
 
     def num_steps(self, num_examples: int, seed: int = 0, round: int = 0, client: int = 0) -> int:
         if self.steps_range is not None:
@@ -41,6 +55,31 @@ class LocalTraining:
             return self.steps
         assert self.epochs is not None
         return self.epochs * math.ceil(num_examples / self.batch_size)
+
+
+def frozen_keys(model: nn.Module, groups: Sequence[str]) -> set[str]:
+    """``state_dict`` keys of the parameters in ``groups`` (``FedModel.parameter_groups``)."""
+    if not groups:
+        return set()
+    pg = getattr(model, "parameter_groups", None)
+    if pg is None:
+        raise ValueError(f"train.freeze = {list(groups)}: model {type(model).__name__} declares no parameter groups")
+    named = pg()
+    params = {k for k, _ in model.named_parameters()}
+    return {k for g in groups for k in named[g] if k in params}
+
+
+def constant_keys(model: nn.Module, frozen: set[str]) -> set[str]:
+    """State entries that cannot change during local training: frozen parameters, and the buffers of
+    normalisation layers whose parameters are all frozen (they run in eval mode)."""
+    out = set(frozen)
+    for mod_name, module in model.named_modules():
+        if isinstance(module, NORM_TYPES):
+            prefix = f"{mod_name}." if mod_name else ""
+            own = [prefix + n for n, _ in module.named_parameters(recurse=False)]
+            if own and all(k in frozen for k in own):
+                out.update(prefix + n for n, _ in module.named_buffers(recurse=False))
+    return out
 
 
 def batch_positions(num_examples: int, batch_size: int, num_steps: int, gen: torch.Generator):
@@ -56,6 +95,113 @@ def batch_positions(num_examples: int, batch_size: int, num_steps: int, gen: tor
                 return
 
 
+def prepare_model(model: nn.Module, frozen: set[str]) -> None:
+    """Train mode, ``requires_grad`` off for frozen parameters, fully frozen norm layers in eval mode."""
+    model.train()
+    for k, p in model.named_parameters():
+        p.requires_grad_(k not in frozen)
+    if frozen:
+        for module in model.modules():
+            if isinstance(module, NORM_TYPES):
+                own = list(module.parameters(recurse=False))
+                if own and not any(p.requires_grad for p in own):
+                    module.eval()
+
+
+def backward_scope(ctx: ClientContext, params: Sequence[nn.Parameter]) -> str:
+    """Which part a backward pass traverses when ``params`` train (for the FLOPs estimate)."""
+    if not params:
+        return "none"
+    head = getattr(ctx.model, "head", None)
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    return "head" if head_ids and all(id(p) in head_ids for p in params) else "all"
+
+
+def sgd_steps(
+    ctx: ClientContext,
+    components: Sequence[Component],
+    params: Sequence[nn.Parameter],
+    num_steps: int,
+    *,
+    stream: str = "shuffle",
+    lr: float | None = None,
+    extra_loss=None,
+) -> torch.Tensor:
+    """``num_steps`` SGD steps on ``params`` over the client's shuffled data (stream (``stream``, round,
+    client)), with every component's hooks; returns the summed objective. ``extra_loss(model)`` adds a
+    trainer's own term (Ditto's proximal term). Adds the steps' FLOPs to ``ctx.flops``."""
+    task, model, local = ctx.task, ctx.model, ctx.local
+    opt = torch.optim.SGD(params, lr=local.lr if lr is None else lr, momentum=local.momentum, weight_decay=local.weight_decay)
+    scope = backward_scope(ctx, params)
+    loss_sum = torch.zeros(())
+    gen = torch_gen(ctx.seed, stream, ctx.round, ctx.client_id)
+    for step, pos in enumerate(batch_positions(ctx.num_examples, local.batch_size, num_steps, gen)):
+        ctx.step = step
+        x, y = task.train_batch(ctx.client_id, pos)
+        out = model(x)
+        for c in components:
+            out = c.outputs(ctx, out)
+        loss = task.loss(out / local.temperature if local.temperature != 1.0 else out, y)
+        for c in components:
+            term = c.loss_term(ctx, out, y)
+            if term is not None:
+                loss = loss + term
+        if extra_loss is not None:
+            loss = loss + extra_loss(model)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for c in components:
+            c.after_backward(ctx)
+        opt.step()
+        loss_sum.add_(loss.detach())
+        if ctx.cost is not None:
+            ctx.flops += ctx.cost.train_step(len(pos), scope)
+    return loss_sum
+
+
+def make_result(ctx: ClientContext, components: Sequence[Component], loss_sum: float, steps: int) -> ClientResult:
+    """The upload: delta of the shared trainable parameters (local minus received global), the shared
+    buffers, ``train/loss`` (mean objective over ``steps``); then every component's ``client_end``."""
+    params = dict(ctx.model.named_parameters())
+    buffers = dict(ctx.model.named_buffers())
+    with torch.no_grad():
+        keys = list(ctx.global_params)
+        local_params = [params[k].detach() for k in keys]
+        delta = dict(zip(keys, torch._foreach_sub(local_params, [ctx.global_params[k] for k in keys]))) if keys else {}
+    result = ClientResult(
+        client_id=ctx.client_id,
+        num_examples=ctx.num_examples,
+        delta=delta,
+        buffers={k: buffers[k].detach().clone() for k in ctx.shared_buffers},
+        metrics={"train/loss": float(loss_sum) / max(steps, 1)},
+        num_steps=steps,
+    )
+    for c in components:
+        c.client_end(ctx, result)
+    result.flops = ctx.flops
+    return result
+
+
+class Trainer:
+    """A client's local procedure in one round. The default is ``ctx.num_steps`` SGD steps on every
+    trainable parameter (FedAvg's local update, and FedSim's joint update of shared and personal
+    parameters)."""
+
+    name = "sgd"
+    #: False for a statistics pass (Fed3R, FedNCM): no parameter trains in such a stage
+    trains: bool = True
+    #: whether the client receives the shared model (cost accounting): Fed3R uses a public extractor
+    downloads_model: bool = True
+
+    def train(self, ctx: ClientContext, components: Sequence[Component]) -> ClientResult:
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        loss_sum = sgd_steps(ctx, components, params, ctx.num_steps)
+        return make_result(ctx, components, float(loss_sum), ctx.num_steps)
+
+
+SGD_TRAINER = Trainer()
+
+
 def train_client(
     task: Task,
     model: nn.Module,
@@ -68,53 +214,30 @@ def train_client(
     shared_buffers: Sequence[str],
     state: ClientState | None = None,
     broadcast: dict[str, dict[str, torch.Tensor]] | None = None,
+    *,
+    trainer: Trainer | None = None,
+    frozen: set[str] | None = None,
+    global_state: dict[str, torch.Tensor] | None = None,
+    personal_keys: Sequence[str] = (),
+    cost=None,
 ) -> ClientResult:
-    """Train ``model`` (already holding the received global weights) on one client's data.
+    """Run ``trainer`` (default: SGD) for one client on ``model``, which already holds the received
+    global weights (and the client's personal entries).
 
     Returns the delta of the shared trainable parameters (local minus received global), the shared
     buffers after training, and the mean local objective ``train/loss`` over the steps taken.
     """
     n = task.num_train_examples(client)
-    steps = local.num_steps(n, seed, round, client)
+    frozen = set(frozen or ())
+    if trainer is not None and not trainer.trains:
+        frozen = {k for k, _ in model.named_parameters()}
     ctx = ClientContext(
         client_id=client, round=round, model=model, global_params=global_params, num_examples=n, seed=seed,
-        state=state, num_steps=steps, local=local, broadcast=broadcast or {}, task=task,
+        state=state, num_steps=local.num_steps(n, seed, round, client), local=local, broadcast=broadcast or {},
+        task=task, shared_buffers=list(shared_buffers), frozen=frozen, global_state=global_state or {},
+        personal_keys=list(personal_keys), cost=cost,
     )
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=local.lr, momentum=local.momentum, weight_decay=local.weight_decay)
+    prepare_model(model, frozen)
     for c in components:
         c.client_start(ctx)
-    loss_sum = torch.zeros(())
-    gen = torch_gen(seed, "shuffle", round, client)
-    for step, pos in enumerate(batch_positions(n, local.batch_size, steps, gen)):
-        ctx.step = step
-        x, y = task.train_batch(client, pos)
-        out = model(x)
-        loss = task.loss(out, y)
-        for c in components:
-            term = c.loss_term(ctx, out, y)
-            if term is not None:
-                loss = loss + term
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for c in components:
-            c.after_backward(ctx)
-        opt.step()
-        loss_sum.add_(loss.detach())
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        keys = list(global_params)
-        local_params = [params[k].detach() for k in keys]
-        delta = dict(zip(keys, torch._foreach_sub(local_params, [global_params[k] for k in keys]))) if keys else {}
-    result = ClientResult(
-        client_id=client,
-        num_examples=n,
-        delta=delta,
-        buffers={k: buffers[k].detach().clone() for k in shared_buffers},
-        metrics={"train/loss": float(loss_sum) / max(steps, 1)},
-        num_steps=steps,
-    )
-    for c in components:
-        c.client_end(ctx, result)
-    return result
+    return (trainer or SGD_TRAINER).train(ctx, components)

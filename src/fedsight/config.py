@@ -82,6 +82,13 @@ class TrainSection(Params):
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    temperature: float = Field(
+        1.0, gt=0, description="softmax temperature tau: outputs / tau enter the loss (thesis eq. 3.2; 0.1 after Fed3R)"
+    )
+    freeze: list[Literal["backbone", "head", "norm"]] = Field(
+        default_factory=list,
+        description="parameter groups that do not train: FT(psi) = ['backbone'], FT(phi) = ['head']",
+    )
 
     @model_validator(mode="after")
     def _epochs_or_steps(self) -> "TrainSection":

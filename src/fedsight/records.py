@@ -24,6 +24,8 @@ class ClientResult:
     #: named extra tensors (control variates, sufficient statistics, ...), keyed by component
     extras: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     num_steps: int = 0
+    #: estimated FLOPs the client spent (``fedsight.cost``); not sent over the wire
+    flops: float = 0.0
 
     @property
     def train_loss(self) -> float:

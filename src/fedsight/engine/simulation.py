@@ -9,6 +9,7 @@ bit.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..client import LocalTraining, train_client
+from ..client import SGD_TRAINER, LocalTraining, Trainer, constant_keys, frozen_keys, train_client
+from ..cost import ModelCost, model_cost, nbytes, result_bytes
 from ..functional.aggregate import all_finite, normalize, weighted_mean_state
 from ..recipe.base import ClientState, Component, ServerContext
 from ..recipe.server_opt import ServerOptimizer
@@ -35,6 +37,8 @@ class Recipe:
     server_optimizer: ServerOptimizer
     sharing: Any
     components: list[Component] = field(default_factory=list)
+    #: the clients' local procedure (plain SGD unless a component claims the slot)
+    trainer: Trainer = SGD_TRAINER
 
 
 @dataclass
@@ -76,6 +80,20 @@ def sample_clients(seed: int, round: int, num_clients: int, m: int) -> list[int]
 PERSONAL = "personal"  # client-state key of the non-shared model entries
 
 
+@dataclass
+class RoundPlan:
+    """What the server decided at the start of a round: the clients, the broadcast, the global values
+    they start from. ``begin_round`` / ``end_round`` are the server's half of a round; a deployment
+    (Flower) runs the client half elsewhere and feeds the results back."""
+
+    round: int
+    sctx: ServerContext
+    sampled: list[int]
+    broadcast: dict[str, dict[str, torch.Tensor]]
+    global_params: dict[str, torch.Tensor]
+    t0: float = 0.0
+
+
 class Simulation:
     def __init__(
         self,
@@ -95,6 +113,14 @@ class Simulation:
         torch.manual_seed(derive_seed(seed, "init"))
         self.global_model: nn.Module = task.build_model()
         self.work_model: nn.Module = task.build_model()
+        adapters = {id(c): c for st in self.stages for c in st.recipe.components}
+        for c in adapters.values():
+            c.adapt_model(self.global_model, seed)
+            c.adapt_model(self.work_model, seed)
+        #: per-example forward FLOPs (whole model, classifier head), for the cost estimate
+        self.cost: ModelCost = model_cost(self.work_model, task.train_batch(0, torch.tensor([0]))[0])
+        #: cumulative communication and computation over the run
+        self.totals = {"up_bytes": 0.0, "down_bytes": 0.0, "flops": 0.0}
         self._gstate = self.global_model.state_dict(keep_vars=True)
         self._wstate = self.work_model.state_dict(keep_vars=True)
         self.round = 0
@@ -108,11 +134,19 @@ class Simulation:
         self.stage_index, self.stage, self.recipe, self.local = index, st.name, st.recipe, st.local
         shared = self.recipe.sharing.shared_keys(self.global_model)
         gparams = dict(self.global_model.named_parameters())
-        self.shared_params = [k for k in gparams if k in shared]
-        self.shared_buffers = [k for k, _ in self.global_model.named_buffers() if k in shared]
-        #: entries that stay on the client (FedBN's norm layers, personal heads): saved per client
+        if self.recipe.trainer.trains:
+            self.frozen = frozen_keys(self.global_model, self.local.freeze)
+        else:  # a statistics pass (Fed3R): nothing trains
+            self.frozen = set(gparams)
+        #: entries no client can change this stage (frozen parameters, statistics of frozen norm layers)
+        self.constant = constant_keys(self.global_model, self.frozen)
+        self.shared_params = [k for k in gparams if k in shared and k not in self.frozen]
+        self.shared_buffers = [k for k, _ in self.global_model.named_buffers() if k in shared and k not in self.constant]
+        #: entries that stay on the client (FedBN's norm layers, personal heads): loaded per client
         self.personal_keys = [k for k in self.global_model.state_dict() if k not in shared]
         self.recipe.server_optimizer.attach({k: gparams[k] for k in self.shared_params})
+        #: bytes a client downloads: the shared entries that can change (frozen ones are not re-sent)
+        self.model_bytes = nbytes([self._gstate[k] for k in self.shared_params + self.shared_buffers])
 
     def stage_of_round(self, r: int) -> int:
         return next(i for i, st in enumerate(self.stages) if r <= st.end_round)
@@ -128,16 +162,23 @@ class Simulation:
         if self.personal_keys:
             personal = self.store.get(PERSONAL, client)
             if personal is not None:
-                for k, v in personal.items():
-                    self._wstate[k].copy_(v)
+                # only this stage's non-shared entries: a later stage that shares them again uses the
+                # global values
+                for k in self.personal_keys:
+                    if k in personal:
+                        self._wstate[k].copy_(personal[k])
         return self.work_model
 
-    def train_round(self, r: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Sample, train each sampled client, aggregate, step the server optimizer."""
-        t0 = time.perf_counter()
+    def begin_round(self, r: int) -> RoundPlan:
+        """Sample the round's clients and collect the components' broadcasts."""
         m = self.stages[self.stage_index].clients_per_round or self.schedule.clients_per_round
-        sampled = sample_clients(self.seed, r, self.task.num_clients, m)
-        global_params = {k: self._gstate[k].detach() for k in self.shared_params}
+        sampled = None
+        for c in self.recipe.components:
+            sampled = c.sample(r, self.task.num_clients, m, self.seed)
+            if sampled is not None:
+                break
+        if sampled is None:
+            sampled = sample_clients(self.seed, r, self.task.num_clients, m)
         sctx = ServerContext(
             round=r, model=self.global_model, num_clients=self.task.num_clients, sampled=sampled, seed=self.seed,
             rounds=self.schedule.rounds, task=self.task,
@@ -147,27 +188,62 @@ class Simulation:
             sent = c.server_broadcast(sctx)
             if sent is not None:
                 broadcast[c.name] = {k: v.detach().clone() for k, v in sent.items()}
+        global_params = {k: self._gstate[k].detach() for k in self.shared_params}
+        return RoundPlan(r, sctx, sampled, broadcast, global_params, time.perf_counter())
+
+    def run_client(self, plan: RoundPlan, cid: int) -> ClientResult:
+        """One client's local work in the in-process engine; its personal entries go to the store
+        only if the update is accepted (``accept``)."""
+        model = self.load_client_model(cid)
+        seed_torch(self.seed, "client", plan.round, cid)
+        return train_client(
+            self.task, model, cid, plan.round, self.seed, self.local, self.recipe.components,
+            plan.global_params, self.shared_buffers, ClientState(self.store, cid, plan.round), plan.broadcast,
+            trainer=self.recipe.trainer, frozen=self.frozen, global_state=self._gstate,
+            personal_keys=self.personal_keys, cost=self.cost,
+        )
+
+    def personal_entries(self, client: int) -> dict[str, torch.Tensor]:
+        """The work model's entries to keep for ``client``: its changing personal entries, and the
+        constant ones it already holds from an earlier stage (a personal head frozen for FP(phi))."""
+        held = self.store.get(PERSONAL, client) or {}
+        return {k: self._wstate[k].detach() for k in self.personal_keys if k not in self.constant or k in held}
+
+    def train_round(self, r: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Sample, train each sampled client, aggregate, step the server optimizer."""
+        plan = self.begin_round(r)
         results: list[ClientResult] = []
         events: list[dict[str, Any]] = []
-        self.last_weights = None
-        for cid in sampled:
-            model = self.load_client_model(cid)
-            seed_torch(self.seed, "client", r, cid)
-            res = train_client(
-                self.task, model, cid, r, self.seed, self.local, self.recipe.components,
-                global_params, self.shared_buffers, ClientState(self.store, cid, r), broadcast,
-            )
-            personal = {k: self._wstate[k].detach() for k in self.personal_keys}
-            finite = all_finite(res.delta) and all_finite(res.buffers) and all_finite(personal)
-            if not (finite and math.isfinite(res.metrics.get("train/loss", 0.0))):
-                # rejected: neither averaged in nor kept as the client's personal state
+        spent = {"up_bytes": 0.0, "flops": 0.0}
+        for cid in plan.sampled:
+            res = self.run_client(plan, cid)
+            spent["up_bytes"] += result_bytes(res)
+            spent["flops"] += res.flops
+            personal = self.personal_entries(cid) if self.personal_keys else {}
+            if not self.accept(res, personal):
                 events.append({"round": r, "event": "rejected_update", "client": cid, "reason": "non-finite values"})
                 continue
             if personal:
                 self.store.put(PERSONAL, cid, r, personal)
             results.append(res)
-        t_train = time.perf_counter() - t0
-        row: dict[str, Any] = {"clients/sampled": len(sampled), "clients/aggregated": len(results)}
+        return self.end_round(plan, results, events, spent), events
+
+    @staticmethod
+    def accept(res: ClientResult, personal: dict[str, torch.Tensor]) -> bool:
+        """A rejected update is neither averaged in nor kept as the client's personal state."""
+        finite = all_finite(res.delta) and all_finite(res.buffers) and all_finite(personal)
+        finite = finite and all(all_finite(v) for v in res.extras.values())
+        return finite and math.isfinite(res.metrics.get("train/loss", 0.0))
+
+    def end_round(
+        self, plan: RoundPlan, results: list[ClientResult], events: list[dict[str, Any]], spent: dict[str, float]
+    ) -> dict[str, Any]:
+        """Weight, aggregate, step the server optimizer, run the components' server hooks; the
+        round's metrics row (with the costs ``spent`` by the clients)."""
+        r, sctx = plan.round, plan.sctx
+        t_train = time.perf_counter() - plan.t0
+        row: dict[str, Any] = {"clients/sampled": len(plan.sampled), "clients/aggregated": len(results)}
+        self.last_weights = None
         if results:
             weights = self.recipe.weighting.weights(results, sctx)
             delta = self.recipe.aggregator.aggregate(results, weights)
@@ -186,15 +262,23 @@ class Simulation:
         else:
             events.append({"round": r, "event": "round_skipped", "reason": "no valid client update"})
         row.update(sctx.metrics)
+        down_each = nbytes([t for sent in plan.broadcast.values() for t in sent.values()])
+        if self.recipe.trainer.downloads_model:
+            down_each += self.model_bytes
+        round_cost = {"up_bytes": spent["up_bytes"], "down_bytes": float(down_each * len(plan.sampled)), "flops": spent["flops"]}
+        for k, v in round_cost.items():
+            self.totals[k] += v
+            row[f"cost/{k}"] = v
+            row[f"cost/total_{k}"] = self.totals[k]
         row["time/train_s"] = t_train
-        row["time/aggregate_s"] = time.perf_counter() - t0 - t_train
-        return row, events
+        row["time/aggregate_s"] = time.perf_counter() - plan.t0 - t_train
+        return row
 
     # -- evaluation -------------------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
         bs = self.schedule.eval_batch_size
-        with self.recipe.sharing.eval_context(self.global_model, self, "test"):
+        with self.eval_context(self.global_model, "test"):
             sums = self.task.eval_sums(self.global_model, "test", bs)
         out = {f"test/{k}": v for k, v in self.task.finalize(sums).items()}
         if self.schedule.eval_local:
@@ -203,8 +287,8 @@ class Simulation:
             for cid in range(self.task.num_clients):
                 if self.task.num_test_examples(cid) == 0:
                     continue
-                model = self.load_client_model(cid) if self.personal_keys else self.global_model
-                with self.recipe.sharing.eval_context(model, self, cid):
+                model = self.load_client_model(cid) if self.personal_keys or self.personal_eval else self.global_model
+                with self.eval_context(model, cid):
                     sums = self.task.eval_sums(model, cid, bs)
                 parts.append(sums)
                 values.append(self.task.finalize(sums)[pm])
@@ -212,6 +296,20 @@ class Simulation:
             out.update({f"local/{k}": v for k, v in local_summary(values, counts).items()})
             out.update({f"local/{k}": v for k, v in self.task.finalize(merge_sums(parts)).items() if k != pm})
         return out
+
+    @property
+    def personal_eval(self) -> bool:
+        """Whether a component evaluates clients on their own models (Ditto, OLL): then the work model
+        is used, never the global one."""
+        return any(type(c).eval_context is not Component.eval_context for c in self.recipe.components)
+
+    @contextlib.contextmanager
+    def eval_context(self, model: nn.Module, split: str | int):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.recipe.sharing.eval_context(model, self, split))
+            for c in self.recipe.components:
+                stack.enter_context(c.eval_context(model, self, split))
+            yield
 
     def should_evaluate(self, r: int) -> bool:
         """Every ``eval_every`` rounds, and at the end of every stage (so each phase gets a number)."""
@@ -254,6 +352,7 @@ class Simulation:
             "aggregator": self.recipe.aggregator.state_dict(),
             "components": {f"{i}:{c.name}": c.state_dict() for i, c in enumerate(self.recipe.components)},
             "rng": {"torch": torch.get_rng_state()},
+            "totals": dict(self.totals),
             "client_state": self.store.state_dict(),
         }
 
@@ -268,4 +367,5 @@ class Simulation:
         for i, c in enumerate(self.recipe.components):
             c.load_state_dict(comp_states.get(f"{i}:{c.name}", {}))
         torch.set_rng_state(state["rng"]["torch"])
+        self.totals.update({k: float(v) for k, v in state.get("totals", {}).items()})
         self.store.load_state_dict(state.get("client_state", {}))

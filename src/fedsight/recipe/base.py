@@ -9,6 +9,7 @@ the client and a server-side control update) and owns its state through ``state_
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,19 @@ class ClientContext:
     #: the task (``fedsight.tasks.base.Task``), for components that need extra passes over the
     #: client's data (Elastic's sensitivity sample): ``task.train_batch(client_id, positions)``
     task: Any = None
+    #: names of the shared buffers uploaded with the result (BatchNorm statistics)
+    shared_buffers: list[str] = field(default_factory=list)
+    #: parameters that do not train this stage (``train.freeze``, or every one for a statistics pass)
+    frozen: set[str] = field(default_factory=set)
+    #: the whole global model state this round (read-only): the proximal target of Ditto, which in a
+    #: stage that shares nothing (full personalisation) is the model the federated stages produced
+    global_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: state keys kept per client (not shared) in this stage
+    personal_keys: list[str] = field(default_factory=list)
+    #: the model's per-example forward cost (``fedsight.cost.ModelCost``), None if unknown
+    cost: Any = None
+    #: estimated FLOPs spent so far by this client in this round (trainers add to it)
+    flops: float = 0.0
 
 
 class ClientState:
@@ -90,6 +104,10 @@ class Component:
     def client_start(self, ctx: ClientContext) -> None:
         """Before the first local step (e.g. load this client's state)."""
 
+    def outputs(self, ctx: ClientContext, outputs: torch.Tensor) -> torch.Tensor:
+        """Transform the model outputs before the loss (OLL masks the classes a client does not hold)."""
+        return outputs
+
     def loss_term(self, ctx: ClientContext, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """An extra term added to the task loss (local objective), or None."""
         return None
@@ -114,6 +132,26 @@ class Component:
     def weighting(self) -> Any:
         """A ``ClientWeighting`` this component requires, or None (same exclusivity rule)."""
         return None
+
+    def trainer(self) -> Any:
+        """A ``fedsight.client.Trainer`` (the client's local procedure) this component requires, or
+        None for plain SGD (same exclusivity rule)."""
+        return None
+
+    def sample(self, round: int, num_clients: int, m: int, seed: int) -> list[int] | None:
+        """The clients of ``round`` if this component chooses them (Fed3R visits each client once), or
+        None for the engine's uniform sampling."""
+        return None
+
+    def adapt_model(self, model: nn.Module, seed: int) -> None:
+        """Change a freshly built model's structure in place, once, for the whole run (Fed3R-RF puts a
+        random-feature map in front of the classifier). Must be deterministic in ``seed``."""
+
+    def eval_context(self, model: nn.Module, sim: Any, split: str | int) -> contextlib.AbstractContextManager:
+        """Wraps the evaluation of ``model`` on ``split`` (``"test"`` or a client id), like
+        ``Sharing.eval_context`` (OLL masks non-local classes, Ditto swaps in the personal model).
+        Must restore the model on exit."""
+        return contextlib.nullcontext()
 
     def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
         """After aggregation and the server optimizer step (e.g. update server-side state, or apply a
