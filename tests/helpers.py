@@ -70,6 +70,13 @@ class ToyTask(Task):
     def build_model(self):
         return ToyLinear(self.dim, self.classes, self.bn)
 
+    @property
+    def num_classes(self):
+        return self.classes
+
+    def client_labels(self, client):
+        return self.ys[client].numpy()
+
     def num_train_examples(self, client):
         return len(self.ys[client])
 
@@ -101,7 +108,8 @@ class ToyTask(Task):
 
 
 def toy_sim(*, components=(), aggregator=None, weighting=None, server_opt=None, sharing=None, task=None,
-            lr=0.1, steps=1, batch_size=1000, momentum=0.0, clients_per_round=None, rounds=1, seed=0, steps_range=None):
+            lr=0.1, steps=1, batch_size=1000, momentum=0.0, clients_per_round=None, rounds=1, seed=0, steps_range=None,
+            **local_kw):
     """A Simulation over ToyTask built from recipe objects (no config). Defaults: FedAvg, full-batch
     single-step local SGD, every client every round."""
     from fedsight import registry as R
@@ -118,7 +126,10 @@ def toy_sim(*, components=(), aggregator=None, weighting=None, server_opt=None, 
         sharing=sharing or R.build(R.SHARING, "global"),
         components=list(components),
     )
+    claims = [c.trainer() for c in components if c.trainer() is not None]
+    if claims:
+        recipe.trainer = claims[0]
     local = LocalTraining(batch_size=batch_size, lr=lr, epochs=None, steps=None if steps_range else steps,
-                          steps_range=steps_range, momentum=momentum)
+                          steps_range=steps_range, momentum=momentum, **local_kw)
     schedule = Schedule(rounds=rounds, clients_per_round=clients_per_round or task.num_clients, eval_local=False)
     return Simulation(task, recipe, local, schedule, seed)

@@ -257,8 +257,10 @@ class Simulation:
             self.last_weights = ([res.client_id for res in results], norm_weights)
             for c in self.recipe.components:
                 c.server_round_end(sctx, results, norm_weights)
-            n = sum(res.num_examples for res in results)
-            row["train/loss"] = sum(res.metrics["train/loss"] * res.num_examples for res in results) / n
+            trained = [res for res in results if "train/loss" in res.metrics]  # statistics passes have none
+            if trained:
+                n = sum(res.num_examples for res in trained)
+                row["train/loss"] = sum(res.metrics["train/loss"] * res.num_examples for res in trained) / n
         else:
             events.append({"round": r, "event": "round_skipped", "reason": "no valid client update"})
         row.update(sctx.metrics)

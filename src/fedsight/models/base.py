@@ -37,6 +37,7 @@ class FedModel(nn.Module):
         ``backbone`` and ``norm``). Names match ``state_dict()`` keys.
         """
         groups: dict[str, list[str]] = {"backbone": [], "head": [], "norm": []}
+        keys = set(self.state_dict(keep_vars=True))  # non-persistent buffers (Fed3R-RF's map) are not state
         for part in ("backbone", "head"):
             module = getattr(self, part)
             for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
@@ -45,7 +46,7 @@ class FedModel(nn.Module):
             if isinstance(module, NORM_TYPES):
                 for name, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
                     groups["norm"].append(f"{mod_name}.{name}")
-        return groups
+        return {g: [k for k in names if k in keys] for g, names in groups.items()}
 
     def blocks(self) -> dict[str, list[str]]:
         """Named blocks of ``state_dict()`` keys (parameters and buffers), in forward order, for
@@ -93,6 +94,11 @@ def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> Non
         state = load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+    if not set(state) & set(model.state_dict()):
+        raise ValueError(
+            f"{path}: none of its {len(state)} entries is a key of the model (file keys: {sorted(state)[:5]}); "
+            "is it the weights of another model?"
+        )
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatch

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
 from torch import nn
 
-from ..registry import SHARING, NoParams
+from ..registry import SHARING, NoParams, Params
 
 
 class Sharing:
@@ -54,3 +55,37 @@ class LocalSharing(Sharing):
 @SHARING.register("local", help="nothing shared: per-client models from the global start (local fine-tuning)")
 def _local(params: NoParams) -> LocalSharing:
     return LocalSharing()
+
+
+class PersonalParams(Params):
+    part: Literal["head", "backbone"] = Field(
+        "head",
+        description="the personal group: 'head' = Name(psi) (shared extractor, personal classifier), "
+        "'backbone' = Name(phi) (shared classifier, personal extractor)",
+    )
+
+
+class PersonalSharing(Sharing):
+    """Partial personalisation (thesis Sec. 4.1, after Pillutla et al. 2022): the model splits into shared
+    u and personal v. The server sends u, the client trains u and v, uploads only u's delta and keeps v
+    in its client state; a client's evaluation uses its own v. With plain SGD this is FedSim (u and v
+    updated simultaneously); with the ``fedalt`` component it is FedAlt. ``part = "head"`` is the thesis's
+    Name(psi) (classifier personal), ``"backbone"`` is Name(phi) (extractor personal; the backbone's norm
+    layers go with it)."""
+
+    name = "personal"
+
+    def __init__(self, part: str = "head"):
+        self.part = part
+
+    def shared_keys(self, model: nn.Module) -> set[str]:
+        groups = getattr(model, "parameter_groups", None)
+        if groups is None:
+            raise ValueError(f"recipe.sharing = 'personal': model {type(model).__name__} declares no parameter groups")
+        personal = set(groups()[self.part])
+        return {k for k in model.state_dict() if k not in personal}
+
+
+@SHARING.register("personal", params=PersonalParams, help="partial personalisation: a personal head or backbone (FedSim; FedAlt with the fedalt component)")
+def _personal(params: PersonalParams) -> PersonalSharing:
+    return PersonalSharing(params.part)

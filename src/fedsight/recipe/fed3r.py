@@ -1,0 +1,303 @@
+"""Closed-form classifiers from client statistics: Fed3R, Fed3R-RF, Fed3R-Sync and FedNCM (thesis
+ch. 3, Alg. 3-6).
+
+A stage whose recipe lists ``fed3r`` (or ``fedncm``) trains nothing: every parameter is frozen, each
+client passes its training data once through the frozen feature extractor phi (eval mode, no
+augmentation: the authors' code) and uploads sufficient statistics; the server accumulates them and
+writes the solved classifier into the global model's head after every round, so the classifier is
+usable after each round (Fed3R-Sync's property 7) and exact once every client has reported (property 3).
+
+* **Fed3R** (Alg. 3): A_k = Z_k^T Z_k (upper triangle on the wire, p(p+1)/2 numbers) and the class sums
+  b_k^c for the client's classes only (eq. 3.26); the server starts from A = lambda I, b = 0 and solves
+  W = A^{-1} b (eq. 3.23) by Cholesky in float64, then normalises each class column to unit L2 norm
+  (Alg. 3 last line). Bias: the features get an appended constant 1 (eq. 3.9; the authors' code), so
+  lambda also regularises the bias row, and the normalisation divides the bias by its column's weight
+  norm (ambiguity A3).
+* **Fed3R-RF** (Alg. 4): ``rff_dim = D`` puts the random Fourier map of eq. 3.21 between phi and the
+  classifier (a ``RandomFourierFeatures`` module inside the model's head, regenerated from the run seed,
+  so every client uses the same map and it is never communicated). ``rff_convention = "rbf"`` (default)
+  draws omega ~ N(0, sigma^-2 I), the map whose kernel is eq. 3.20's exp(-||x - x'||^2 / (2 sigma^2));
+  ``"thesis"`` draws omega ~ N(0, (2/sigma) I) as eq. 3.21 is printed, whose kernel is
+  exp(-||x - x'||^2 / sigma), i.e. sigma_thesis = 2 sigma_rbf^2 (ambiguity A2). The thesis uses sigma =
+  1000 with MobileNetV2 features; pick sigma on the scale of your feature distances.
+* **Fed3R-Sync** (Alg. 5): ``sync = true`` uploads the full d x C class-sum matrix (zeros for absent
+  classes): the fixed-shape message secure aggregation needs, at the communication cost of Table 3.2.
+  The server sees only group sums under SecAgg; in this simulator, which adds client messages one by one,
+  the result is the same (addition is exact up to float64 rounding).
+* **FedNCM** (the thesis names it only, A14): per-class feature sums and counts; the classifier is the
+  nearest class mean (Euclidean, as a linear layer) or, with ``normalize = true``, unit-norm class means.
+
+Client order: a stage with ``fed3r`` visits each client exactly once, in a random order drawn from the
+run seed, ``clients_per_round`` at a time (groups of kappa for Fed3R-Sync, A17); a rejected update
+(non-finite statistics) puts the client back in the queue. ``ceil(K / kappa)`` rounds visit everyone;
+later rounds of the stage have no client left and are logged as skipped. Client weights play no role:
+statistics are summed, never averaged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+from torch import nn
+
+from ..client import Trainer
+from ..functional.ridge import (
+    RandomFourierFeatures,
+    RidgeAccumulator,
+    augment,
+    client_statistics,
+    ncm_classifier,
+    normalize_columns,
+)
+from ..records import ClientResult
+from ..registry import COMPONENTS, Params
+from ..rng import derive_seed, np_rng
+from .base import ClientContext, Component, ServerContext
+
+
+class RFFHead(nn.Module):
+    """A classifier on random Fourier features: ``linear(rff(z))`` (Fed3R-RF's psi)."""
+
+    def __init__(self, rff: RandomFourierFeatures, linear: nn.Linear):
+        super().__init__()
+        self.rff, self.linear = rff, linear
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.rff(z))
+
+
+def head_linear(model: nn.Module) -> nn.Linear:
+    head = getattr(model, "head", None)
+    if isinstance(head, RFFHead):
+        return head.linear
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"fed3r/fedncm need a model with a linear classifier `head` and `features()`; {type(model).__name__} has none"
+        )
+    return head
+
+
+@torch.no_grad()
+def client_features(ctx: ClientContext, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classifier's inputs for all of a client's training data (RFF-lifted if the head has a map),
+    with the model in eval mode, and the labels."""
+    model, task = ctx.model, ctx.task
+    was = model.training
+    model.eval()
+    zs, ys = [], []
+    n = ctx.num_examples
+    for s in range(0, n, batch_size):
+        x, y = task.train_batch(ctx.client_id, torch.arange(s, min(n, s + batch_size)))
+        z = model.features(x)
+        if isinstance(model.head, RFFHead):
+            z = model.head.rff(z)
+        zs.append(z)
+        ys.append(y)
+    model.train(was)
+    return torch.cat(zs), torch.cat(ys)
+
+
+class StatisticsTrainer(Trainer):
+    """A client's Fed3R / FedNCM round: one pass through the frozen extractor, statistics in
+    ``result.extras[component]``, no delta, nothing downloaded (phi is the public pre-trained model)."""
+
+    trains = False
+    downloads_model = False
+
+    def __init__(self, component: "ClosedFormClassifier"):
+        self.component = component
+        self.name = component.name
+
+    def train(self, ctx: ClientContext, components: Sequence[Component]) -> ClientResult:
+        z, y = client_features(ctx, max(ctx.local.batch_size, 256))
+        stats = self.component.statistics(z, y, ctx.task.num_classes)
+        result = ClientResult(client_id=ctx.client_id, num_examples=ctx.num_examples, delta={}, num_steps=0)
+        result.extras[self.component.name] = stats
+        if ctx.cost is not None:
+            ctx.flops += self.component.flops(ctx, z.shape[1])
+        result.flops = ctx.flops
+        return result
+
+
+class ClosedFormClassifier(Component):
+    """Shared machinery: the once-per-client queue, the trainer claim, writing the head."""
+
+    name = "closed_form"
+
+    def __init__(self) -> None:
+        self.visited: np.ndarray | None = None
+
+    def trainer(self) -> Trainer:
+        return StatisticsTrainer(self)
+
+    def sample(self, round: int, num_clients: int, m: int, seed: int) -> list[int]:
+        if self.visited is None:
+            self.visited = np.zeros(num_clients, dtype=bool)
+        order = np_rng(seed, f"{self.name}-order").permutation(num_clients)
+        return sorted(int(c) for c in order[~self.visited[order]][:m])
+
+    def statistics(self, z: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def flops(self, ctx: ClientContext, p: int) -> float:
+        raise NotImplementedError
+
+    def server_round_end(self, sctx: ServerContext, results, weights) -> None:
+        if self.visited is None:
+            self.visited = np.zeros(sctx.num_clients, dtype=bool)
+        linear = head_linear(sctx.model)
+        for res in results:
+            self.absorb(res.extras[self.name], linear)
+            self.visited[res.client_id] = True
+        if results:
+            self.write_head(linear)
+        sctx.metrics[f"{self.name}/clients_reported"] = float(self.visited.sum())
+
+    def absorb(self, stats: dict[str, torch.Tensor], linear: nn.Linear) -> None:
+        """Add one client's statistics (``linear`` is the head they are for)."""
+        raise NotImplementedError
+
+    def write_head(self, linear: nn.Linear) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"visited": torch.from_numpy(self.visited.astype(np.uint8)) if self.visited is not None else torch.zeros(0)}
+
+    def load_state_dict(self, state: dict) -> None:
+        v = state.get("visited")
+        self.visited = v.numpy().astype(bool) if v is not None and v.numel() else None
+
+
+class Fed3RParams(Params):
+    lam: float = Field(0.01, gt=0, description="ridge lambda (A_0 = lambda I; thesis: 0.01)")
+    normalize: bool = Field(True, description="unit L2 norm per class column after each solve (Alg. 3)")
+    bias: bool = Field(True, description="append a constant feature so the classifier has a bias (eq. 3.9)")
+    sync: bool = Field(False, description="Fed3R-Sync: upload the full d x C class sums (fixed shape, for SecAgg)")
+    rff_dim: int | None = Field(None, ge=1, description="Fed3R-RF: number D of random Fourier features (none: linear)")
+    rff_sigma: float = Field(1000.0, gt=0, description="Fed3R-RF kernel width sigma (thesis: 1000)")
+    rff_convention: Literal["rbf", "thesis"] = Field(
+        "rbf", description="rbf: omega ~ N(0, 1/sigma^2), kernel exp(-d^2/(2 sigma^2)); thesis: omega ~ N(0, 2/sigma) as eq. 3.21 is printed"
+    )
+
+
+class Fed3R(ClosedFormClassifier):
+    name = "fed3r"
+
+    def __init__(self, params: Fed3RParams | None = None):
+        super().__init__()
+        self.p = params or Fed3RParams()
+        self.acc: RidgeAccumulator | None = None
+
+    def adapt_model(self, model: nn.Module, seed: int) -> None:
+        if self.p.rff_dim is None:
+            return
+        linear = head_linear(model)
+        rff = RandomFourierFeatures(
+            linear.in_features, self.p.rff_dim, self.p.rff_sigma, derive_seed(seed, "fed3r-rff"), self.p.rff_convention
+        )
+        model.head = RFFHead(rff, nn.Linear(self.p.rff_dim, linear.out_features, bias=linear.bias is not None))
+
+    def statistics(self, z, y, num_classes):
+        return client_statistics(augment(z) if self.p.bias else z, y, num_classes, full_b=self.p.sync)
+
+    def flops(self, ctx: ClientContext, p: int) -> float:
+        """n (F_phi + [RFF projection 2 d D] + p(p+1) + p): the outer products' upper triangle and the
+        class sum, per example (Table 3.3 with FLOPs = 2 multiply-adds)."""
+        n = ctx.num_examples
+        rff = 0.0
+        if self.p.rff_dim is not None:
+            rff = 2.0 * ctx.model.head.rff.in_dim * self.p.rff_dim
+        q = p + int(self.p.bias)
+        return n * (ctx.cost.features + rff + q * (q + 1) + q)
+
+    def absorb(self, stats, linear):
+        if self.acc is None:
+            self.acc = RidgeAccumulator(linear.in_features + int(self.p.bias), linear.out_features, self.p.lam)
+        self.acc.add(stats)
+
+    @torch.no_grad()
+    def write_head(self, linear: nn.Linear) -> None:
+        w = self.acc.solve()
+        if self.p.normalize:
+            w = normalize_columns(w, has_bias_row=self.p.bias)
+        weight = w[:-1] if self.p.bias else w
+        linear.weight.copy_(weight.T.to(linear.weight.dtype))
+        if linear.bias is not None:
+            linear.bias.copy_(w[-1].to(linear.bias.dtype) if self.p.bias else torch.zeros_like(linear.bias))
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self.acc is not None:
+            out["acc"] = self.acc.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "acc" in state:
+            s = state["acc"]
+            self.acc = RidgeAccumulator(int(s["dim"]), int(s["num_classes"]), float(s["lam"]))
+            self.acc.load_state_dict(s)
+
+
+@COMPONENTS.register(
+    "fed3r", params=Fed3RParams, help="Fed3R closed-form ridge classifier (+ RF features, Sync) from frozen features"
+)
+def _fed3r(params: Fed3RParams) -> Fed3R:
+    return Fed3R(params)
+
+
+class FedNCMParams(Params):
+    normalize: bool = Field(
+        False, description="false: Euclidean nearest class mean; true: unit-norm class means (cosine prototypes)"
+    )
+
+
+class FedNCM(ClosedFormClassifier):
+    name = "fedncm"
+
+    def __init__(self, params: FedNCMParams | None = None):
+        super().__init__()
+        self.p = params or FedNCMParams()
+        self.sums: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def statistics(self, z, y, num_classes):
+        stats = client_statistics(z, y, num_classes)
+        return {"classes": stats["classes"], "b": stats["b"], "counts": stats["counts"]}
+
+    def flops(self, ctx: ClientContext, p: int) -> float:
+        return ctx.num_examples * (ctx.cost.features + p)
+
+    def absorb(self, stats, linear):
+        if self.sums is None:
+            self.sums = torch.zeros(linear.out_features, linear.in_features, dtype=torch.float64)
+            self.counts = torch.zeros(linear.out_features, dtype=torch.float64)
+        self.sums.index_add_(0, stats["classes"].long(), stats["b"].to(torch.float64))
+        self.counts.index_add_(0, stats["classes"].long(), stats["counts"].to(torch.float64))
+
+    @torch.no_grad()
+    def write_head(self, linear: nn.Linear) -> None:
+        weight, bias = ncm_classifier(self.sums, self.counts, self.p.normalize)
+        linear.weight.copy_(weight.to(linear.weight.dtype))
+        if linear.bias is not None:
+            linear.bias.copy_(bias.to(linear.bias.dtype))
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self.sums is not None:
+            out.update(sums=self.sums.clone(), counts=self.counts.clone())
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "sums" in state:
+            self.sums, self.counts = state["sums"].to(torch.float64), state["counts"].to(torch.float64)
+
+
+@COMPONENTS.register("fedncm", params=FedNCMParams, help="FedNCM: nearest-class-mean classifier from frozen features")
+def _fedncm(params: FedNCMParams) -> FedNCM:
+    return FedNCM(params)
