@@ -13,3 +13,5 @@ from .models import vsr  # noqa: F401
 from .tasks import video_sr  # noqa: F401
 from .recipe import fedvsr  # noqa: F401
 from .recipe import local_adam  # noqa: F401
+from .recipe import fed3r, oll  # noqa: F401
+from .recipe import personalize  # noqa: F401
