@@ -200,7 +200,10 @@ def test_fedadagrad_without_momentum_is_torch_adagrad(grads, lr, tau, v0):
 @given(
     grads=grad_seq,
     lr=st.floats(min_value=1e-4, max_value=1.0),
-    beta1=st.floats(min_value=0.0, max_value=0.99),
+    # torch.optim.Adam updates m with lerp, m + (1 - b1)(g - m), which for g = 0 is m * fl(b1) recovered by
+    # cancellation: relative error eps / b1. With b1 in (0, 1e-3) that is 1e-13 and up, far above this test's
+    # 1e-12 tolerance (b1 = 8e-12 put the two 7e-6 apart); b1 = 0 is exact in both.
+    beta1=st.just(0.0) | st.floats(min_value=1e-3, max_value=0.99),
     beta2=st.floats(min_value=0.0, max_value=0.999),
     tau=st.floats(min_value=1e-8, max_value=1.0),
 )

@@ -91,6 +91,10 @@ def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | N
     sim = Simulation(task, build_recipe(cfg), local, schedule, cfg.seed, store, stages or None)
     if cfg.init.weights is not None:
         load_weights(sim.global_model, cfg.init.weights, strict=cfg.init.strict)
+    elif cfg.pretrain.source != "none":  # the server's pre-trained extractor phi (fedsight.pretrain)
+        from .pretrain import ensure_pretrained, load_backbone
+
+        load_backbone(sim.global_model, ensure_pretrained(cfg, task))  # pre-trains when the file is missing
     return sim
 
 

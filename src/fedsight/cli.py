@@ -1,4 +1,4 @@
-"""The ``fedsight`` command line: run, resume, report, list, partition."""
+"""The ``fedsight`` command line: run, resume, report, list, partition, pretrain."""
 
 from __future__ import annotations
 
@@ -233,6 +233,77 @@ def partition(
     path.parent.mkdir(parents=True, exist_ok=True)
     plot_partition_heatmap(counts, path, class_names=info.get("class_names"), title=f"{cfg.data.name} / {p.name}")
     console.print(f"heatmap: {path}")
+
+
+# -- pretrain: the server's feature extractor (fedsight.pretrain) --
+
+
+@app.command("pretrain")
+def pretrain_(
+    config: Annotated[Path, typer.Argument(help='TOML config with pretrain.source = "samples"; a sweep pre-trains each distinct setup once.')],
+    set_: SetOpt = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(help="Write the extractor here (default: pretrain.weights, else <run.output_dir>/pretrained/<key>.safetensors)."),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Pre-train again even when the weights file exists.")] = False,
+) -> None:
+    """Pre-train the feature extractor on the server's split of the training pool (no client holds it).
+
+    Writes the backbone (safetensors) and a .json sidecar with the training loss and the test accuracy of the pre-trained model with its own head.
+
+    `fedsight run` on the same config loads this file, and pre-trains by itself when the file is missing.
+    """
+    from . import config as C
+    from .api import build_task
+    from .pretrain import pretrain, pretrain_key, pretrain_weights_path, sidecar_path
+
+    try:
+        specs = C.load(config, set_ or [])
+    except ConfigError as exc:
+        _fail(str(exc))
+    todo: dict[Path, Any] = {}
+    for spec in specs:
+        if spec.config.pretrain.source == "none":
+            _fail(f'{config}: pretrain.source = "none" (run {spec.run_dir}); set pretrain.source = "samples" '
+                  "in the config or pass --set pretrain.source=samples")
+        todo.setdefault(out or pretrain_weights_path(spec.config), spec)
+    if out is not None and len({pretrain_key(s.config) for s in specs}) > 1:
+        _fail(f"--out names one file but {config} has {len({pretrain_key(s.config) for s in specs})} distinct pretraining "
+              "setups (seeds or variants); drop --out to give each its own file")
+    for path, spec in todo.items():
+        cfg = spec.config
+        label = f"pretrain {spec.variant or cfg.run.name} seed {cfg.seed}"
+        if path.is_file() and sidecar_path(path).is_file() and not force:
+            import json
+
+            meta = json.loads(sidecar_path(path).read_text())
+            console.print(f"{label}: already pre-trained (test acc {meta['test'].get('acc', float('nan')):.4f}) in {path}; "
+                          "--force to redo")
+            continue
+        try:
+            task = build_task(cfg)  # data errors surface before the progress bar
+            with _progress() as progress:
+                bar = progress.add_task(label, total=cfg.pretrain.epochs, clients="", metrics="")
+
+                def on_epoch(epoch: int, loss: float) -> None:
+                    progress.update(bar, completed=epoch, metrics=f"loss {loss:.4f}")
+
+                res = pretrain(cfg, task, out=path, progress=on_epoch)
+        except (ConfigError, FileNotFoundError, ValueError) as exc:
+            _fail(str(exc), 1)
+        extra = res.test.get("acc_pretrain_classes")
+        seen = f" ({extra:.4f} on pretrain.classes)" if extra is not None else ""
+        console.print(
+            f"{label}: {res.num_examples} server examples, {cfg.pretrain.epochs} epochs, final train loss "
+            f"{res.train_loss[-1]:.4f}; test acc {res.test.get('acc', float('nan')):.4f}{seen} (own head)"
+        )
+        console.print(f"weights: {res.path}  details: {res.meta_path}", highlight=False, soft_wrap=True)
+        if out is not None:
+            console.print(f"use it with: fedsight run {config} --set pretrain.weights={res.path}", highlight=False, soft_wrap=True)
+
+
+# -- end pretrain --
 
 
 def main() -> None:

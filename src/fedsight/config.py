@@ -144,6 +144,7 @@ class EngineSection(Params):
 
 def _sections() -> dict[str, Any]:
     from .data.validation import ValidationSection  # the server-held validation set (FedVG)
+    from .pretrain import PretrainSection  # the server-held pre-training split (Fed3R's extractor)
 
     partition_extra = {
         "num_clients": (int, Field(..., ge=1)),
@@ -180,6 +181,7 @@ def _sections() -> dict[str, Any]:
         "init": (InitSection, Field(default_factory=InitSection)),
         "stages": (list[StageSection], Field(default_factory=list)),
         "validation": (ValidationSection, Field(default_factory=ValidationSection)),
+        "pretrain": (PretrainSection, Field(default_factory=PretrainSection)),
     }
 
 

@@ -30,9 +30,13 @@ class ClassificationTask(Task):
         model_params: Params | None,
         val: ArrayDataset | None = None,
         val_info: dict[str, Any] | None = None,
+        pretrain: ArrayDataset | None = None,
+        pretrain_info: dict[str, Any] | None = None,
     ):
         """``val``: the server-held validation set V (``fedsight.data.validation``), served as the
-        evaluation split ``"val"``; it is standardised with the training pool's statistics."""
+        evaluation split ``"val"``; it is standardised with the training pool's statistics.
+        ``pretrain``: the server-held pre-training split (``fedsight.pretrain``), standardised the same
+        way and served by ``pretrain_batches``."""
         self.splits = splits
         self.clients = clients
         self.model_name = model_name
@@ -60,6 +64,10 @@ class ClassificationTask(Task):
         self.val_x = ((val.x - mean) / std).contiguous() if val is not None else None
         self.val_y = val.y.contiguous() if val is not None else None
         self.val_info = val_info
+        # -- server-held pre-training split (fedsight.pretrain) --
+        self.pretrain_x = ((pretrain.x - mean) / std).contiguous() if pretrain is not None else None
+        self.pretrain_y = pretrain.y.contiguous() if pretrain is not None else None
+        self.pretrain_info = pretrain_info
 
     @property
     def num_clients(self) -> int:
@@ -96,13 +104,37 @@ class ClassificationTask(Task):
     def num_val_examples(self) -> int:
         return 0 if self.val_y is None else len(self.val_y)
 
+    def num_pretrain_examples(self) -> int:
+        return 0 if self.pretrain_y is None else len(self.pretrain_y)
+
+    def pretrain_class_counts(self) -> list[int]:
+        if self.pretrain_y is None:
+            return [0] * self.num_classes
+        return np.bincount(self.pretrain_y.numpy(), minlength=self.num_classes).tolist()
+
+    def pretrain_batches(self, batch_size: int, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One shuffled pass (order ``torch.randperm(n, generator=gen)``) over the server's pre-training
+        split in batches of ``batch_size``; a trailing batch of a single example joins the one before
+        (batch norm needs two)."""
+        if self.pretrain_y is None:
+            raise ValueError('this run has no server-held pre-training split; set pretrain.source = "samples"')
+        n = len(self.pretrain_y)
+        perm = torch.randperm(n, generator=gen)
+        starts = list(range(0, n, batch_size))
+        if len(starts) > 1 and n - starts[-1] == 1:
+            starts.pop()
+        for i, s in enumerate(starts):
+            pos = perm[s : starts[i + 1] if i + 1 < len(starts) else n]
+            yield self.pretrain_x[pos], self.pretrain_y[pos]
+
     def data_description(self) -> dict[str, Any]:
         """What ``RUN_DIR/partition.json`` records: per-client training label counts, class names and
-        the server-held validation set's size and class histogram (None without one)."""
+        the server-held validation and pre-training sets' sizes and class histograms (None without)."""
         return {
             "class_names": list(self.splits.train.class_names),
             "client_label_counts": self.client_label_counts().tolist(),
             "validation": self.val_info,
+            "pretrain": self.pretrain_info,
         }
 
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +189,7 @@ def build_classification_task(params: NoParams, *, cfg: Any) -> ClassificationTa
     from ..data import load_dataset
     from ..data.partition import partition_from_config
     from ..data.validation import check_needs_validation, split_validation, validation_summary
+    from ..pretrain import pretrain_summary, split_pretrain
     from ..registry import MODELS
 
     check_needs_validation(cfg)
@@ -164,8 +197,11 @@ def build_classification_task(params: NoParams, *, cfg: Any) -> ClassificationTa
     # the server-held validation set V is taken out of the training pool before partitioning: V never
     # reaches a client
     splits, val = split_validation(cfg.validation, splits, cfg.seed)
+    # the server's pre-training split is taken out next, so no client (and not V) holds any of it
+    splits, pre = split_pretrain(cfg.pretrain, splits, cfg.seed)
     clients = partition_from_config(splits.train.labels, cfg)
     model_params = MODELS.get(cfg.model.name).params(**component_params(cfg.model))
     return ClassificationTask(
-        splits, clients, cfg.model.name, model_params, val=val, val_info=validation_summary(cfg.validation, val)
+        splits, clients, cfg.model.name, model_params, val=val, val_info=validation_summary(cfg.validation, val),
+        pretrain=pre, pretrain_info=pretrain_summary(cfg.pretrain, pre),
     )
