@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -118,6 +119,20 @@ def test_rerun_of_same_config_skips_and_other_config_is_refused(tmp_path):
     else:
         raise AssertionError("a different config must not overwrite a run directory")
     assert json.loads((tmp_path / "r" / "config.json").read_text())["server"]["rounds"] == 2
+
+
+def test_run_written_before_a_section_existed_is_still_the_same_config(tmp_path):
+    cfg = validate(tiny(**{"server.rounds": 2}))
+    assert execute(cfg, tmp_path / "r").status == "complete"
+    path = tmp_path / "r" / "config.json"
+    old = json.loads(path.read_text())
+    del old["pretrain"], old["train"]["temperature"]  # as written by an older FedSight
+    path.write_text(json.dumps(old))
+    assert execute(cfg, tmp_path / "r").status == "skipped"
+    old["pretrain"] = {"source": "bogus"}  # not valid any more: a different config, refused
+    path.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="different config"):
+        execute(cfg, tmp_path / "r")
 
 
 class Poison(Component):

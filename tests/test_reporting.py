@@ -111,6 +111,8 @@ def row(table, group: str, metric: str):
         ("train/loss", False),
         ("train/kd_loss", False),
         ("time/round_s", False),
+        ("cost/total_flops", False),
+        ("cost/up_bytes", False),
         ("time", False),
         ("loss_scale/acc", True),  # only the last part decides for "loss"
     ],

@@ -148,6 +148,11 @@ def execute(
     if run.exists() and not overwrite:
         old = run.read_config()
         if old != res:
+            try:  # a run written before a section or default was added resolves to the same config now
+                old = resolved(validate(old, str(run.path / "config.json")))
+            except ConfigError:
+                pass
+        if old != res:
             raise ConfigError(
                 f"{run.path} holds a run of a different config; pick another run.name or output_dir, "
                 "or pass --overwrite to replace it"

@@ -16,7 +16,7 @@ Conventions used throughout:
 - ``round`` counts globally across stages. If a round appears more than once for a metric (a resumed
   run that re-logged rounds after its last checkpoint), the last line wins.
 - A metric is lower-is-better when the last part of its key contains "loss" or its key starts with
-  "time" (``higher_is_better``).
+  "time" or "cost" (``higher_is_better``).
 - "final" is the value at the last round where the metric was logged in that run; "best" is the max
   (or min, for lower-is-better metrics) over all logged rounds.
 - Runs whose configs are equal apart from top-level "seed" and "run" form one group (usually several
@@ -73,9 +73,10 @@ def higher_is_better(key: str) -> bool:
     """Whether larger values of metric ``key`` are better.
 
     Lower is better when the last ``/``-part contains "loss" (``test/loss``, ``train/kd_loss``) or the
-    key starts with "time" (``time/round_s``); everything else (accuracy, mIoU, PSNR, ...) is higher.
+    key starts with "time" or "cost" (``time/round_s``, ``cost/total_flops``); everything else (accuracy,
+    mIoU, PSNR, ...) is higher.
     """
-    return not ("loss" in key.rsplit("/", 1)[-1] or key.startswith("time"))
+    return not ("loss" in key.rsplit("/", 1)[-1] or key.startswith(("time", "cost")))
 
 
 def read_config(run_dir: StrPath) -> dict[str, Any]:
