@@ -117,6 +117,21 @@ def backward_scope(ctx: ClientContext, params: Sequence[nn.Parameter]) -> str:
     return "head" if head_ids and all(id(p) in head_ids for p in params) else "all"
 
 
+def local_objective(ctx: ClientContext, components: Sequence[Component], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The local objective on one batch: the task loss of the (component-transformed) outputs divided
+    by the temperature, plus every component's loss term."""
+    out = ctx.model(x)
+    for c in components:
+        out = c.outputs(ctx, out)
+    tau = ctx.local.temperature
+    loss = ctx.task.loss(out / tau if tau != 1.0 else out, y)
+    for c in components:
+        term = c.loss_term(ctx, out, y)
+        if term is not None:
+            loss = loss + term
+    return loss
+
+
 def sgd_steps(
     ctx: ClientContext,
     components: Sequence[Component],
@@ -138,14 +153,7 @@ def sgd_steps(
     for step, pos in enumerate(batch_positions(ctx.num_examples, local.batch_size, num_steps, gen)):
         ctx.step = step
         x, y = task.train_batch(ctx.client_id, pos)
-        out = model(x)
-        for c in components:
-            out = c.outputs(ctx, out)
-        loss = task.loss(out / local.temperature if local.temperature != 1.0 else out, y)
-        for c in components:
-            term = c.loss_term(ctx, out, y)
-            if term is not None:
-                loss = loss + term
+        loss = local_objective(ctx, components, x, y)
         if extra_loss is not None:
             loss = loss + extra_loss(model)
         opt.zero_grad(set_to_none=True)

@@ -334,15 +334,10 @@ def load_backbone(model: nn.Module, path: str | Path) -> None:
     """Load a pre-trained extractor into ``model``: every backbone entry of the model must be in the file
     with the model's shape; head entries may be missing (present ones are loaded); anything else is
     an error. Errors are ValueErrors (FileNotFoundError for a missing file) naming the file."""
-    from safetensors.torch import load_file
+    from .models.base import read_weights
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"pretrained weights file not found: {path}")
-    try:
-        state = load_file(str(path))
-    except Exception as exc:  # safetensors raises its own error types
-        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+    state = read_weights(path, "pretrained weights")
     groups = model.parameter_groups()
     backbone, head = set(groups["backbone"]), set(groups["head"])
     missing = sorted(backbone - set(state))

@@ -8,6 +8,8 @@ everything under ``self.head``, ``norm`` = parameters and buffers of normalisati
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -83,17 +85,23 @@ def save_weights(model: nn.Module, path: str | Path) -> None:
         raise
 
 
-def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> None:
-    """Load a safetensors file into ``model``; a missing file or mismatched keys name the file."""
+def read_weights(path: str | Path, what: str = "weights") -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a missing or unreadable file raises an error naming it."""
     from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"weights file not found: {path}")
+        raise FileNotFoundError(f"{what} file not found: {path}")
     try:
-        state = load_file(str(path))
+        return load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> None:
+    """Load a safetensors file into ``model``; a missing file or mismatched keys name the file."""
+    path = Path(path)
+    state = read_weights(path)
     if not set(state) & set(model.state_dict()):
         raise ValueError(
             f"{path}: none of its {len(state)} entries is a key of the model (file keys: {sorted(state)[:5]}); "
@@ -107,3 +115,19 @@ def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> Non
         raise ValueError(
             f"{path}: weights do not match the model (missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})"
         )
+
+
+@contextlib.contextmanager
+def swap_entries(model: nn.Module, values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Temporarily copy ``values`` into the model's state entries (in place), restoring them on exit."""
+    state = model.state_dict(keep_vars=True)
+    saved = {k: state[k].detach().clone() for k in values}
+    try:
+        with torch.no_grad():
+            for k, v in values.items():
+                state[k].copy_(v)
+        yield
+    finally:
+        with torch.no_grad():
+            for k, v in saved.items():
+                state[k].copy_(v)

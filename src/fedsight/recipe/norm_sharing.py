@@ -59,6 +59,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from ..models.base import swap_entries
 from ..registry import SHARING, Params
 from .sharing import Sharing
 
@@ -107,22 +108,6 @@ def _personal_store_key() -> str:
     from ..engine.simulation import PERSONAL  # the engine's client-state key of personal entries
 
     return PERSONAL
-
-
-@contextlib.contextmanager
-def swap_entries(model: nn.Module, values: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Temporarily copy ``values`` into the model's state entries (in place), restoring them on exit."""
-    state = model.state_dict(keep_vars=True)
-    saved = {k: state[k].detach().clone() for k in values}
-    try:
-        with torch.no_grad():
-            for k, v in values.items():
-                state[k].copy_(v)
-        yield
-    finally:
-        with torch.no_grad():
-            for k, v in saved.items():
-                state[k].copy_(v)
 
 
 @contextlib.contextmanager

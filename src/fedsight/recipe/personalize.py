@@ -26,7 +26,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from ..client import Trainer, backward_scope, batch_positions, make_result, sgd_steps
+from ..client import Trainer, backward_scope, batch_positions, local_objective, make_result, sgd_steps
+from ..models.base import swap_entries
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import torch_gen
@@ -238,14 +239,7 @@ class PFedMeTrainer(Trainer):
                 for p, wi in zip(shared, w):  # theta <- w_r
                     p.copy_(wi)
             for i in range(self.inner_steps):
-                out = model(x)
-                for c in components:
-                    out = c.outputs(ctx, out)
-                loss = task.loss(out / local.temperature if local.temperature != 1.0 else out, y)
-                for c in components:
-                    term = c.loss_term(ctx, out, y)
-                    if term is not None:
-                        loss = loss + term
+                loss = local_objective(ctx, components, x, y)
                 if i == 0:
                     loss_sum.add_(loss.detach())
                 objective = loss + 0.5 * lam * sum((p - wi).pow(2).sum() for p, wi in zip(shared, w))
@@ -398,20 +392,6 @@ class Ditto(Component):
     def trainer(self) -> Trainer:
         return self._trainer
 
-    @contextlib.contextmanager
-    def _swap(self, model: nn.Module, v_k: dict[str, torch.Tensor]):
-        state = model.state_dict()
-        saved = {k: state[k].detach().clone() for k in v_k}
-        try:
-            with torch.no_grad():
-                for k, v in v_k.items():
-                    state[k].copy_(v)
-            yield
-        finally:
-            with torch.no_grad():
-                for k, v in saved.items():
-                    state[k].copy_(v)
-
     def eval_context(self, model: nn.Module, sim: Any, split: str | int) -> contextlib.AbstractContextManager:
         """A client's local test set is evaluated with its personal model v_k (client state "ditto") in a
         stage that shares parameters; in a stage that shares nothing the engine already evaluates the
@@ -421,7 +401,7 @@ class Ditto(Component):
         v_k = sim.store.get(DITTO, int(split))
         if v_k is None:
             return contextlib.nullcontext()
-        return self._swap(model, v_k)
+        return swap_entries(model, v_k)
 
 
 @COMPONENTS.register(
