@@ -193,9 +193,9 @@ class Fed3R(ClosedFormClassifier):
         self.acc: RidgeAccumulator | None = None
 
     def adapt_model(self, model: nn.Module, seed: int) -> None:
+        linear = head_linear(model)  # a model without a linear head fails here, before any round
         if self.p.rff_dim is None:
             return
-        linear = head_linear(model)
         rff = RandomFourierFeatures(
             linear.in_features, self.p.rff_dim, self.p.rff_sigma, derive_seed(seed, "fed3r-rff"), self.p.rff_convention
         )
@@ -264,6 +264,9 @@ class FedNCM(ClosedFormClassifier):
         self.p = params or FedNCMParams()
         self.sums: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
+
+    def adapt_model(self, model: nn.Module, seed: int) -> None:
+        head_linear(model)  # a model without a linear head fails here, before any round
 
     def statistics(self, z, y, num_classes):
         stats = client_statistics(z, y, num_classes)

@@ -47,6 +47,9 @@ def mask_logits(out: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class OLL(Component):
     name = "oll"
 
+    def adapt_model(self, model: nn.Module, seed: int) -> None:
+        head_linear(model)  # a model without a linear head fails here, before any round
+
     def client_start(self, ctx: ClientContext) -> None:
         keep = local_classes(ctx.task, ctx.client_id)
         linear = head_linear(ctx.model)
