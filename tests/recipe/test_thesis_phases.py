@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fedsight.components  # noqa: F401  (registers the built-in parts)
 from fedsight import registry as R
 from fedsight.api import build_simulation, execute
 from fedsight.config import validate
@@ -192,3 +193,19 @@ def test_full_pipeline_runs_resumes_bit_identically_and_accounts_costs(tmp_path)
     size = {k: v.numel() * v.element_size() for k, v in sim.global_model.state_dict().items()}
     body = sum(v for k, v in size.items() if not k.startswith("head."))
     assert full[3]["cost/down_bytes"] == 3 * body
+
+
+@pytest.mark.parametrize("part, other", [("head", "backbone"), ("backbone", "head")])
+def test_personal_sharing_keeps_one_group_on_the_client(part, other):
+    task = DeepToy(sizes=(6, 5), dim=3, classes=3)
+    sim = toy_sim(task=task, sharing=R.build(R.SHARING, "personal", {"part": part}), steps=2)
+    groups = sim.global_model.parameter_groups()
+    before = state(sim.global_model)
+    sim.run()
+    params = dict(sim.global_model.named_parameters())
+    assert set(sim.shared_params) == {k for k in groups[other] if k in params}
+    assert set(sim.personal_keys) == set(groups[part])
+    after = state(sim.global_model)
+    assert all(torch.equal(before[k], after[k]) for k in groups[part])  # never aggregated
+    p0, p1 = sim.store.get("personal", 0), sim.store.get("personal", 1)
+    assert set(p0) == set(groups[part]) and any(not torch.equal(p0[k], p1[k]) for k in p0 if p0[k].is_floating_point())
