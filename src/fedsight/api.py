@@ -69,8 +69,9 @@ def build_local(cfg: Any) -> LocalTraining:
     )
 
 
-def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | None = None) -> Simulation:
-    """The simulation of ``cfg``; with ``run_dir``, per-client state spills to ``run_dir/client_state``."""
+def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | None = None, cost: Any = None) -> Simulation:
+    """The simulation of ``cfg``; with ``run_dir``, per-client state spills to ``run_dir/client_state``;
+    ``cost``: a known ``ModelCost`` (skips measuring it)."""
     if cfg.engine.threads:
         torch.set_num_threads(cfg.engine.threads)
     task = task or build_task(cfg)
@@ -88,7 +89,7 @@ def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | N
         end += rounds
         m = clients_per_round(task.num_clients, scfg.server.clients_per_round, scfg.server.fraction)
         stages.append(Stage(name, end, build_recipe(scfg), build_local(scfg), m))
-    sim = Simulation(task, build_recipe(cfg), local, schedule, cfg.seed, store, stages or None)
+    sim = Simulation(task, build_recipe(cfg), local, schedule, cfg.seed, store, stages or None, cost=cost)
     if cfg.init.weights is not None:
         load_weights(sim.global_model, cfg.init.weights, strict=cfg.init.strict)
     elif cfg.pretrain.source != "none":  # the server's pre-trained extractor phi (fedsight.pretrain)
@@ -102,11 +103,11 @@ def resolved(cfg: Any) -> dict[str, Any]:
     return cfg.model_dump(mode="json")
 
 
-def _toml_safe(obj: Any) -> Any:
+def toml_safe(obj: Any) -> Any:
     if isinstance(obj, dict):
-        return {k: _toml_safe(v) for k, v in obj.items() if v is not None}
+        return {k: toml_safe(v) for k, v in obj.items() if v is not None}
     if isinstance(obj, list):
-        return [_toml_safe(v) for v in obj]
+        return [toml_safe(v) for v in obj]
     return obj
 
 
@@ -122,7 +123,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
-def _write_status(run: RunDir, state: str, round: int, rounds: int) -> None:
+def write_status(run: RunDir, state: str, round: int, rounds: int) -> None:
     atomic_write_text(run.path / "status.json", json.dumps({"state": state, "round": round, "rounds": rounds}) + "\n")
 
 
@@ -165,7 +166,7 @@ def execute(
     # load data and build everything first: bad input must fail before a run directory is written
     sim = build_simulation(cfg, run_dir=run.path)
     if not run.exists():
-        run.write_config(res, tomli_w.dumps(_toml_safe(res)))
+        run.write_config(res, tomli_w.dumps(toml_safe(res)))
     describe = getattr(sim.task, "data_description", None)
     if describe is not None:  # per-client label counts and the server validation set, for plots
         atomic_write_text(run.path / "partition.json", json.dumps(describe()) + "\n")
@@ -191,7 +192,7 @@ def execute(
             run.append_client_weights(r, ids, w)
         run.save_checkpoint(r, sim.state_dict(), keep_last=cfg.run.checkpoint_keep)
         sim.store.commit()
-        _write_status(run, "running", r, cfg.server.rounds)
+        write_status(run, "running", r, cfg.server.rounds)
         last.clear()
         last.update(row)
         if on_round is not None:
@@ -200,7 +201,7 @@ def execute(
     sim.run(on_round=_on_round, stop_after=stop_after)
     state = "complete" if sim.round >= cfg.server.rounds else "stopped"
     save_weights(sim.global_model, run.path / "model.safetensors")
-    _write_status(run, state, sim.round, cfg.server.rounds)
+    write_status(run, state, sim.round, cfg.server.rounds)
     if state == "complete":
         finish(run.path, sim)
     return Outcome(run.path, state, last or None)

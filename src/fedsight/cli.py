@@ -305,6 +305,10 @@ def pretrain_(
 
 # -- end pretrain --
 
+from .flower.cli import flower_app  # noqa: E402  (flwr itself is imported only when a command runs)
+
+app.add_typer(flower_app, name="flower")
+
 
 def main() -> None:
     try:

@@ -24,7 +24,8 @@ class ClientResult:
     #: named extra tensors (control variates, sufficient statistics, ...), keyed by component
     extras: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     num_steps: int = 0
-    #: estimated FLOPs the client spent (``fedsight.cost``); not sent over the wire
+    #: estimated FLOPs the client spent (``fedsight.cost``): accounting, not model data (a Flower
+    #: reply carries it in its metadata record)
     flops: float = 0.0
 
     @property

@@ -104,7 +104,10 @@ class Simulation:
         seed: int,
         store: ClientStateStore | None = None,
         stages: list[Stage] | None = None,
+        cost: ModelCost | None = None,
     ):
+        """``cost``: the model's per-example forward FLOPs if already known (a deployment node reuses
+        the server's measurement instead of counting again in every fresh process)."""
         self.task, self.schedule, self.seed = task, schedule, seed
         self.store = store if store is not None else ClientStateStore()
         self.stages = stages or [Stage("federated", schedule.rounds, recipe, local)]
@@ -118,7 +121,7 @@ class Simulation:
             c.adapt_model(self.global_model, seed)
             c.adapt_model(self.work_model, seed)
         #: per-example forward FLOPs (whole model, classifier head), for the cost estimate
-        self.cost: ModelCost = model_cost(self.work_model, task.train_batch(0, torch.tensor([0]))[0])
+        self.cost: ModelCost = cost or model_cost(self.work_model, task.train_batch(0, torch.tensor([0]))[0])
         #: cumulative communication and computation over the run
         self.totals = {"up_bytes": 0.0, "down_bytes": 0.0, "flops": 0.0}
         self._gstate = self.global_model.state_dict(keep_vars=True)
@@ -150,6 +153,11 @@ class Simulation:
 
     def stage_of_round(self, r: int) -> int:
         return next(i for i, st in enumerate(self.stages) if r <= st.end_round)
+
+    def enter_round(self, r: int) -> None:
+        """Switch to the stage that round ``r`` belongs to (no-op within a stage)."""
+        if self.stage_of_round(r) != self.stage_index:
+            self._enter_stage(self.stage_of_round(r))
 
     # -- one round --------------------------------------------------------------------------------
 
@@ -284,19 +292,35 @@ class Simulation:
             sums = self.task.eval_sums(self.global_model, "test", bs)
         out = {f"test/{k}": v for k, v in self.task.finalize(sums).items()}
         if self.schedule.eval_local:
-            parts, values, counts = [], [], []
-            pm = self.task.primary_metric
-            for cid in range(self.task.num_clients):
-                if self.task.num_test_examples(cid) == 0:
-                    continue
-                model = self.load_client_model(cid) if self.personal_keys or self.personal_eval else self.global_model
-                with self.eval_context(model, cid):
-                    sums = self.task.eval_sums(model, cid, bs)
-                parts.append(sums)
-                values.append(self.task.finalize(sums)[pm])
-                counts.append(self.task.num_test_examples(cid))
-            out.update({f"local/{k}": v for k, v in local_summary(values, counts).items()})
-            out.update({f"local/{k}": v for k, v in self.task.finalize(merge_sums(parts)).items() if k != pm})
+            per_client = {
+                cid: (self.client_eval_sums(cid), self.task.num_test_examples(cid))
+                for cid in range(self.task.num_clients)
+                if self.task.num_test_examples(cid) > 0
+            }
+            out.update(self.summarize_local(per_client))
+        return out
+
+    def client_eval_sums(self, cid: int) -> dict[str, float]:
+        """Client ``cid``'s local-test sums on the model it is evaluated with: the global model, or the
+        global shared entries plus its personal ones (and whatever a component's ``eval_context`` does)."""
+        model = self.load_client_model(cid) if self.personal_keys or self.personal_eval else self.global_model
+        with self.eval_context(model, cid):
+            return self.task.eval_sums(model, cid, self.schedule.eval_batch_size)
+
+    def summarize_local(self, per_client: dict[int, tuple[dict[str, float], int]]) -> dict[str, float]:
+        """``local/*`` metrics from {client: (local-test sums, test size)}: WMA (eq. 4.4) and worst 10 % of
+        the primary metric over clients with a non-empty test set, in client order, and the pooled others."""
+        pm = self.task.primary_metric
+        parts, values, counts = [], [], []
+        for cid in sorted(per_client):
+            sums, n = per_client[cid]
+            if n == 0:
+                continue
+            parts.append(sums)
+            values.append(self.task.finalize(sums)[pm])
+            counts.append(n)
+        out = {f"local/{k}": v for k, v in local_summary(values, counts).items()}
+        out.update({f"local/{k}": v for k, v in self.task.finalize(merge_sums(parts)).items() if k != pm})
         return out
 
     @property
@@ -328,8 +352,7 @@ class Simulation:
         last = self.schedule.rounds if stop_after is None else min(self.schedule.rounds, stop_after)
         while self.round < last:
             r = self.round + 1
-            if self.stage_of_round(r) != self.stage_index:
-                self._enter_stage(self.stage_of_round(r))
+            self.enter_round(r)
             t0 = time.perf_counter()
             row, events = self.train_round(r)
             if self.should_evaluate(r):

@@ -1,0 +1,198 @@
+"""``fedsight flower ...``: FedSight runs on Flower (``flwr`` 1.41).
+
+Wired into the main CLI as ``app.add_typer(flower_app, name="flower")``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+
+flower_app = typer.Typer(
+    help="Run FedSight recipes on Flower: a Flower app for real SuperLink/SuperNode deployments, a loopback "
+    "deployment, Flower's Ray simulation engine, TLS material.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err = Console(stderr=True)
+
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a config value: key.path=value. Repeatable.")]
+RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the config's, output_dir/run.name/seed<N>).")]
+RoundTimeout = Annotated[float, typer.Option(help="Seconds to wait for a round's replies; later ones count as lost.")]
+MinClients = Annotated[int, typer.Option(min=1, help="Fewer accepted updates in a round: the round is not aggregated.")]
+DpNoise = Annotated[float, typer.Option(min=0.0, help="Central DP noise multiplier z (0: off). Needs weighting 'uniform'.")]
+DpClip = Annotated[float, typer.Option(min=0.0, help="Central DP clipping norm C of a client update.")]
+DpDelta = Annotated[float, typer.Option(min=0.0, help="Central DP delta (0: min(1e-5, 1/(10 N))).")]
+Overwrite = Annotated[bool, typer.Option(help="Replace a run directory that already holds a run.")]
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
+    from ..config import ConfigError, load
+
+    try:
+        specs = load(config, sets or [])
+    except ConfigError as exc:
+        _fail(str(exc))
+    if len(specs) != 1:
+        _fail(f"{config} defines {len(specs)} runs (a sweep); a Flower run takes one config (pick with --set)")
+    spec = specs[0]
+    return spec.config, (run_dir or spec.run_dir).absolute()
+
+
+def _options(round_timeout: float, min_clients: int, dp_noise: float, dp_clip: float, dp_delta: float,
+             overwrite: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"round-timeout": round_timeout, "min-clients": min_clients, "overwrite": overwrite}
+    if dp_noise > 0:
+        if dp_clip <= 0:
+            _fail("--dp-clip must be positive with --dp-noise")
+        out.update({"dp-noise-multiplier": dp_noise, "dp-clipping-norm": dp_clip, "dp-delta": dp_delta})
+    return out
+
+
+def _check_free(run_dir: Path, overwrite: bool) -> None:
+    if (run_dir / "config.json").is_file() and not overwrite:
+        _fail(f"{run_dir} already holds a run; pass --overwrite to replace it or --run-dir for another directory")
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    if "event" in row:
+        what = {k: v for k, v in row.items() if k not in ("event", "stage")}
+        return f"[yellow]{row['event']}[/] {json.dumps(what)}"
+    parts = [f"round {row.get('round')}", f"{row.get('clients/aggregated', 0)}/{row.get('clients/sampled', 0)} clients"]
+    for key, label in (("train/loss", "train"), ("test/acc", "acc"), ("local/wma", "wma"), ("dp/epsilon", "eps")):
+        if key in row:
+            parts.append(f"{label} {row[key]:.4f}")
+    if "time/round_s" in row:
+        parts.append(f"{row['time/round_s']:.1f} s")
+    return "  ".join(parts)
+
+
+@flower_app.command("app")
+def app_cmd(
+    config: Annotated[Path, typer.Argument(help="FedSight TOML config (one run).")],
+    directory: Annotated[Path, typer.Argument(help="Where to write the Flower app (pyproject.toml + fedsight_app/).")],
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    round_timeout: RoundTimeout = 600.0,
+    min_clients: MinClients = 1,
+    dp_noise: DpNoise = 0.0,
+    dp_clip: DpClip = 1.0,
+    dp_delta: DpDelta = 0.0,
+    data_dir_nodes: Annotated[bool, typer.Option("--data-dir-nodes", help="SuperNodes read their own data-dir (no partition.json).")] = False,
+    overwrite: Overwrite = False,
+) -> None:
+    """Write a runnable Flower app for CONFIG: submit it with `flwr run DIR <connection>`."""
+    from .app import write_app
+
+    cfg, rd = _one_config(config, set_, run_dir)
+    opts = _options(round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
+    if data_dir_nodes:
+        opts["data"] = "data-dir"
+    try:
+        out = write_app(cfg, directory, run_dir=rd, options=opts)
+    except ValueError as exc:
+        _fail(str(exc))
+    n = cfg.partition.num_clients
+    console.print(f"wrote the Flower app to {out}")
+    console.print(f"the ServerApp will write the run directory {rd} (on the SuperLink host)")
+    console.print(f"start {n} SuperNodes with --node-config 'partition-id=K num-partitions={n}' (K = 0..{n - 1}), then: "
+                  f"flwr run {out} <connection>", highlight=False)
+
+
+@flower_app.command("local")
+def local_cmd(
+    config: Annotated[Path, typer.Argument(help="FedSight TOML config (one run).")],
+    nodes: Annotated[Optional[int], typer.Option(min=1, help="SuperNodes to start (one per client: partition.num_clients).")] = None,
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    round_timeout: RoundTimeout = 600.0,
+    min_clients: MinClients = 1,
+    timeout: Annotated[float, typer.Option(help="Give up (and stop the run) after this many seconds.")] = 24 * 3600.0,
+    tls_dir: Annotated[Optional[Path], typer.Option(help="Serve with TLS; certificates are generated here if missing.")] = None,
+    node_auth: Annotated[bool, typer.Option(help="SuperNode authentication: one ECDSA key per node, registered first.")] = False,
+    data_dir: Annotated[Optional[list[Path]], typer.Option(help="Node K reads its own data from the K-th --data-dir.")] = None,
+    workdir: Annotated[Optional[Path], typer.Option(help="Keep FLWR_HOME, logs and node state here (default: a temp dir, removed).")] = None,
+    dp_noise: DpNoise = 0.0,
+    dp_clip: DpClip = 1.0,
+    dp_delta: DpDelta = 0.0,
+    overwrite: Overwrite = False,
+) -> None:
+    """Start a SuperLink and N SuperNodes on loopback, run CONFIG as a Flower app, stream progress,
+    collect the FedSight run directory, and stop every process started."""
+    from .local import FlowerRunError, run_local
+
+    cfg, rd = _one_config(config, set_, run_dir)
+    opts = _options(round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
+    _check_free(rd, overwrite)
+    t0 = time.monotonic()
+
+    def on_row(row: dict[str, Any], dep: Any) -> None:
+        console.print(f"[dim]{time.monotonic() - t0:7.1f} s[/]  {_row_text(row)}", highlight=False)
+
+    console.print(f"starting a SuperLink and {nodes or cfg.partition.num_clients} SuperNodes on 127.0.0.1 ...")
+    try:
+        final = run_local(cfg, rd, nodes=nodes, workdir=workdir, options=opts, timeout=timeout, on_row=on_row,
+                          tls_dir=tls_dir, node_auth=node_auth, data_dirs=data_dir, keep_workdir=workdir is not None)
+    except (FlowerRunError, ValueError, FileNotFoundError) as exc:
+        _fail(str(exc), 1)
+    console.print(f"run {final['run-id']} {final['status']} in {time.monotonic() - t0:.1f} s; run directory: {rd}")
+    console.print(f"summary: {rd / 'summary.md'}")
+
+
+@flower_app.command("simulate")
+def simulate_cmd(
+    config: Annotated[Path, typer.Argument(help="FedSight TOML config (one run).")],
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    cpus_per_client: Annotated[float, typer.Option(min=0.0, help="Ray CPUs per client (client_resources.num_cpus).")] = 1.0,
+    gpus_per_client: Annotated[float, typer.Option(min=0.0, help="Ray GPUs per client (client_resources.num_gpus).")] = 0.0,
+    ray_cpus: Annotated[Optional[int], typer.Option(min=1, help="CPUs Ray may use (default: all).")] = None,
+    min_clients: MinClients = 1,
+    dp_noise: DpNoise = 0.0,
+    dp_clip: DpClip = 1.0,
+    dp_delta: DpDelta = 0.0,
+    overwrite: Overwrite = False,
+) -> None:
+    """Run CONFIG on Flower's Ray-backed simulation engine (one virtual SuperNode per client)."""
+    from .simulation import flower_simulate
+
+    cfg, rd = _one_config(config, set_, run_dir)
+    opts = _options(600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
+    _check_free(rd, overwrite)
+    t0 = time.monotonic()
+    try:
+        out = flower_simulate(cfg, rd, num_cpus=cpus_per_client, num_gpus=gpus_per_client, ray_cpus=ray_cpus, options=opts)
+    except (RuntimeError, ValueError) as exc:
+        _fail(str(exc), 1)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    for row in rows:
+        console.print(_row_text(row), highlight=False)
+    console.print(f"done in {time.monotonic() - t0:.1f} s; run directory: {out}")
+
+
+@flower_app.command("certs")
+def certs_cmd(
+    directory: Annotated[Path, typer.Argument(help="Where to write ca.crt, server.pem, server.key and node keys.")],
+    host: Annotated[Optional[list[str]], typer.Option(help="SuperLink host name or IP (repeatable; default 127.0.0.1, localhost).")] = None,
+    node_keys: Annotated[int, typer.Option(min=0, help="ECDSA key pairs for SuperNode authentication (node0, node1, ...).")] = 0,
+) -> None:
+    """Generate a test CA, a SuperLink certificate and SuperNode authentication keys."""
+    from .tls import make_node_key, make_tls
+
+    files = make_tls(directory, tuple(host) if host else ("127.0.0.1", "localhost"))
+    console.print(f"CA: {files.ca_cert}\nSuperLink certificate: {files.server_cert}\nSuperLink key: {files.server_key}")
+    for k in range(node_keys):
+        key = make_node_key(directory, f"node{k}")
+        console.print(f"node {k}: private {key}, public {key}.pub")

@@ -1,0 +1,452 @@
+"""A Flower deployment on loopback: one SuperLink and N SuperNodes, driven end to end.
+
+``LocalDeployment`` starts real Flower processes (``flower-superlink``, ``flower-supernode``) on free
+loopback ports with a private ``FLWR_HOME``, runtime dependency installation and telemetry off; it
+submits a FedSight app with ``flwr run``, polls the run's status with ``flwr ls`` (``flwr run`` exits
+0 even when the run fails), and stops every process it started, by PID, with their descendants
+(``flower-superexec``, ``flwr-serverapp``, ``flwr-clientapp``). Optionally with TLS
+(``tls.make_tls``) and SuperNode authentication (keys registered with ``flwr supernode register``).
+
+``run_local`` is what ``fedsight flower local`` does: the FedSight run directory is written by the
+ServerApp (it runs on this machine), progress is streamed from its ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONNECTION = "fedsight-local"
+
+
+class FlowerRunError(RuntimeError):
+    """The Flower run failed, or did not finish in time; the message carries Flower's reason."""
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (bound together, so distinct, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first, depth first); Linux ``/proc`` only."""
+    if not os.path.isdir("/proc"):
+        return []
+    kids, out, stack = _children(), [], [pid]
+    while stack:
+        for c in kids.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rfind(")") + 2] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    #: every PID seen under this process (recorded at stop, for checks)
+    tree: list[int] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, sig)
+
+
+@dataclass
+class TLSFiles:
+    """PEM paths: the CA certificate (clients trust it), the server certificate and key."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+
+class LocalDeployment:
+    """SuperLink + SuperNodes on 127.0.0.1, each a process this object started and will stop."""
+
+    def __init__(self, workdir: str | Path, *, tls: TLSFiles | None = None, node_auth: bool = False,
+                 env: dict[str, str] | None = None):
+        self.workdir = Path(workdir).absolute()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.home = self.workdir / "flwr-home"
+        self.home.mkdir(exist_ok=True)
+        self.logs = self.workdir / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.tls, self.node_auth = tls, node_auth
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(self.home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        self.port = 0
+        self.superlink: Proc | None = None
+        self.nodes: dict[int, Proc] = {}
+        self.stopped: list[Proc] = []
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def _bin(self, name: str) -> str:
+        here = Path(sys.executable).parent / name
+        found = str(here) if here.exists() else shutil.which(name)
+        if found is None:
+            raise FileNotFoundError(f"{name} not found: install the flower extra (pip install 'fedsight[flower]')")
+        return found
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        log = self.logs / f"{name}.log"
+        f = open(log, "ab")
+        try:
+            popen = subprocess.Popen([self._bin(args[0]), *args[1:]], stdout=f, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env, cwd=self.workdir, start_new_session=True)
+        finally:
+            f.close()
+        return Proc(name, popen, log)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start_superlink(self, timeout: float = 60.0) -> Proc:
+        """Start the SuperLink on a free port; wait until ``/health`` answers."""
+        self.port = free_ports(1)[0]
+        args = ["flower-superlink", "--host", "127.0.0.1", "--port", str(self.port), "--disable-runtime-dependency-installation"]
+        if self.tls is None:
+            args.append("--insecure")
+        else:
+            args += ["--ssl-ca-certfile", str(self.tls.ca_cert), "--ssl-certfile", str(self.tls.server_cert),
+                     "--ssl-keyfile", str(self.tls.server_key)]
+        if self.node_auth:
+            args.append("--enable-supernode-auth")
+        self.superlink = self._spawn("superlink", args)
+        self._wait_health(timeout)
+        self.write_connection()
+        return self.superlink
+
+    def _wait_health(self, timeout: float) -> None:
+        scheme = "http" if self.tls is None else "https"
+        ctx = None if self.tls is None else ssl.create_default_context(cafile=str(self.tls.ca_cert))
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.superlink is not None
+            if self.superlink.popen.poll() is not None:
+                raise FlowerRunError(f"the SuperLink exited with code {self.superlink.popen.returncode}:\n{self.tail('superlink')}")
+            try:
+                with urllib.request.urlopen(f"{scheme}://{self.address}/health", timeout=2, context=ctx) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise FlowerRunError(f"the SuperLink did not answer /health within {timeout:g} s:\n{self.tail('superlink')}")
+            time.sleep(0.2)
+
+    def write_connection(self, name: str = CONNECTION, *, insecure: bool | None = None) -> None:
+        """``$FLWR_HOME/config.toml`` with the SuperLink connection ``name`` (the default one)."""
+        import tomli_w
+
+        conn: dict[str, Any] = {"address": self.address}
+        if insecure if insecure is not None else self.tls is None:
+            conn["insecure"] = True
+        else:
+            assert self.tls is not None
+            conn["root-certificates"] = str(self.tls.ca_cert)
+        cfg_path = self.home / "config.toml"
+        import tomllib
+
+        data = tomllib.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        data.setdefault("superlink", {})
+        data["superlink"].setdefault("default", name)
+        data["superlink"][name] = conn
+        cfg_path.write_text(tomli_w.dumps(data))
+
+    def start_supernode(self, index: int, node_config: dict[str, Any], *, auth_key: Path | None = None,
+                        name: str | None = None) -> Proc:
+        """A SuperNode with its node config (written to a TOML file: any path or string is safe)."""
+        import tomli_w
+
+        cfg_file = self.workdir / f"node-{index}.toml"
+        cfg_file.write_text(tomli_w.dumps(node_config))
+        port = free_ports(1)[0]
+        args = ["flower-supernode", "--superlink", self.address, "--port", str(port), "--node-config", str(cfg_file)]
+        if self.tls is None:
+            args.append("--insecure")
+        else:
+            args += ["--root-certificates", str(self.tls.ca_cert)]
+        if auth_key is not None:
+            args += ["--auth-supernode-private-key", str(auth_key)]
+        proc = self._spawn(name or f"supernode-{index}", args)
+        self.nodes[index] = proc
+        return proc
+
+    def kill_node(self, index: int) -> None:
+        """Kill SuperNode ``index`` and its descendants at once (SIGKILL: a crash, not a shutdown)."""
+        proc = self.nodes.pop(index)
+        self._stop(proc, sig=signal.SIGKILL)
+
+    def _stop(self, proc: Proc, sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
+        tree = descendants(proc.pid)
+        proc.tree = [proc.pid, *tree]
+        _signal([proc.pid], sig)
+        _signal(tree, sig)
+        try:
+            proc.popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            _signal([proc.pid], signal.SIGKILL)
+            proc.popen.wait(timeout=grace)
+        # descendants that ignored the signal (or appeared meanwhile)
+        late = [p for p in tree + descendants(proc.pid) if alive(p)]
+        deadline = time.monotonic() + grace
+        while late and time.monotonic() < deadline:
+            time.sleep(0.1)
+            late = [p for p in late if alive(p)]
+        _signal(late, signal.SIGKILL)
+        self.stopped.append(proc)
+
+    def stop(self) -> None:
+        """Stop every process this deployment started (nodes first, then the SuperLink), by PID."""
+        for index in list(self.nodes):
+            self._stop(self.nodes.pop(index))
+        if self.superlink is not None:
+            self._stop(self.superlink)
+            self.superlink = None
+
+    def all_pids(self) -> list[int]:
+        return [p for proc in self.stopped for p in proc.tree]
+
+    def __enter__(self) -> "LocalDeployment":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- the flwr CLI -----------------------------------------------------------------------------
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        p = self.logs / f"{name}.log"
+        return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.is_file() else "(no log)"
+
+    def flwr(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run([self._bin("flwr"), *args], capture_output=True, text=True, env=self.env,
+                             cwd=self.workdir, timeout=timeout)
+        if check and out.returncode != 0:
+            raise FlowerRunError(f"flwr {' '.join(args)} exited with {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        return out
+
+    def _json_or_text(self, *args: str) -> dict[str, Any]:
+        """``flwr ARGS --format json`` parsed, whatever the exit code (Flower reports errors in the JSON)."""
+        out = self.flwr(*args, "--format", "json", check=False)
+        start = out.stdout.find("{")
+        if start < 0:
+            return {"success": False, "error-message": (out.stdout + out.stderr)[-2000:]}
+        return json.loads(out.stdout[start:])
+
+    def _json(self, *args: str) -> dict[str, Any]:
+        out = self.flwr(*args, "--format", "json")
+        text = out.stdout
+        start = text.find("{")
+        if start < 0:
+            raise FlowerRunError(f"flwr {' '.join(args)} printed no JSON:\n{text[-2000:]}\n{out.stderr[-2000:]}")
+        return json.loads(text[start:])
+
+    def submit(self, app_dir: str | Path, run_config: str | None = None) -> int:
+        """``flwr run APP CONNECTION``: upload the app, return the run id."""
+        args = ["run", str(app_dir), CONNECTION]
+        if run_config:
+            args += ["--run-config", run_config]
+        data = self._json(*args)
+        if not data.get("success") or data.get("run-id") is None:
+            raise FlowerRunError(f"flwr run did not create a run: {data}")
+        return int(data["run-id"])
+
+    def run_status(self, run_id: int) -> dict[str, Any]:
+        data = self._json("ls", CONNECTION, "--run-id", str(run_id))
+        runs = data.get("runs") or []
+        return runs[0] if runs else {"status": "unknown"}
+
+    def nodes_online(self) -> list[dict[str, Any]]:
+        data = self._json("supernode", "list", CONNECTION)
+        return [n for n in data.get("nodes", []) if n.get("status") == "online"]
+
+    def register_node(self, public_key: Path, name: str | None = None) -> None:
+        args = ["supernode", "register", str(public_key), CONNECTION]
+        if name:
+            args += ["--name", name]
+        self.flwr(*args)
+
+    def wait_run(self, run_id: int, timeout: float, on_poll: Callable[[], None] | None = None,
+                 poll: float = 3.0, tick: float = 0.5) -> dict[str, Any]:
+        """Poll the run's status (``flwr ls``, every ``poll`` s) until it is finished (returns its row)
+        or ``timeout`` passes (the run is stopped, ``FlowerRunError``). ``on_poll`` runs every
+        ``tick`` s in between (progress, test hooks)."""
+        deadline = time.monotonic() + timeout
+        next_status = 0.0
+        while True:
+            if on_poll is not None:
+                on_poll()
+            if time.monotonic() >= next_status:
+                st = self.run_status(run_id)
+                if str(st.get("status", "")).startswith("finished"):
+                    return st
+                next_status = time.monotonic() + poll
+            if self.superlink is not None and self.superlink.popen.poll() is not None:
+                raise FlowerRunError(f"the SuperLink died:\n{self.tail('superlink')}")
+            if time.monotonic() > deadline:
+                self.flwr("stop", str(run_id), CONNECTION, check=False)
+                raise FlowerRunError(f"run {run_id} did not finish within {timeout:g} s (status {st.get('status')})")
+            time.sleep(tick)
+
+    def run_log(self, run_id: int) -> str:
+        out = self.flwr("log", str(run_id), CONNECTION, "--show", check=False, timeout=60)
+        return out.stdout + out.stderr
+
+
+def _follow(path: Path, seen: int, emit: Callable[[dict[str, Any]], None]) -> int:
+    """Emit the rows of ``path`` after the first ``seen`` complete lines; the new count."""
+    if not path.is_file():
+        return seen
+    lines = path.read_text().splitlines(keepends=True)
+    complete = [ln for ln in lines if ln.endswith("\n")]
+    for ln in complete[seen:]:
+        if ln.strip():
+            emit(json.loads(ln))
+    return len(complete)
+
+
+def run_local(
+    cfg: Any,
+    run_dir: str | Path,
+    *,
+    nodes: int | None = None,
+    workdir: str | Path | None = None,
+    options: dict[str, Any] | None = None,
+    timeout: float = 3600.0,
+    on_row: Callable[[dict[str, Any], "LocalDeployment"], None] | None = None,
+    tls_dir: str | Path | None = None,
+    node_auth: bool = False,
+    data_dirs: list[str | Path] | None = None,
+    keep_workdir: bool = False,
+) -> dict[str, Any]:
+    """Start a SuperLink and ``nodes`` SuperNodes (SuperNode ``k`` holds FedSight client ``k``) on
+    loopback, run ``cfg`` as a Flower app, stream ``metrics.jsonl`` rows to ``on_row``, and stop every
+    process. Returns the run's final ``flwr ls`` row; raises ``FlowerRunError`` if the run failed.
+
+    ``tls_dir``: TLS for the SuperLink (certificates generated there by ``tls.make_tls`` if missing);
+    ``node_auth``: SuperNode authentication (one ECDSA key per node, registered before it starts);
+    ``data_dirs``: node ``k`` reads its own data from ``data_dirs[k]`` instead of its partition."""
+    from .app import write_app
+
+    n_clients = int(cfg.partition.num_clients)
+    n = nodes or n_clients
+    if n != n_clients:
+        raise ValueError(f"--nodes {n}: a SuperNode holds one FedSight client, and the run has partition.num_clients = {n_clients}")
+    if data_dirs is not None and len(data_dirs) != n:
+        raise ValueError(f"{len(data_dirs)} data directories for {n} nodes")
+    run_dir = Path(run_dir).absolute()
+    own = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="fedsight-flower-")) if own else Path(workdir).absolute()
+    opts = {"min-nodes": n, **(options or {})}
+    if data_dirs is not None:
+        opts["data"] = "data-dir"
+    app_dir = write_app(cfg, work / "app", run_dir=run_dir, options=opts)
+    tls = None
+    if tls_dir is not None or node_auth:
+        from .tls import make_tls, make_node_key
+
+        tls = make_tls(Path(tls_dir or work / "tls"))
+    dep = LocalDeployment(work, tls=tls, node_auth=node_auth)
+    emit = (lambda row: on_row(row, dep)) if on_row is not None else (lambda row: None)
+    try:
+        dep.start_superlink()
+        for k in range(n):
+            key = None
+            if node_auth:
+                key = make_node_key(work / "keys", f"node{k}")
+                dep.register_node(Path(f"{key}.pub"), name=f"node{k}")
+            nc: dict[str, Any] = {"partition-id": k, "num-partitions": n, "state-dir": str(work / "node-state" / f"node{k}")}
+            if data_dirs is not None:
+                nc["data-dir"] = str(Path(data_dirs[k]).absolute())
+            dep.start_supernode(k, nc, auth_key=key)
+        run_id = dep.submit(app_dir)
+        seen = [0]
+
+        def poll() -> None:
+            seen[0] = _follow(run_dir / "metrics.jsonl", seen[0], emit)
+
+        final = dep.wait_run(run_id, timeout, on_poll=poll)
+        poll()
+        final["run-id"] = run_id
+        if final.get("status") != "finished:completed":
+            log = dep.run_log(run_id)
+            raise FlowerRunError(f"run {run_id} {final.get('status')}: {final.get('status-details')}\n{log[-4000:]}")
+        status = run_dir / "status.json"
+        if not status.is_file() or json.loads(status.read_text()).get("state") != "complete":
+            raise FlowerRunError(f"run {run_id} finished but {run_dir} is not complete:\n{dep.run_log(run_id)[-4000:]}")
+        (run_dir / "flower-run.json").write_text(json.dumps(final, indent=2) + "\n")
+        return final
+    finally:
+        dep.stop()
+        if own and not keep_workdir:
+            shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,393 @@
+"""The FedSight ServerApp: FedSight's server round over Flower's ``Grid``.
+
+No algorithm logic here: the server builds the run's ``Simulation`` (``fedsight.api.build_simulation``)
+and drives its server half, round by round:
+
+1. ``Simulation.begin_round(r)`` samples the FedSight client ids and collects the components'
+   broadcasts (SCAFFOLD's ``c``);
+2. the instruction (global state, broadcasts, round, sampled ids) goes to the SuperNodes holding the
+   sampled clients (a node's FedSight client id is its ``partition-id``; the server learns which node
+   holds which client from the nodes' replies: in the first round every node gets the instruction and
+   the unsampled ones answer with their partition only);
+3. the replies become ``ClientResult``s (``records.read_result``), in the sampled order, so the
+   aggregation sums in the same order as the in-process simulator;
+4. ``Simulation.end_round`` weights, aggregates, steps the server optimizer, averages shared buffers
+   and runs the components' server hooks (SCAFFOLD's control update).
+
+Evaluation as the simulator does it: the global test set on the server (``Simulation.evaluate`` with
+local evaluation off), and, with ``eval.local``, each client's local test set on its node (an
+``evaluate`` message; the node evaluates the model the simulator would) summarised on the server into
+``local/wma`` and ``local/worst10``. FedBN/SiloBN evaluate the global test set with the clients'
+example-weighted mean normalisation entries (``NormSharing.client_average``); for that the nodes send
+their stored personal entries with the evaluation reply, and the server holds them in memory for that
+evaluation only.
+
+Faults: a sampled client whose node does not answer within ``round-timeout`` seconds (or answers with
+an error) is left out of the round and recorded as a ``client_lost`` event (round, client, node,
+reason) in ``metrics.jsonl``; a round with fewer than ``min-clients`` accepted updates is not
+aggregated (``too_few_clients`` and ``round_skipped`` events). Per-client state never reaches the
+server: its ``Simulation`` has an in-memory client store that stays empty.
+
+The run directory is the usual one (``config.json``, ``metrics.jsonl``, ``client_weights.jsonl``,
+checkpoints, ``model.safetensors``, ``status.json``, ``summary.md``), written by this ServerApp to the
+``run-dir`` run-config path on the SuperLink host. ``flower.json`` adds the node map and the options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message, MessageType
+from flwr.serverapp import Grid, ServerApp
+
+from . import records as FR
+
+#: run-config keys of the ServerApp (with their defaults); ``fedsight-config`` and ``run-dir`` are required
+OPTIONS: dict[str, Any] = {
+    "round-timeout": 600.0,  # seconds to wait for the replies of one round
+    "min-clients": 1,  # fewer accepted updates: the round is not aggregated
+    "min-nodes": 0,  # nodes to wait for before round 1 (0: one per client, partition.num_clients)
+    "node-wait-timeout": 300.0,  # how long to wait for them; then start with the nodes online
+    "poll-interval": 0.2,  # seconds between pulls of replies
+    "dp-noise-multiplier": 0.0,  # > 0: central DP (dp.py) with this z
+    "dp-clipping-norm": 1.0,  # C
+    "dp-delta": 0.0,  # 0: min(1e-5, 1 / (10 N))
+    "data": "partition",  # "partition": nodes hold partitions of the dataset spec; "data-dir": their own data
+    "overwrite": False,  # replace a run directory that already holds a run
+}
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    run_dir: Path
+    round_timeout: float = 600.0
+    min_clients: int = 1
+    min_nodes: int = 0
+    node_wait_timeout: float = 300.0
+    poll_interval: float = 0.2
+    dp_noise_multiplier: float = 0.0
+    dp_clipping_norm: float = 1.0
+    dp_delta: float = 0.0
+    data: str = "partition"
+    overwrite: bool = False
+
+    @classmethod
+    def from_run_config(cls, rc: Mapping[str, Any]) -> "ServerOptions":
+        if "run-dir" not in rc:
+            raise KeyError("run config has no 'run-dir' (the run directory the ServerApp writes)")
+        vals = {k: rc.get(k, d) for k, d in OPTIONS.items()}
+        return cls(
+            run_dir=Path(str(rc["run-dir"])).expanduser(),
+            round_timeout=float(vals["round-timeout"]),
+            min_clients=int(vals["min-clients"]),
+            min_nodes=int(vals["min-nodes"]),
+            node_wait_timeout=float(vals["node-wait-timeout"]),
+            poll_interval=float(vals["poll-interval"]),
+            dp_noise_multiplier=float(vals["dp-noise-multiplier"]),
+            dp_clipping_norm=float(vals["dp-clipping-norm"]),
+            dp_delta=float(vals["dp-delta"]),
+            data=str(vals["data"]),
+            overwrite=bool(vals["overwrite"]),
+        )
+
+
+def exchange(
+    grid: Grid, nodes: list[int], content, message_type: str, group: str, timeout: float, poll: float,
+    enough=None,
+) -> tuple[dict[int, Message], dict[int, str]]:
+    """Send ``content`` to each of ``nodes`` (one push per message: no request grows with the number
+    of nodes), pull replies every ``poll`` seconds until all arrived, ``enough(replies)`` says the
+    replies so far suffice, or ``timeout`` passed.
+
+    Returns (node -> reply, node -> why no usable reply). Error replies (the ClientApp raised, the node
+    left the federation) are failures, with Flower's reason."""
+    pending: dict[str, int] = {}
+    failed: dict[int, str] = {}
+    for node in nodes:
+        msg = Message(content, dst_node_id=int(node), message_type=message_type, group_id=group)
+        ids = list(grid.push_messages([msg]))
+        if not ids or ids[0] is None:
+            failed[node] = "the SuperLink did not accept the message"
+            continue
+        pending[str(ids[0])] = node
+    got: dict[int, Message] = {}
+    deadline = time.monotonic() + timeout
+    while pending:
+        for reply in grid.pull_messages(list(pending)):
+            node = pending.pop(reply.metadata.reply_to_message_id, None)
+            if node is None:
+                continue
+            if reply.has_error():
+                failed[node] = f"error {reply.error.code}: {reply.error.reason}"
+            else:
+                got[node] = reply
+        if not pending or time.monotonic() >= deadline or (enough is not None and enough(got)):
+            break
+        time.sleep(poll)
+    if time.monotonic() >= deadline:  # (after an early stop the rest were not needed: not failures)
+        for node in pending.values():
+            failed[node] = f"no reply within {timeout:g} s"
+    return got, failed
+
+
+class FlowerServer:
+    """FedSight's server over a ``Grid``: ``run()`` executes every round and writes the run directory."""
+
+    def __init__(self, cfg: Any, options: ServerOptions):
+        from ..api import build_simulation
+
+        self.cfg, self.opts = cfg, options
+        self.sim = build_simulation(cfg)  # in-memory client store: client state lives on the nodes
+        # the server evaluates the global test set; local test sets (and personal entries) are on the nodes
+        self.local_eval = bool(self.sim.schedule.eval_local)
+        self.sim.schedule = dataclasses.replace(self.sim.schedule, eval_local=False)
+        self.node_of: dict[int, int] = {}  # FedSight client id -> Flower node id
+        self._online: set[int] = set()
+        self.dp = None
+        if options.dp_noise_multiplier > 0:
+            from .dp import install_central_dp
+
+            self.dp = install_central_dp(
+                self.sim, noise_multiplier=options.dp_noise_multiplier, clipping_norm=options.dp_clipping_norm,
+                delta=options.dp_delta or None,
+            )
+        splits = getattr(self.sim.task, "splits", None)
+        #: what a data-dir node needs to build the run's model whatever classes it holds
+        self.task_info: dict[str, Any] = {"class-names": list(splits.train.class_names)} if splits is not None else {}
+        #: the per-example model cost, so nodes need not measure it again (same model, same numbers)
+        self.task_info["model-cost"] = [float(self.sim.cost.forward), float(self.sim.cost.head)]
+
+    # -- nodes ------------------------------------------------------------------------------------
+
+    def wait_for_nodes(self, grid: Grid) -> list[dict[str, Any]]:
+        want = self.opts.min_nodes or self.sim.task.num_clients
+        deadline = time.monotonic() + self.opts.node_wait_timeout
+        while True:
+            online = len(list(grid.get_node_ids()))
+            if online >= want:
+                return []
+            if time.monotonic() >= deadline:
+                return [{"round": 0, "event": "nodes_missing", "online": online, "expected": want}]
+            time.sleep(1.0)
+
+    def _learn(self, node: int, content, r: int) -> list[dict[str, Any]]:
+        """Map the replying node to its partition; a partition answered by a new node (a restarted
+        SuperNode gets a new id) moves to it."""
+        pid = FR.reply_partition(content)
+        if pid is None:
+            return []
+        other = self.node_of.get(pid)
+        self.node_of[pid] = node
+        if other is not None and other != node:
+            return [{"round": r, "event": "client_moved", "client": pid, "from_node": other, "to_node": node}]
+        return []
+
+    # -- one round --------------------------------------------------------------------------------
+
+    def train_round(self, grid: Grid, r: int) -> tuple[dict[str, Any], list[dict[str, Any]], set[int]]:
+        from ..cost import result_bytes
+        from ..engine.simulation import Simulation
+
+        sim, opts = self.sim, self.opts
+        plan = sim.begin_round(r)
+        self._online = set(int(n) for n in grid.get_node_ids())
+        known = set(self.node_of.values())
+        # the nodes of the sampled clients (if Flower still lists them online) and every unidentified node
+        targets = sorted({self.node_of[c] for c in plan.sampled if self.node_of.get(c) in self._online} | (self._online - known))
+        content = FR.instruction_content(r, plan.sampled, sim.global_model.state_dict(), plan.broadcast, **self.task_info)
+        wanted = set(plan.sampled)
+
+        def enough(replies: dict[int, Message]) -> bool:  # every sampled client answered (a restarted node may)
+            return wanted <= {FR.reply_partition(m.content) for m in replies.values() if not FR.is_skipped(m.content)}
+
+        replies, failed = exchange(grid, targets, content, MessageType.TRAIN, str(r), opts.round_timeout, opts.poll_interval, enough)
+        events: list[dict[str, Any]] = []
+        got: dict[int, tuple[Any, bool]] = {}
+        for node, reply in replies.items():
+            events += self._learn(node, reply.content, r)
+            if not FR.is_skipped(reply.content):
+                res, ok = FR.read_result(reply.content)
+                got[res.client_id] = (res, ok)
+        results = []
+        spent = {"up_bytes": 0.0, "flops": 0.0}
+        for cid in plan.sampled:  # the simulator's order: aggregation sums in the same order
+            if cid not in got:
+                node = self.node_of.get(cid)
+                if node is None:
+                    unknown = [n for n in targets if n in failed and n not in self.node_of.values()]
+                    reason = "no node known to hold this client" + (
+                        "; unidentified nodes that did not answer: " + "; ".join(f"{n}: {failed[n]}" for n in unknown)
+                        if unknown else "")
+                elif node not in self._online:
+                    reason = "its node is offline"
+                else:
+                    reason = failed.get(node, "no reply")
+                events.append({"round": r, "event": "client_lost", "client": cid, "node": node, "reason": reason})
+                continue
+            res, ok = got[cid]
+            spent["up_bytes"] += result_bytes(res)
+            spent["flops"] += res.flops
+            if not (ok and Simulation.accept(res, {})):
+                events.append({"round": r, "event": "rejected_update", "client": cid, "reason": "non-finite values"})
+                continue
+            results.append(res)
+        if results and len(results) < opts.min_clients:
+            events.append({"round": r, "event": "too_few_clients", "accepted": len(results), "min_clients": opts.min_clients})
+            results = []
+        if self.dp is not None and results and len(results) != self.dp.num_sampled:
+            events.append({"round": r, "event": "dp_release_skipped", "accepted": len(results), "needed": self.dp.num_sampled})
+            results = []
+        row = sim.end_round(plan, results, events, spent)
+        row["flower/nodes_online"] = len(self._online)
+        if self.dp is not None:
+            row.update(self.dp.privacy_spent())
+        return row, events, set(failed)
+
+    def needs_client_entries(self) -> bool:
+        """Whether the global-test evaluation reads the clients' personal entries (FedBN/SiloBN
+        evaluate with their example-weighted mean, ``NormSharing.client_average``)."""
+        return bool(self.sim.personal_keys) and hasattr(self.sim.recipe.sharing, "client_average")
+
+    def node_evaluation(self, grid: Grid, r: int, skip: set[int], *, local: bool, personal: bool):
+        """One ``evaluate`` exchange with every reachable node: local-test sums (``local``) and stored
+        personal entries (``personal``). Returns (the local metrics summarised as
+        ``Simulation.evaluate`` does: WMA over clients with a local test set, the worst 10 %, the
+        pooled metrics; {client: personal entries}; events)."""
+        sim = self.sim
+        online = set(int(n) for n in grid.get_node_ids())
+        known = set(self.node_of.values())
+        nodes = sorted({n for n in known if n not in skip and n in online} | (online - known - skip))
+        content = FR.instruction_content(r, [], sim.global_model.state_dict(), None, local=local, personal=personal,
+                                         **self.task_info)
+        replies, failed = exchange(grid, nodes, content, MessageType.EVALUATE, f"eval-{r}", self.opts.round_timeout, self.opts.poll_interval)
+        per_client: dict[int, tuple[dict[str, float], int]] = {}
+        entries: dict[int, dict[str, Any]] = {}
+        events: list[dict[str, Any]] = []
+        for node, reply in replies.items():
+            events += self._learn(node, reply.content, r)
+            pid, sums, n, pers = FR.read_eval(reply.content)
+            per_client[pid] = (sums, n)
+            if pers is not None:
+                entries[pid] = pers
+        events += [{"round": r, "event": "eval_lost", "client": c, "node": n,
+                   "reason": failed.get(n, "skipped: lost in training" if n in skip else "its node is offline")}
+                   for c, n in sorted(self.node_of.items()) if c not in per_client]
+        events += [{"round": r, "event": "eval_lost", "client": c, "node": None, "reason": "no node holds this client"}
+                   for c in range(sim.task.num_clients) if c not in self.node_of]
+        out = sim.summarize_local(per_client) if local else {}
+        return out, entries, events
+
+    def evaluate(self, grid: Grid, r: int, skip: set[int]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """The simulator's evaluation: the global test set here, the local test sets on the nodes.
+        Where the global-test evaluation needs the clients' personal entries (FedBN/SiloBN), the nodes
+        send them with the evaluation reply; they stay in memory for this evaluation only."""
+        from ..engine.simulation import PERSONAL
+        from ..state import ClientStateStore
+
+        sim = self.sim
+        need = self.needs_client_entries()
+        local, entries, events = ({}, {}, [])
+        if self.local_eval or need:
+            local, entries, events = self.node_evaluation(grid, r, skip, local=self.local_eval, personal=need)
+        if need:
+            for cid in sorted(entries):
+                sim.store.put(PERSONAL, cid, r, entries[cid])
+        try:
+            out = sim.evaluate()  # global test set (local evaluation is off on the server)
+        finally:
+            if need:
+                sim.store = ClientStateStore()  # the clients' entries are not kept
+        out.update(local)
+        return out, events
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    def run(self, grid: Grid, on_round=None) -> Path:
+        from ..api import toml_safe, write_status, finish, resolved
+        from ..models.base import save_weights
+        from ..runs import RunDir, atomic_write_text
+
+        import tomli_w
+
+        sim, cfg, opts = self.sim, self.cfg, self.opts
+        run = RunDir(opts.run_dir)
+        res = resolved(cfg)
+        if run.exists():
+            if not opts.overwrite:
+                raise FileExistsError(f"{run.path} already holds a run; choose another run-dir or set overwrite = true")
+            import shutil
+
+            shutil.rmtree(run.path)
+        run.path.mkdir(parents=True, exist_ok=True)
+        run.write_config(res, tomli_w.dumps(toml_safe(res)))
+        describe = getattr(sim.task, "data_description", None)
+        if describe is not None and opts.data == "partition":
+            atomic_write_text(run.path / "partition.json", json.dumps(describe()) + "\n")
+        for e in self.wait_for_nodes(grid):
+            run.append_metrics({"stage": sim.stage, **e})
+        for r in range(1, cfg.server.rounds + 1):
+            if sim.stage_of_round(r) != sim.stage_index:
+                sim.enter_round(r)
+            t0 = time.perf_counter()
+            row, events, failed = self.train_round(grid, r)
+            if sim.should_evaluate(r):
+                te = time.perf_counter()
+                evaluated, eval_events = self.evaluate(grid, r, failed)
+                row.update(evaluated)
+                events += eval_events
+                row["time/eval_s"] = time.perf_counter() - te
+            row["time/round_s"] = time.perf_counter() - t0
+            sim.round = r
+            for e in events:
+                run.append_metrics({"stage": sim.stage, **e})
+            run.append_metrics({"round": r, "stage": sim.stage, **row})
+            if sim.last_weights is not None:
+                ids, w = sim.last_weights
+                run.append_client_weights(r, ids, w)
+            run.save_checkpoint(r, sim.state_dict(), keep_last=cfg.run.checkpoint_keep)
+            write_status(run, "running", r, cfg.server.rounds)
+            if on_round is not None:
+                on_round(r, row, events)
+        if sim.store.state_dict():
+            raise RuntimeError("client state reached the server")  # by construction it cannot
+        save_weights(sim.global_model, run.path / "model.safetensors")
+        info = {"node_of_client": {str(c): n for c, n in sorted(self.node_of.items())}, "options": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()}}
+        if self.dp is not None:
+            info["dp"] = {"noise_multiplier": self.dp.noise_multiplier, "clipping_norm": self.dp.clipping_norm,
+                          "num_sampled": self.dp.num_sampled, **self.dp.privacy_spent()}
+        atomic_write_text(run.path / "flower.json", json.dumps(info, indent=2) + "\n")
+        write_status(run, "complete", cfg.server.rounds, cfg.server.rounds)
+        finish(run.path, sim)
+        return run.path
+
+
+def server_main(grid: Grid, context: Context, settings: Mapping[str, Any] | None = None) -> Path:
+    """The ServerApp's main: read the run config (``settings`` override it) and run."""
+    from ..config import validate
+
+    rc = {**dict(context.run_config), **dict(settings or {})}
+    if "fedsight-config" not in rc:
+        raise KeyError("run config has no 'fedsight-config' (write the app with `fedsight flower app`)")
+    cfg = validate(json.loads(str(rc["fedsight-config"])), "flower run config (fedsight-config)")
+    return FlowerServer(cfg, ServerOptions.from_run_config(rc)).run(grid)
+
+
+def make_server_app(settings: Mapping[str, Any] | None = None) -> ServerApp:
+    """A FedSight ``ServerApp``; ``settings`` override the run config."""
+    app = ServerApp()
+    fixed = dict(settings or {})
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        server_main(grid, context, fixed)
+
+    return app
+
+
+app = make_server_app()

@@ -1,0 +1,98 @@
+"""TLS certificates and SuperNode authentication keys for a Flower deployment (``cryptography`` only,
+no openssl or ssh-keygen binaries).
+
+* ``make_tls(dir, hosts)``: a self-signed CA (``ca.crt``, ``ca.key``) and a server certificate
+  (``server.pem``, ``server.key``) signed by it, valid for ``hosts`` (IP addresses and DNS names in the
+  subjectAltName; default 127.0.0.1 and localhost). The SuperLink serves with ``server.pem`` /
+  ``server.key``; SuperNodes and the ``flwr`` CLI trust ``ca.crt``.
+* ``make_node_key(dir, name)``: an ECDSA P-384 key pair in OpenSSH format (``name`` private,
+  ``name.pub`` public), what ``ssh-keygen -t ecdsa -b 384 -N ""`` writes. The public key is registered
+  with ``flwr supernode register name.pub <connection>``; the SuperNode starts with
+  ``--auth-supernode-private-key name``. Flower accepts only EC keys here.
+
+For production, use certificates from your organisation's CA; these are for tests, demos and closed
+networks.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+from collections.abc import Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from .local import TLSFiles
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "FedSight"), x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    path.chmod(0o600)
+
+
+def make_tls(directory: str | Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"), days: int = 365) -> TLSFiles:
+    """CA + server certificate for ``hosts`` in ``directory`` (kept if already there)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    files = TLSFiles(ca_cert=d / "ca.crt", server_cert=d / "server.pem", server_key=d / "server.key")
+    if files.ca_cert.is_file() and files.server_cert.is_file() and files.server_key.is_file():
+        return files
+    now = dt.datetime.now(dt.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("FedSight test CA")).issuer_name(_name("FedSight test CA"))
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    alt: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            alt.append(x509.DNSName(h))
+    srv_key = ec.generate_private_key(ec.SECP256R1())
+    srv_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(hosts[0])).issuer_name(ca_cert.subject)
+        .public_key(srv_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_key(ca_key, d / "ca.key")
+    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(srv_key, files.server_key)
+    files.server_cert.write_bytes(srv_cert.public_bytes(serialization.Encoding.PEM))
+    return files
+
+
+def make_node_key(directory: str | Path, name: str) -> Path:
+    """An ECDSA P-384 OpenSSH key pair ``directory/name`` (private) and ``name.pub``; returns the
+    private key's path (kept if already there)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    priv = d / name
+    if priv.is_file() and (d / f"{name}.pub").is_file():
+        return priv
+    key = ec.generate_private_key(ec.SECP384R1())
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+    priv.chmod(0o600)
+    pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    (d / f"{name}.pub").write_bytes(pub + f" fedsight-{name}\n".encode())
+    return priv
