@@ -27,6 +27,21 @@ def tiny(**over: Any) -> dict[str, Any]:
     return raw
 
 
+def pipeline_config(**over: Any) -> dict[str, Any]:
+    """The thesis's phases in one config: Fed3R (2 rounds of 3 clients) -> FT(phi) -> FedSim(psi) -> FP(psi)
+    -> OLL, one round each after Fed3R."""
+    raw = tiny(**{"server.rounds": 6, "server.clients_per_round": 3, "eval.every": 1, **over})
+    raw["stages"] = [
+        {"name": "fed3r", "rounds": 2, "recipe": {"components": ["fed3r"]}},  # 6 clients, 3 a round
+        {"name": "ft", "rounds": 1, "train": {"temperature": 0.1, "freeze": ["head"], "lr": 0.01}},
+        {"name": "fedsim", "rounds": 1, "train": {"temperature": 0.1}, "recipe": {"sharing": {"name": "personal", "part": "head"}}},
+        {"name": "fp", "rounds": 1, "train": {"temperature": 0.1, "freeze": ["backbone"]}, "recipe": {"sharing": "local"}},
+        {"name": "oll", "rounds": 1, "train": {"temperature": 0.1, "lr": 0.01}, "server": {"clients_per_round": 6},
+         "recipe": {"sharing": "local", "components": ["oll"]}},
+    ]
+    return raw
+
+
 # -- a toy task for hand-checkable algorithm tests -----------------------------------------------
 
 import torch  # noqa: E402

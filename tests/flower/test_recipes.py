@@ -21,7 +21,7 @@ from fedsight.api import execute
 from fedsight.config import validate
 
 from flower_direct import run_direct
-from helpers import tiny
+from helpers import pipeline_config, tiny
 
 pytestmark = pytest.mark.flower
 
@@ -51,16 +51,7 @@ CONFIGS = {
 
 
 def _pipeline():
-    raw = tiny(**{"server.rounds": 6, "server.clients_per_round": 3, "eval.every": 1, "engine.threads": 1})
-    raw["stages"] = [
-        {"name": "fed3r", "rounds": 2, "recipe": {"components": ["fed3r"]}},
-        {"name": "ft", "rounds": 1, "train": {"temperature": 0.1, "freeze": ["head"], "lr": 0.01}},
-        {"name": "fedsim", "rounds": 1, "train": {"temperature": 0.1}, "recipe": {"sharing": {"name": "personal", "part": "head"}}},
-        {"name": "fp", "rounds": 1, "train": {"temperature": 0.1, "freeze": ["backbone"]}, "recipe": {"sharing": "local"}},
-        {"name": "oll", "rounds": 1, "train": {"temperature": 0.1, "lr": 0.01}, "server": {"clients_per_round": 6},
-         "recipe": {"sharing": "local", "components": ["oll"]}},
-    ]
-    return raw
+    return pipeline_config(**{"engine.threads": 1})
 
 
 def _video(tmp_path):

@@ -17,7 +17,7 @@ from fedsight.config import validate
 from fedsight.models.base import FedModel
 from fedsight.recipe.oll import OLL
 from fedsight.runs import RunDir
-from helpers import ToyTask, tiny, toy_sim
+from helpers import ToyTask, pipeline_config, tiny, toy_sim
 
 
 class Deep(FedModel):
@@ -159,19 +159,6 @@ def test_wma_equals_a_hand_computation_over_personal_models():
     # eq. 4.4: sum_k n_k^test / n^test acc_k, and the worst-10% mean (one client of six)
     assert rows[-1]["local/wma"] == pytest.approx(sum(a * n for a, n in zip(accs, sizes)) / sum(sizes))
     assert rows[-1]["local/worst10"] == pytest.approx(min(accs))
-
-
-def pipeline_config():
-    raw = tiny(**{"server.rounds": 6, "server.clients_per_round": 3, "eval.every": 1})
-    raw["stages"] = [
-        {"name": "fed3r", "rounds": 2, "recipe": {"components": ["fed3r"]}},  # 6 clients, 3 a round
-        {"name": "ft", "rounds": 1, "train": {"temperature": 0.1, "freeze": ["head"], "lr": 0.01}},
-        {"name": "fedsim", "rounds": 1, "train": {"temperature": 0.1}, "recipe": {"sharing": {"name": "personal", "part": "head"}}},
-        {"name": "fp", "rounds": 1, "train": {"temperature": 0.1, "freeze": ["backbone"]}, "recipe": {"sharing": "local"}},
-        {"name": "oll", "rounds": 1, "train": {"temperature": 0.1, "lr": 0.01}, "server": {"clients_per_round": 6},
-         "recipe": {"sharing": "local", "components": ["oll"]}},
-    ]
-    return raw
 
 
 def test_full_pipeline_runs_resumes_bit_identically_and_accounts_costs(tmp_path):
