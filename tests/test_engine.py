@@ -159,6 +159,17 @@ def test_non_finite_update_is_rejected_and_reported(tmp_path):
     assert all(torch.isfinite(p_).all() for p_ in sim.global_model.parameters())
 
 
+def test_rejected_update_leaves_no_client_state():
+    """SCAFFOLD saves c_i in every client's state; the poisoned client's save must not take effect."""
+    cfg = validate(tiny(**{"server.rounds": 1, "server.clients_per_round": 6, "recipe.components": ["scaffold"]}))
+    sim = build_simulation(cfg)
+    p = Poison()
+    p.victims = (2,)
+    sim.recipe.components.append(p)  # after scaffold: it poisons the upload scaffold already prepared
+    sim.run()
+    assert sim.store.clients("scaffold") == [0, 1, 3, 4, 5]
+
+
 def test_metrics_and_artifacts_written(tmp_path):
     out = execute(validate(tiny()), tmp_path / "r")
     rows = RunDir(out.run_dir).read_metrics()

@@ -124,7 +124,10 @@ def state(sim):
 
 
 def one_client(sim, cid=0, r=1):
-    return sim.run_client(sim.begin_round(r), cid)
+    """Train one client and keep its update as the engine does (state saves take effect on accept)."""
+    res, state = sim.run_client(sim.begin_round(r), cid)
+    assert sim.keep_client(res, state)
+    return res
 
 
 def close(a, b, atol=1e-6):

@@ -45,7 +45,7 @@ def test_freeze_trains_only_the_other_group_and_uploads_only_it(freeze, trains):
     sim = toy_sim(task=task, freeze=freeze, steps=2)
     before = state(sim.global_model)
     plan = sim.begin_round(1)
-    res = sim.run_client(plan, 0)
+    res, _ = sim.run_client(plan, 0)
     groups = sim.global_model.parameter_groups()
     assert set(res.delta) == {k for k in groups[trains] if k in dict(sim.global_model.named_parameters())}
     after = state(sim.work_model)
@@ -86,7 +86,7 @@ def test_temperature_divides_the_logits_in_the_loss():
     ref = copy.deepcopy(sim.global_model)
     loss = F.cross_entropy(ref(task.xs[0]) / tau, task.ys[0])
     grads = torch.autograd.grad(loss, list(ref.parameters()))
-    res = sim.run_client(sim.begin_round(1), 0)
+    res, _ = sim.run_client(sim.begin_round(1), 0)
     assert res.metrics["train/loss"] == pytest.approx(float(loss.detach()), rel=1e-6)
     for (k, p), g in zip(ref.named_parameters(), grads):
         torch.testing.assert_close(res.delta[k], -lr * g, rtol=1e-5, atol=1e-7)

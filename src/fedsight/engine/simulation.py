@@ -199,17 +199,32 @@ class Simulation:
         global_params = {k: self._gstate[k].detach() for k in self.shared_params}
         return RoundPlan(r, sctx, sampled, broadcast, global_params, time.perf_counter())
 
-    def run_client(self, plan: RoundPlan, cid: int) -> ClientResult:
-        """One client's local work in the in-process engine; its personal entries go to the store
-        only if the update is accepted (``accept``)."""
+    def run_client(self, plan: RoundPlan, cid: int) -> tuple[ClientResult, ClientState]:
+        """One client's local work; its state saves are held in the returned ``ClientState`` until
+        ``keep_client`` accepts the update."""
         model = self.load_client_model(cid)
         seed_torch(self.seed, "client", plan.round, cid)
-        return train_client(
+        state = ClientState(self.store, cid, plan.round)
+        res = train_client(
             self.task, model, cid, plan.round, self.seed, self.local, self.recipe.components,
-            plan.global_params, self.shared_buffers, ClientState(self.store, cid, plan.round), plan.broadcast,
+            plan.global_params, self.shared_buffers, state, plan.broadcast,
             trainer=self.recipe.trainer, frozen=self.frozen, global_state=self._gstate,
             personal_keys=self.personal_keys, cost=self.cost,
         )
+        return res, state
+
+    def keep_client(self, res: ClientResult, state: ClientState) -> bool:
+        """Accept or reject a client's update (right after ``run_client``, while the work model holds
+        its result). Accepted: its personal entries and held state saves go to the store. Rejected
+        (non-finite): nothing of it is kept."""
+        personal = self.personal_entries(res.client_id) if self.personal_keys else {}
+        pending = [t for tensors in state.pending.values() for t in tensors.values()]
+        if not (self.accept(res, personal) and all_finite(dict(enumerate(pending)))):
+            return False
+        if personal:
+            self.store.put(PERSONAL, res.client_id, state.round, personal)
+        state.commit()
+        return True
 
     def personal_entries(self, client: int) -> dict[str, torch.Tensor]:
         """The work model's entries to keep for ``client``: its changing personal entries, and the
@@ -224,15 +239,12 @@ class Simulation:
         events: list[dict[str, Any]] = []
         spent = {"up_bytes": 0.0, "flops": 0.0}
         for cid in plan.sampled:
-            res = self.run_client(plan, cid)
+            res, state = self.run_client(plan, cid)
             spent["up_bytes"] += result_bytes(res)
             spent["flops"] += res.flops
-            personal = self.personal_entries(cid) if self.personal_keys else {}
-            if not self.accept(res, personal):
+            if not self.keep_client(res, state):
                 events.append({"round": r, "event": "rejected_update", "client": cid, "reason": "non-finite values"})
                 continue
-            if personal:
-                self.store.put(PERSONAL, cid, r, personal)
             results.append(res)
         return self.end_round(plan, results, events, spent), events
 

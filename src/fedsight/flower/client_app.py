@@ -67,7 +67,7 @@ class NodeRuntime:
 
 
 def handle_train(msg: Message, context: Context, settings: Mapping[str, Any] | None = None) -> Message:
-    from ..engine.simulation import PERSONAL, RoundPlan, Simulation
+    from ..engine.simulation import RoundPlan
 
     node = NodeRuntime(context, settings)
     config, global_state, broadcast = FR.read_instruction(msg.content)
@@ -77,11 +77,8 @@ def handle_train(msg: Message, context: Context, settings: Mapping[str, Any] | N
     sim = node.simulation(r, global_state, config)
     gstate = sim.global_model.state_dict(keep_vars=True)
     plan = RoundPlan(r, None, list(config["sampled"]), broadcast, {k: gstate[k].detach() for k in sim.shared_params})
-    res = sim.run_client(plan, node.partition)
-    personal = sim.personal_entries(node.partition) if sim.personal_keys else {}
-    accepted = Simulation.accept(res, personal)
-    if accepted and personal:
-        sim.store.put(PERSONAL, node.partition, r, personal)
+    res, state = sim.run_client(plan, node.partition)
+    accepted = sim.keep_client(res, state)
     sim.store.commit()
     return Message(FR.result_content(res, partition=node.partition, accepted=accepted), reply_to=msg)
 

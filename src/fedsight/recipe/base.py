@@ -65,17 +65,31 @@ class ClientState:
 
     Keys are component-chosen names (e.g. ``"scaffold"``). State lives on disk under the run
     directory and is only read for sampled clients, so memory does not grow with the number of
-    clients; it is checkpointed with the run.
+    clients; it is checkpointed with the run. Saves are held until the engine accepts the client's
+    update (``commit``): a rejected (non-finite) update leaves no trace in the client's state.
     """
 
     def __init__(self, store: Any, client: int, round: int):
         self._store, self.client, self.round = store, client, round
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
 
     def load(self, key: str) -> dict[str, torch.Tensor] | None:
+        if key in self._pending:
+            return self._pending[key]
         return self._store.get(key, self.client)
 
     def save(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        self._store.put(key, self.client, self.round, tensors)
+        self._pending[key] = {k: v.detach().clone() for k, v in tensors.items()}
+
+    @property
+    def pending(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self._pending
+
+    def commit(self) -> None:
+        """Write the held saves to the store (the engine calls this for an accepted update)."""
+        for key, tensors in self._pending.items():
+            self._store.put(key, self.client, self.round, tensors)
+        self._pending.clear()
 
 
 @dataclass
