@@ -130,6 +130,20 @@ def write_status(run: RunDir, state: str, round: int, rounds: int) -> None:
 OnRound = Callable[[int, dict[str, Any]], None]
 
 
+def record_round(run: RunDir, sim: Simulation, cfg: Any, r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
+    """Write one finished round to the run directory: its events and metrics line, the client
+    weights, a checkpoint (then the client store's commit, which the checkpoint indexes) and the status."""
+    for e in events:
+        run.append_metrics({"stage": sim.stage, **e})
+    run.append_metrics(row)
+    if sim.last_weights is not None:
+        ids, w = sim.last_weights
+        run.append_client_weights(r, ids, w)
+    run.save_checkpoint(r, sim.state_dict(), keep_last=cfg.run.checkpoint_keep)
+    sim.store.commit()
+    write_status(run, "running", r, cfg.server.rounds)
+
+
 def execute(
     cfg: Any,
     run_dir: str | Path,
@@ -184,15 +198,7 @@ def execute(
     last: dict[str, Any] = {}
 
     def _on_round(r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
-        for e in events:
-            run.append_metrics({"stage": sim.stage, **e})
-        run.append_metrics(row)
-        if sim.last_weights is not None:
-            ids, w = sim.last_weights
-            run.append_client_weights(r, ids, w)
-        run.save_checkpoint(r, sim.state_dict(), keep_last=cfg.run.checkpoint_keep)
-        sim.store.commit()
-        write_status(run, "running", r, cfg.server.rounds)
+        record_round(run, sim, cfg, r, row, events)
         last.clear()
         last.update(row)
         if on_round is not None:

@@ -308,7 +308,7 @@ class FlowerServer:
     # -- the run ----------------------------------------------------------------------------------
 
     def run(self, grid: Grid, on_round=None) -> Path:
-        from ..api import toml_safe, write_status, finish, resolved
+        from ..api import finish, record_round, resolved, toml_safe, write_status
         from ..models.base import save_weights
         from ..runs import RunDir, atomic_write_text
 
@@ -331,8 +331,7 @@ class FlowerServer:
         for e in self.wait_for_nodes(grid):
             run.append_metrics({"stage": sim.stage, **e})
         for r in range(1, cfg.server.rounds + 1):
-            if sim.stage_of_round(r) != sim.stage_index:
-                sim.enter_round(r)
+            sim.enter_round(r)
             t0 = time.perf_counter()
             row, events, failed = self.train_round(grid, r)
             if sim.should_evaluate(r):
@@ -343,14 +342,7 @@ class FlowerServer:
                 row["time/eval_s"] = time.perf_counter() - te
             row["time/round_s"] = time.perf_counter() - t0
             sim.round = r
-            for e in events:
-                run.append_metrics({"stage": sim.stage, **e})
-            run.append_metrics({"round": r, "stage": sim.stage, **row})
-            if sim.last_weights is not None:
-                ids, w = sim.last_weights
-                run.append_client_weights(r, ids, w)
-            run.save_checkpoint(r, sim.state_dict(), keep_last=cfg.run.checkpoint_keep)
-            write_status(run, "running", r, cfg.server.rounds)
+            record_round(run, sim, cfg, r, {"round": r, "stage": sim.stage, **row}, events)
             if on_round is not None:
                 on_round(r, row, events)
         if sim.store.state_dict():
