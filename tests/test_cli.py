@@ -103,3 +103,26 @@ def test_unreadable_data_file_is_named_and_leaves_no_run_directory(tmp_path, mon
     res = runner.invoke(app, ["run", str(cfg)])
     assert res.exit_code == 1 and "bad.npz" in res.output
     assert not (tmp_path / "runs" / "tiny" / "seed0").exists()
+
+
+def test_error_text_with_brackets_is_printed_verbatim(tmp_path):
+    """Errors go through rich; a bracketed word in a path or value must not vanish as markup."""
+    from typer.testing import CliRunner
+
+    from fedsight.cli import app
+
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "[flower]" / "missing.toml")])
+    assert res.exit_code == 2 and "[flower]" in res.output
+
+
+def test_flower_commands_without_flower_installed_say_how_to_get_it(monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from fedsight.cli import app
+
+    monkeypatch.setitem(sys.modules, "flwr", None)  # as if the flower extra were not installed
+    monkeypatch.setitem(sys.modules, "flwr.app", None)
+    res = CliRunner().invoke(app, ["flower", "simulate", "examples/quickstart.toml"])
+    assert res.exit_code == 2 and 'pip install -e ".[flower]"' in res.output

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional
 import numpy as np
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -31,7 +32,7 @@ SetOpt = Annotated[
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)  # paths may hold [..]
     raise typer.Exit(code)
 
 

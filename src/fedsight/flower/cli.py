@@ -12,6 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 flower_app = typer.Typer(
     help="Run FedSight recipes on Flower: a Flower app for real SuperLink/SuperNode deployments, a loopback "
@@ -20,6 +21,18 @@ flower_app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+@flower_app.callback()
+def _require_flower() -> None:
+    """Every flower command needs flwr: say how to get it instead of a traceback."""
+    try:
+        import flwr  # noqa: F401
+        import flwr.app  # noqa: F401
+    except ImportError:
+        _fail('Flower is not installed: pip install -e ".[flower]" (flwr[simulation,dp]==1.41.0)')
+
+
 console = Console()
 err = Console(stderr=True)
 
@@ -34,7 +47,7 @@ Overwrite = Annotated[bool, typer.Option(help="Replace a run directory that alre
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
