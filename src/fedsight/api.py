@@ -26,17 +26,23 @@ def build_task(cfg: Any) -> Task:
     return R.build(R.TASKS, cfg.task.name, cfg.task, cfg=cfg)
 
 
-def _exclusive(slot: str, configured: Any, default: str, registry: R.Registry[Any], components: list[Any]) -> Any:
-    """The one part filling an exclusive slot: the configured one, or the one a component requires."""
+def _claimed(slot: str, components: list[Any], configured: tuple[str, Any] | None = None, what: str | None = None) -> Any:
+    """The one part filling an exclusive slot: the configured one (``(label, part)``) or the one a
+    component requires via ``component.<slot>()``; None if nobody claims it. Two claims are an error."""
     claims = [(c.name, getattr(c, slot)()) for c in components]
     claims = [(n, part) for n, part in claims if part is not None]
-    if configured.name != default:
-        claims.insert(0, (f"recipe.{slot} = {configured.name!r}", R.build(registry, configured.name, configured)))
+    if configured is not None:
+        claims.insert(0, configured)
     if len(claims) > 1:
-        raise ConfigError(
-            f"recipe: {' and '.join(n for n, _ in claims)} both set the {slot}; keep one of them"
-        )
-    return claims[0][1] if claims else R.build(registry, configured.name, configured)
+        raise ConfigError(f"recipe: {' and '.join(n for n, _ in claims)} both set the {what or slot}; keep one of them")
+    return claims[0][1] if claims else None
+
+
+def _exclusive(slot: str, configured: Any, default: str, registry: R.Registry[Any], components: list[Any]) -> Any:
+    """An exclusive recipe slot with a config key: a non-default configured part counts as a claim."""
+    part = R.build(registry, configured.name, configured)
+    explicit = (f"recipe.{slot} = {configured.name!r}", part) if configured.name != default else None
+    return _claimed(slot, components, explicit) or part
 
 
 def build_recipe(cfg: Any) -> Recipe:
@@ -46,12 +52,8 @@ def build_recipe(cfg: Any) -> Recipe:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"recipe.components: {', '.join(dup)} listed twice")
-    trainers = [(c.name, c.trainer()) for c in components]
-    trainers = [(n, t) for n, t in trainers if t is not None]
-    if len(trainers) > 1:
-        raise ConfigError(f"recipe: {' and '.join(n for n, _ in trainers)} both set the local procedure; keep one of them")
     return Recipe(
-        trainer=trainers[0][1] if trainers else SGD_TRAINER,
+        trainer=_claimed("trainer", components, what="local procedure") or SGD_TRAINER,
         weighting=_exclusive("weighting", rc.weighting, "data_size", R.WEIGHTINGS, components),
         aggregator=_exclusive("aggregator", rc.aggregator, "mean", R.AGGREGATORS, components),
         server_optimizer=R.build(R.SERVER_OPTIMIZERS, cfg.server.optimizer.name, cfg.server.optimizer),

@@ -69,16 +69,23 @@ def frozen_keys(model: nn.Module, groups: Sequence[str]) -> set[str]:
     return {k for g in groups for k in named[g] if k in params}
 
 
-def constant_keys(model: nn.Module, frozen: set[str]) -> set[str]:
-    """State entries that cannot change during local training: frozen parameters, and the buffers of
-    normalisation layers whose parameters are all frozen (they run in eval mode)."""
-    out = set(frozen)
+def frozen_norm_layers(model: nn.Module, frozen: set[str]):
+    """(state-key prefix, module) of the normalisation layers whose parameters are all frozen: they
+    run in eval mode, so their running statistics stay fixed."""
     for mod_name, module in model.named_modules():
         if isinstance(module, NORM_TYPES):
             prefix = f"{mod_name}." if mod_name else ""
             own = [prefix + n for n, _ in module.named_parameters(recurse=False)]
             if own and all(k in frozen for k in own):
-                out.update(prefix + n for n, _ in module.named_buffers(recurse=False))
+                yield prefix, module
+
+
+def constant_keys(model: nn.Module, frozen: set[str]) -> set[str]:
+    """State entries that cannot change during local training: frozen parameters, and the buffers of
+    normalisation layers whose parameters are all frozen."""
+    out = set(frozen)
+    for prefix, module in frozen_norm_layers(model, frozen):
+        out.update(prefix + n for n, _ in module.named_buffers(recurse=False))
     return out
 
 
@@ -101,11 +108,8 @@ def prepare_model(model: nn.Module, frozen: set[str]) -> None:
     for k, p in model.named_parameters():
         p.requires_grad_(k not in frozen)
     if frozen:
-        for module in model.modules():
-            if isinstance(module, NORM_TYPES):
-                own = list(module.parameters(recurse=False))
-                if own and not any(p.requires_grad for p in own):
-                    module.eval()
+        for _, module in frozen_norm_layers(model, frozen):
+            module.eval()
 
 
 def backward_scope(ctx: ClientContext, params: Sequence[nn.Parameter]) -> str:
@@ -224,7 +228,7 @@ def train_client(
     broadcast: dict[str, dict[str, torch.Tensor]] | None = None,
     *,
     trainer: Trainer | None = None,
-    frozen: set[str] | None = None,
+    frozen: set[str] | None = None,  # the engine's per-stage set (everything for a statistics pass)
     global_state: dict[str, torch.Tensor] | None = None,
     personal_keys: Sequence[str] = (),
     cost=None,
@@ -237,8 +241,6 @@ def train_client(
     """
     n = task.num_train_examples(client)
     frozen = set(frozen or ())
-    if trainer is not None and not trainer.trains:
-        frozen = {k for k, _ in model.named_parameters()}
     ctx = ClientContext(
         client_id=client, round=round, model=model, global_params=global_params, num_examples=n, seed=seed,
         state=state, num_steps=local.num_steps(n, seed, round, client), local=local, broadcast=broadcast or {},

@@ -79,17 +79,22 @@ def higher_is_better(key: str) -> bool:
     return not ("loss" in key.rsplit("/", 1)[-1] or key.startswith(("time", "cost")))
 
 
+def _run_file(run_dir: StrPath, name: str) -> tuple[Path, str]:
+    """(path, text) of a run directory's file; a missing one says the folder may not be a run."""
+    path = Path(run_dir) / name
+    try:
+        return path, path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file (is {Path(run_dir)} a FedSight run directory?)") from None
+
+
 def read_config(run_dir: StrPath) -> dict[str, Any]:
     """The resolved config of a run: the parsed ``RUN_DIR/config.json``.
 
     Raises ``FileNotFoundError`` or ``ValueError`` naming the file when it is missing, is not valid
     JSON, or is not a JSON object.
     """
-    path = Path(run_dir) / CONFIG_FILE
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file (is {Path(run_dir)} a FedSight run directory?)") from None
+    path, text = _run_file(run_dir, CONFIG_FILE)
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
@@ -105,11 +110,8 @@ def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
     Blank lines are skipped. A line that is not a JSON object, or a metrics line (one without
     ``"event"``) whose ``"round"`` is not an integer, raises ``ValueError`` naming ``file:line``.
     """
-    path = Path(run_dir) / METRICS_FILE
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file (is {Path(run_dir)} a FedSight run directory?)") from None
+    path, text = _run_file(run_dir, METRICS_FILE)
+    lines = text.splitlines()
     records: list[dict[str, Any]] = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():

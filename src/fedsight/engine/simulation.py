@@ -229,7 +229,8 @@ class Simulation:
     def personal_entries(self, client: int) -> dict[str, torch.Tensor]:
         """The work model's entries to keep for ``client``: its changing personal entries, and the
         constant ones it already holds from an earlier stage (a personal head frozen for FP(phi))."""
-        held = self.store.get(PERSONAL, client) or {}
+        # only a constant personal key needs the stored copy (a second read of the client's file otherwise)
+        held = (self.store.get(PERSONAL, client) or {}) if any(k in self.constant for k in self.personal_keys) else {}
         return {k: self._wstate[k].detach() for k in self.personal_keys if k not in self.constant or k in held}
 
     def train_round(self, r: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -134,11 +134,15 @@ class ClosedFormClassifier(Component):
     def trainer(self) -> Trainer:
         return StatisticsTrainer(self)
 
-    def sample(self, round: int, num_clients: int, m: int, seed: int) -> list[int]:
+    def _visited(self, num_clients: int) -> np.ndarray:
         if self.visited is None:
             self.visited = np.zeros(num_clients, dtype=bool)
+        return self.visited
+
+    def sample(self, round: int, num_clients: int, m: int, seed: int) -> list[int]:
+        visited = self._visited(num_clients)
         order = np_rng(seed, f"{self.name}-order").permutation(num_clients)
-        return sorted(int(c) for c in order[~self.visited[order]][:m])
+        return sorted(int(c) for c in order[~visited[order]][:m])
 
     def statistics(self, z: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -147,8 +151,7 @@ class ClosedFormClassifier(Component):
         raise NotImplementedError
 
     def server_round_end(self, sctx: ServerContext, results, weights) -> None:
-        if self.visited is None:
-            self.visited = np.zeros(sctx.num_clients, dtype=bool)
+        self._visited(sctx.num_clients)
         linear = head_linear(sctx.model)
         for res in results:
             self.absorb(res.extras[self.name], linear)
