@@ -1,6 +1,10 @@
 import pytest
 import torch
 
+from fedsight.plugins import load_builtin
+
+load_builtin()  # every built-in task, dataset, model and recipe part, as the CLI and the API have them
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():

@@ -48,8 +48,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from fedsight.models.base import FedModel  # noqa: E402
+from fedsight.models.base import FedModel, ModelIO  # noqa: E402
 from fedsight.tasks.base import Task  # noqa: E402
+from fedsight.tasks.classification import classification_metrics  # noqa: E402
 
 
 class ToyLinear(FedModel):
@@ -77,6 +78,7 @@ class ToyTask(Task):
         self.test_x = torch.randn(8, dim, generator=g)
         self.test_y = torch.randint(0, classes, (8,), generator=g)
         self.dim, self.classes, self.bn = dim, classes, bn
+        self.metrics = classification_metrics()
 
     @property
     def num_clients(self):
@@ -104,18 +106,17 @@ class ToyTask(Task):
     def loss(self, outputs, targets):
         return F.cross_entropy(outputs, targets)
 
-    @torch.no_grad()
-    def eval_sums(self, model, split, batch_size):
-        model.eval()
-        out = model(self.test_x)
-        return {"correct": float((out.argmax(1) == self.test_y).sum()), "n": float(len(self.test_y)),
-                "loss_sum": float(F.cross_entropy(out, self.test_y, reduction="sum"))}
+    @property
+    def model_io(self):
+        return ModelIO("classification", in_channels=self.dim, num_outputs=self.classes)
 
-    def finalize(self, sums):
-        return {"acc": sums["correct"] / sums["n"], "loss": sums["loss_sum"] / sums["n"]} if sums.get("n") else {}
+    def update_metrics(self, state, outputs, targets):
+        acc, loss = self.metrics.metrics
+        loss.update(state, F.cross_entropy(outputs, targets, reduction="sum"), len(targets))
+        acc.update(state, (outputs.argmax(1) == targets).sum(), len(targets))
 
     def eval_batches(self, split, batch_size=512):
-        """The points eval_sums uses (the shared test points for every split; ``val`` for "val" when
+        """The evaluation points (the shared test points for every split; ``val`` for "val" when
         given), in batches."""
         x, y = self.val if split == "val" and self.val is not None else (self.test_x, self.test_y)
         for s in range(0, len(x), batch_size):
@@ -128,10 +129,8 @@ def toy_sim(*, components=(), aggregator=None, weighting=None, server_opt=None, 
     """A Simulation over ToyTask built from recipe objects (no config). Defaults: FedAvg, full-batch
     single-step local SGD, every client every round."""
     from fedsight import registry as R
-    from fedsight.client import LocalTraining
+    from fedsight.training.local import LocalTraining
     from fedsight.engine.simulation import Recipe, Schedule, Simulation
-
-    import fedsight.components  # noqa: F401
 
     task = task or ToyTask()
     recipe = Recipe(

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fedsight.api import build_simulation, execute
 from fedsight.config import validate
-from fedsight.recipe.base import Component
+from fedsight.training import Component
 from fedsight.rng import torch_gen
 from fedsight.runs import RunDir
 

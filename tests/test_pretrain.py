@@ -199,7 +199,7 @@ def test_corrupt_or_mismatched_weights_name_the_file(tmp_path, monkeypatch):
     # an extractor of another architecture: wrong shapes
     wide = validate(tiny(**{"pretrain.source": "samples", "pretrain.epochs": 1, "model.channels": [4],
                             "pretrain.weights": "wide.safetensors"}))
-    pretrain(wide)
+    pretrain(wide, build_task(wide))
     with pytest.raises(ValueError, match=r"wide\.safetensors.*shapes"):
         build_simulation(validate(tiny(**{"pretrain.source": "samples", "pretrain.weights": "wide.safetensors"})))
     # a file with only the head: backbone entries missing

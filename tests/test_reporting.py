@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsight import reporting
+from fedsight.metrics import MetricSpec, direction
 from fedsight.reporting import (
     compare,
     group_runs,
-    higher_is_better,
     mean_curve,
     plot_comparison,
     plot_run,
@@ -22,6 +21,8 @@ from fedsight.reporting import (
     report,
     write_summary,
 )
+from fedsight.reporting.plots import _panel_groups
+from fedsight.reporting.runs_view import _Run, _Series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -39,6 +40,19 @@ def make_config(name: str, seed: int, *, lr: float = 0.1, mu: float = 0.0) -> di
         "recipe": {"objective": [{"name": "task"}, {"name": "fedprox", "mu": mu}], "weighting": "data_size"},
         "eval": {"every": 1},
     }
+
+
+#: what a classification run of the current code records in run.json (``fedsight.api.metric_directions``)
+DIRECTIONS = {
+    "test/acc": True, "local/acc": True, "val/acc": True, "test/loss": False, "local/loss": False,
+    "val/loss": False, "local/wma": True, "local/worst10": True, "train/*": False, "cost/*": False,
+    "time/*": False, "clients/*": None, "flower/*": None, "dp/epsilon": False, "dp/*": None,
+}
+
+
+def write_run_meta(run_dir: Path, metrics: dict, primary: str = "test/acc") -> None:
+    meta = {"format": 1, "primary": primary, "metrics": metrics, "sessions": []}
+    (run_dir / "run.json").write_text(json.dumps(meta))
 
 
 def acc_curve(rounds: int, peak: float, final: float) -> list[float]:
@@ -59,10 +73,15 @@ def make_run(
     eval_every: int = 1,
     round_s: float = 2.0,
     extra_lines: list[str] | None = None,
+    directions: dict | None = DIRECTIONS,
+    primary: str = "test/acc",
 ) -> Path:
+    """A fake run directory; ``directions`` (None: no run.json, as before it existed) go to run.json."""
     d = root / dirname
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(config, indent=2))
+    if directions is not None:
+        write_run_meta(d, directions, primary)
     loss = loss if loss is not None else [1.0 - a / 2 for a in acc]
     lines = []
     for i, (a, lo) in enumerate(zip(acc, loss), start=1):
@@ -99,26 +118,6 @@ def row(table, group: str, metric: str):
 
 
 # ----------------------------------------------------------------------------------------------- reading
-
-
-@pytest.mark.parametrize(
-    ("key", "expected"),
-    [
-        ("test/acc", True),
-        ("local/worst10", True),
-        ("test/psnr", True),
-        ("test/loss", False),
-        ("train/loss", False),
-        ("train/kd_loss", False),
-        ("time/round_s", False),
-        ("cost/total_flops", False),
-        ("cost/up_bytes", False),
-        ("time", False),
-        ("loss_scale/acc", True),  # only the last part decides for "loss"
-    ],
-)
-def test_higher_is_better(key: str, expected: bool) -> None:
-    assert higher_is_better(key) is expected
 
 
 def test_read_metrics_skips_blank_lines_and_keeps_events(tmp_path: Path) -> None:
@@ -221,19 +220,125 @@ def test_compare_mean_std_of_finals_match_numpy(two_experiments: dict) -> None:
         assert r.rounds == (10,) * len(finals)
 
 
-def test_best_is_max_for_acc_and_min_for_loss(tmp_path: Path) -> None:
-    # acc peaks mid-run then falls; loss bottoms mid-run then rises: best != final for both
-    accs = [acc_curve(10, 0.9, 0.6), acc_curve(10, 0.8, 0.5)]
-    losses = [[1.0 - 0.5 * a for a in acc] for acc in accs]
-    dirs = [make_run(tmp_path, f"s{i}", make_config("A", i), acc=a, loss=lo)
-            for i, (a, lo) in enumerate(zip(accs, losses))]
-    table = compare(dirs, metrics=["test/acc", "test/loss"])
-    acc_row, loss_row = row(table, "A", "test/acc"), row(table, "A", "test/loss")
-    assert acc_row.best_mean == pytest.approx(np.mean([max(a) for a in accs]))
-    assert acc_row.best_std == pytest.approx(np.std([max(a) for a in accs], ddof=1))
-    assert loss_row.best_mean == pytest.approx(np.mean([min(lo) for lo in losses]))
-    assert loss_row.final_mean == pytest.approx(np.mean([lo[-1] for lo in losses]))
-    assert acc_row.higher_is_better and not loss_row.higher_is_better
+def test_best_follows_run_json_directions_not_metric_names(tmp_path: Path) -> None:
+    # run.json says NME is lower-is-better (no "loss" in its name) and "test/count" has no direction
+    directions = {**DIRECTIONS, "test/nme": False, "test/count": None}
+    nme = {"A": [[0.30, 0.12, 0.20], [0.28, 0.10, 0.18]], "B": [[0.40, 0.25, 0.26], [0.35, 0.22, 0.30]]}
+    count = {"A": [[5.0, 9.0, 7.0], [4.0, 8.0, 6.0]], "B": [[3.0, 2.0, 1.0], [6.0, 5.0, 4.0]]}
+    accs = {"A": [[0.5, 0.9, 0.6], [0.4, 0.8, 0.5]], "B": [[0.3, 0.4, 0.35], [0.2, 0.45, 0.3]]}
+    dirs = []
+    for name, lr in (("A", 0.1), ("B", 0.2)):
+        for s in range(2):
+            extra = [json.dumps({"round": r + 1, "stage": "fed", "test/nme": nme[name][s][r],
+                                 "test/count": count[name][s][r]}) for r in range(3)]
+            dirs.append(make_run(tmp_path, f"{name}{s}", make_config(name, s, lr=lr), acc=accs[name][s],
+                                 extra_lines=extra, directions=directions))
+    table = compare(dirs, metrics=["test/acc", "test/nme", "test/count"])
+    for name in ("A", "B"):
+        acc_row, nme_row, count_row = (row(table, name, m) for m in ("test/acc", "test/nme", "test/count"))
+        assert acc_row.higher_is_better is True and nme_row.higher_is_better is False
+        assert count_row.higher_is_better is None
+        assert acc_row.best_mean == pytest.approx(np.mean([max(a) for a in accs[name]]))
+        assert acc_row.best_std == pytest.approx(np.std([max(a) for a in accs[name]], ddof=1))
+        assert nme_row.best_mean == pytest.approx(np.mean([min(v) for v in nme[name]]))  # min, not max
+        assert nme_row.best_std == pytest.approx(np.std([min(v) for v in nme[name]], ddof=1))
+        assert nme_row.final_mean == pytest.approx(np.mean([v[-1] for v in nme[name]]))
+        assert count_row.best_mean is None and count_row.best_std is None  # no direction: no best
+        assert count_row.final_mean == pytest.approx(np.mean([v[-1] for v in count[name]]))
+    md = table.to_markdown()
+    lines = md.splitlines()
+    # A has the lower final NME (0.19 vs 0.28): A is bold, B is not
+    (nme_a,) = [ln for ln in lines if ln.startswith("| test/nme ↓ | A |")]
+    (nme_b,) = [ln for ln in lines if ln.startswith("| test/nme ↓ | B |")]
+    assert "| **0.1900 ± " in nme_a and "**" not in nme_b
+    # no direction: no arrow, best shown as "—", never bold although A's and B's finals differ
+    count_lines = [ln for ln in lines if ln.startswith("| test/count |")]
+    assert len(count_lines) == 2
+    assert all(ln.endswith("| — |") and "**" not in ln for ln in count_lines)
+    # the single-run summary agrees: min for NME at its round, "—" for the count
+    text = write_summary(dirs[0], plot=False).read_text()
+    (nme_line,) = [ln for ln in text.splitlines() if ln.startswith("| test/nme")]
+    assert nme_line == "| test/nme ↓ | 0.2 | 3 | 0.12 | 2 |"
+    (count_line,) = [ln for ln in text.splitlines() if ln.startswith("| test/count")]
+    assert count_line == "| test/count | 7 | 3 | — | — |"
+
+
+def test_family_and_exact_directions_from_run_json(tmp_path: Path) -> None:
+    # "test/*" says lower is better, the exact key "test/acc" overrides it; "train/loss" is declared
+    # higher-is-better (an odd choice, but the file decides, not the name)
+    directions = {"test/*": False, "test/acc": True, "train/loss": True}
+    d = make_run(tmp_path, "r", make_config("A", 0), acc=[0.2, 0.6, 0.4], loss=[0.9, 0.5, 0.7],
+                 directions=directions)
+    run = _Run.load(d)
+    assert run.direction("test/acc") is True
+    assert run.direction("test/loss") is False
+    assert run.direction("train/loss") is True
+    assert run.direction("local/wma") is None  # not listed
+    table = compare([d], metrics=["test/acc", "test/loss", "train/loss", "local/wma"])
+    assert row(table, "A", "test/acc").best_mean == pytest.approx(0.6)
+    assert row(table, "A", "test/loss").best_mean == pytest.approx(0.5)
+    assert row(table, "A", "train/loss").best_mean == pytest.approx(2.0)  # train/loss = 2 / round: max at 1
+    assert row(table, "A", "local/wma").best_mean is None
+
+
+def test_runs_disagreeing_on_a_direction_leave_it_without_one(tmp_path: Path) -> None:
+    extra = [json.dumps({"round": r, "stage": "fed", "test/nme": v}) for r, v in ((1, 0.3), (2, 0.1), (3, 0.2))]
+    da = make_run(tmp_path, "a", make_config("A", 0), acc=[0.2, 0.5, 0.4], extra_lines=extra,
+                  directions={**DIRECTIONS, "test/nme": False})
+    db = make_run(tmp_path, "b", make_config("B", 0, lr=0.5), acc=[0.1, 0.3, 0.2], extra_lines=extra[:2],
+                  directions={**DIRECTIONS, "test/nme": True})
+    table = compare([da, db], metrics=["test/nme", "test/acc"])
+    for name in ("A", "B"):
+        r = row(table, name, "test/nme")
+        assert r.higher_is_better is None and r.best_mean is None
+    assert row(table, "A", "test/acc").higher_is_better is True  # they agree on acc
+    nme_lines = [ln for ln in table.to_markdown().splitlines() if ln.startswith("| test/nme")]
+    assert len(nme_lines) == 2 and all(ln.startswith("| test/nme |") and "**" not in ln for ln in nme_lines)
+
+
+def test_default_metrics_put_the_primary_metric_first(tmp_path: Path) -> None:
+    acc = acc_curve(6, 0.8, 0.7)
+    dirs = [make_run(tmp_path, f"r{s}", make_config("A", s), acc=acc, primary="local/wma") for s in range(2)]
+    metrics = compare(dirs).metrics
+    assert metrics[0] == "local/wma" and metrics[1] == "test/acc"
+    # runs that disagree on the primary metric: the first run's wins
+    other = make_run(tmp_path, "o", make_config("A", 9), acc=acc, primary="test/loss")
+    assert compare([other, *dirs]).metrics[0] == "test/loss"
+    assert compare([*dirs, other]).metrics[0] == "local/wma"
+
+
+def test_run_without_run_json_gets_directions_from_its_config(tmp_path: Path) -> None:
+    from helpers import tiny
+
+    from fedsight.api import execute, metric_directions
+    from fedsight.config import validate
+
+    cfg = validate(tiny(**{"server.rounds": 2, "eval.every": 1, "run.name": "legacy"}))
+    d = execute(cfg, tmp_path / "legacy").run_dir
+    (d / "run.json").unlink()  # as written before run.json existed
+    run = _Run.load(d)
+    table, primary = metric_directions(validate(read_config(d)))
+    assert run.primary == primary == "test/acc"
+    assert run.specs == tuple(MetricSpec(k, v) for k, v in table.items())
+    assert run.direction("test/loss") is False and run.direction("test/acc") is True
+    assert run.direction("time/round_s") is False and run.direction("clients/sampled") is None
+
+    loss = [r["test/loss"] for r in read_metrics(d) if "test/loss" in r]
+    acc = [r["test/acc"] for r in read_metrics(d) if "test/acc" in r]
+    assert len(loss) == 2
+    t = compare([d], metrics=["test/loss", "test/acc", "clients/sampled"])
+    assert row(t, "legacy", "test/loss").higher_is_better is False
+    assert row(t, "legacy", "test/loss").best_mean == pytest.approx(min(loss))
+    assert row(t, "legacy", "test/acc").best_mean == pytest.approx(max(acc))
+    assert row(t, "legacy", "clients/sampled").best_mean is None
+    assert compare([d]).metrics[0] == "test/acc"
+
+    # a config that no longer validates: no directions, no primary, no best
+    bad = make_run(tmp_path, "bad", make_config("bad", 0), acc=[0.3, 0.5, 0.4], directions=None)
+    run = _Run.load(bad)
+    assert run.specs == () and run.primary is None
+    r = row(compare([bad], metrics=["test/acc"]), "bad", "test/acc")
+    assert r.higher_is_better is None and r.best_mean is None and r.final_mean == pytest.approx(0.4)
 
 
 def test_default_metrics_eval_in_all_runs_acc_first_plus_round_time(tmp_path: Path) -> None:
@@ -382,7 +487,7 @@ def test_plot_run_writes_png(two_experiments: dict) -> None:
 
 
 def test_panel_groups_split_losses_and_scales() -> None:
-    s = reporting._Series
+    s = _Series
     r = np.arange(1, 4)
     series = {k: s(r, np.array(v, float)) for k, v in {
         "test/acc": [0.2, 0.5, 0.8], "test/psnr": [20, 25, 28], "test/ssim": [0.5, 0.7, 0.9],
@@ -391,13 +496,24 @@ def test_panel_groups_split_losses_and_scales() -> None:
     series["local/wma"] = s(r, np.array([0.3, 0.4, 0.5]))
     series["local/worst10"] = s(r, np.zeros(3))  # all zero: must still share the local axes
     series["clients/sampled"] = s(r, np.full(3, 10.0))
-    panels = reporting._panel_groups(list(series), series)
+    specs = [MetricSpec(k, v) for k, v in {**DIRECTIONS, "test/psnr": True, "test/ssim": True}.items()]
+    panels = _panel_groups(list(series), series, lambda k: direction(specs, k))
     assert [ks for _, ks in panels] == [["test/acc", "test/ssim"], ["test/psnr"], ["test/loss"],
                                         ["time/round_s", "time/eval_s"], ["local/wma", "local/worst10"],
                                         ["clients/sampled"]]
     titles = dict((ks[0], t) for t, ks in panels)
     assert "higher is better" in titles["test/acc"] and "lower is better" in titles["test/loss"]
     assert "better" not in titles["clients/sampled"]  # counters have no direction
+
+
+def test_panel_titles_follow_declared_directions() -> None:
+    r = np.arange(1, 4)
+    series = {k: _Series(r, np.array([0.3, 0.2, 0.1])) for k in ("test/acc", "test/nme", "test/count")}
+    declared = {"test/acc": True, "test/nme": False, "test/count": None}
+    panels = _panel_groups(list(series), series, declared.get)
+    assert panels == [("Test metrics (higher is better)", ["test/acc"]),
+                      ("Test metrics (lower is better)", ["test/nme"]),
+                      ("Test metrics", ["test/count"])]
 
 
 def test_plot_comparison_and_report(two_experiments: dict, tmp_path: Path) -> None:

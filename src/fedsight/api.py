@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import platform
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,18 +13,28 @@ from typing import Any
 import tomli_w
 import torch
 
+from . import __version__
 from . import registry as R
-from .client import SGD_TRAINER, LocalTraining
-from .config import ConfigError, stage_configs, validate
-from .engine.simulation import Recipe, Schedule, Simulation, Stage, clients_per_round
-from .models.base import load_weights, save_weights
+from .capabilities import missing
+from .config import ConfigError, provided, requirements, stage_configs, validate
+from .device import configure_determinism, configure_threads, describe, resolve_device
+from .engine.plan import Recipe, Schedule, Stage, clients_per_round
+from .engine.server import Server
+from .engine.simulation import Simulation
+from .metric_table import metric_directions
+from .models.base import detect_capabilities, load_weights, save_weights
+from .plugins import load_builtin
 from .runs import RunDir, atomic_write_text
 from .state import ClientStateStore
 from .tasks.base import Task
+from .training.local import SGD_TRAINER, LocalTraining
+
+load_builtin()
 
 
 def build_task(cfg: Any) -> Task:
-    """The configured task (data loaded and partitioned), built by the task's registered builder."""
+    """The configured task (data loaded, server-held splits carved, partitioned), built by the task's
+    registered builder."""
     return R.build(R.TASKS, cfg.task.name, cfg.task, cfg=cfg)
 
 
@@ -71,34 +83,104 @@ def build_local(cfg: Any) -> LocalTraining:
     )
 
 
-def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | None = None, cost: Any = None) -> Simulation:
-    """The simulation of ``cfg``; with ``run_dir``, per-client state spills to ``run_dir/client_state``;
-    ``cost``: a known ``ModelCost`` (skips measuring it)."""
-    if cfg.engine.threads:
-        torch.set_num_threads(cfg.engine.threads)
-    task = task or build_task(cfg)
-    local = build_local(cfg)
-    schedule = Schedule(
+def build_schedule(cfg: Any, task: Task) -> Schedule:
+    return Schedule(
         rounds=cfg.server.rounds,
         clients_per_round=clients_per_round(task.num_clients, cfg.server.clients_per_round, cfg.server.fraction),
         eval_every=cfg.eval.every,
         eval_batch_size=cfg.eval.batch_size,
         eval_local=cfg.eval.local,
     )
-    store = ClientStateStore(Path(run_dir) / "client_state") if run_dir is not None else None
+
+
+def build_stages(cfg: Any, task: Task) -> list[Stage]:
+    """The run's stages: one per ``[[stages]]`` entry, or one stage of the whole run."""
     stages, end = [], 0
     for name, rounds, scfg in stage_configs(cfg):
         end += rounds
         m = clients_per_round(task.num_clients, scfg.server.clients_per_round, scfg.server.fraction)
         stages.append(Stage(name, end, build_recipe(scfg), build_local(scfg), m))
-    sim = Simulation(task, build_recipe(cfg), local, schedule, cfg.seed, store, stages or None, cost=cost)
+    return stages or [Stage("federated", cfg.server.rounds, build_recipe(cfg), build_local(cfg))]
+
+
+def engine_device(cfg: Any) -> torch.device:
+    """Resolve ``[engine]``: the device (checked), torch's threads, CUDA determinism."""
+    device = resolve_device(cfg.engine.device)
+    configure_threads(cfg.engine.threads)
+    configure_determinism(cfg.engine.deterministic, device)
+    return device
+
+
+def check_model(cfg: Any, model: torch.nn.Module) -> None:
+    """The built model must have every model capability the config's parts need (the registry's
+    declaration was checked at config time; this reads the model itself)."""
+    for c in [cfg] + [scfg for _, _, scfg in stage_configs(cfg)]:
+        have, names = provided(c)
+        have = {**have, "model": detect_capabilities(model)}
+        model_reqs = [r for r in requirements(c) if any(_kind(n) == "model" for n in r.needs)]
+        problems = missing(model_reqs, have, {**names, "model": f"the built model {cfg.model.name!r}"})
+        if problems:
+            raise ConfigError("\n".join(problems))
+
+
+def _kind(capability: str) -> str:
+    from .capabilities import CAPABILITIES
+
+    return CAPABILITIES[capability].kind
+
+
+def initial_weights(cfg: Any, model: torch.nn.Module, task: Task, device: torch.device) -> None:
+    """Load ``[init] weights`` or the server's pre-trained extractor (pre-training it when missing)."""
     if cfg.init.weights is not None:
-        load_weights(sim.global_model, cfg.init.weights, strict=cfg.init.strict)
+        load_weights(model, cfg.init.weights, strict=cfg.init.strict)
     elif cfg.pretrain.source != "none":  # the server's pre-trained extractor phi (fedsight.pretrain)
         from .pretrain import ensure_pretrained, load_backbone
 
-        load_backbone(sim.global_model, ensure_pretrained(cfg, task))  # pre-trains when the file is missing
+        load_backbone(model, ensure_pretrained(cfg, task, device))  # pre-trains when the file is missing
+
+
+def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | None = None, cost: Any = None) -> Simulation:
+    """The in-process simulation of ``cfg``; with ``run_dir``, per-client state spills to
+    ``run_dir/client_state``; ``cost``: a known ``ModelCost`` (skips measuring it)."""
+    device = engine_device(cfg)
+    task = task or build_task(cfg)
+    store = ClientStateStore(Path(run_dir) / "client_state") if run_dir is not None else None
+    sim = Simulation(task, None, None, build_schedule(cfg, task), cfg.seed, store, build_stages(cfg, task),
+                     cost=cost, device=device)
+    check_model(cfg, sim.global_model)
+    initial_weights(cfg, sim.global_model, task, device)
     return sim
+
+
+def build_server(cfg: Any, task: Task | None = None) -> Server:
+    """The server half alone (a Flower ServerApp: the clients' half runs on the nodes)."""
+    device = engine_device(cfg)
+    task = task or build_task(cfg)
+    task.to(device)
+    server = Server(task, build_stages(cfg, task), build_schedule(cfg, task), cfg.seed, device=device)
+    check_model(cfg, server.global_model)
+    initial_weights(cfg, server.global_model, task, device)
+    return server
+
+
+def progress_keys(cfg: Any) -> list[tuple[str, str]]:
+    """(metric key, short label) pairs a progress line shows for runs of ``cfg``: the primary test
+    metric, WMA, the test loss and the training loss."""
+    metrics, primary = metric_directions(cfg)
+    keys = [(primary, primary.split("/", 1)[1]), ("local/wma", "wma")]
+    if "test/loss" in metrics:
+        keys.append(("test/loss", "loss"))
+    return keys + [("train/loss", "train")]
+
+
+def session_info(device: torch.device) -> dict[str, Any]:
+    """What ``run.json`` records about this session: where it ran and with what."""
+    import datetime as dt
+    import numpy as np
+
+    return {"started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **describe(device),
+            "fedsight": __version__, "python": platform.python_version(), "numpy": np.__version__,
+            "command": [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv else []}
 
 
 def resolved(cfg: Any) -> dict[str, Any]:
@@ -120,30 +202,34 @@ class Outcome:
     last_row: dict[str, Any] | None
 
 
-def run_status(run: RunDir) -> dict[str, Any]:
-    p = run.path / "status.json"
-    return json.loads(p.read_text()) if p.is_file() else {}
-
-
-def write_status(run: RunDir, state: str, round: int, rounds: int) -> None:
-    atomic_write_text(run.path / "status.json", json.dumps({"state": state, "round": round, "rounds": rounds}) + "\n")
-
-
 OnRound = Callable[[int, dict[str, Any]], None]
 
 
-def record_round(run: RunDir, sim: Simulation, cfg: Any, r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
+def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True) -> None:
+    """Write a run's config (first session only), its partition description (``partition``: the task's
+    partition is the clients' data) and its ``run.json``."""
+    res = resolved(cfg)
+    if not run.exists():
+        run.write_config(res, tomli_w.dumps(toml_safe(res)))
+    describe_data = task.data_description() if partition else None
+    if describe_data:  # per-client label counts and the server-held splits, for plots
+        atomic_write_text(run.path / "partition.json", json.dumps(describe_data) + "\n")
+    metrics, primary = metric_directions(cfg)
+    run.write_run_meta(metrics, primary, session_info(device))
+
+
+def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
     """Write one finished round to the run directory: its events and metrics line, the client
     weights, a checkpoint (then the client store's commit, which the checkpoint indexes) and the status."""
     for e in events:
-        run.append_metrics({"stage": sim.stage, **e})
+        run.append_metrics({"stage": server.stage, **e})
     run.append_metrics(row)
-    if sim.last_weights is not None:
-        ids, w = sim.last_weights
+    if server.last_weights is not None:
+        ids, w = server.last_weights
         run.append_client_weights(r, ids, w)
-    run.save_checkpoint(r, sim.state_dict(), keep_last=cfg.run.checkpoint_keep)
-    sim.store.commit()
-    write_status(run, "running", r, cfg.server.rounds)
+    run.save_checkpoint(r, server.state_dict(), keep_last=cfg.run.checkpoint_keep)
+    server.store.commit()
+    run.write_status("running", r, cfg.server.rounds)
 
 
 def execute(
@@ -181,15 +267,11 @@ def execute(
         shutil.rmtree(run.path)
     # load data and build everything first: bad input must fail before a run directory is written
     sim = build_simulation(cfg, run_dir=run.path)
-    if not run.exists():
-        run.write_config(res, tomli_w.dumps(toml_safe(res)))
-    describe = getattr(sim.task, "data_description", None)
-    if describe is not None:  # per-client label counts and the server validation set, for plots
-        atomic_write_text(run.path / "partition.json", json.dumps(describe()) + "\n")
+    if resume and run.read_status().get("state") == "complete":
+        rows = [r for r in run.read_metrics() if "event" not in r]
+        return Outcome(run.path, "skipped", rows[-1] if rows else None)
+    start_run_dir(run, cfg, sim.task, sim.server.device)
     if resume:
-        if run_status(run).get("state") == "complete":
-            rows = [r for r in run.read_metrics() if "event" not in r]
-            return Outcome(run.path, "skipped", rows[-1] if rows else None)
         ckpt = run.load_latest_checkpoint()
         if ckpt is not None:
             sim.load_state_dict(ckpt[1])
@@ -200,7 +282,7 @@ def execute(
     last: dict[str, Any] = {}
 
     def _on_round(r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
-        record_round(run, sim, cfg, r, row, events)
+        record_round(run, sim.server, cfg, r, row, events)
         last.clear()
         last.update(row)
         if on_round is not None:
@@ -209,22 +291,20 @@ def execute(
     sim.run(on_round=_on_round, stop_after=stop_after)
     state = "complete" if sim.round >= cfg.server.rounds else "stopped"
     save_weights(sim.global_model, run.path / "model.safetensors")
-    write_status(run, state, sim.round, cfg.server.rounds)
+    run.write_status(state, sim.round, cfg.server.rounds)
     if state == "complete":
-        finish(run.path, sim)
+        finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name)
     return Outcome(run.path, state, last or None)
 
 
-def finish(run_dir: Path, sim: Simulation | None = None) -> None:
+def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None) -> None:
     """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first)."""
     from .reporting import plot_client_weights, write_summary
 
-    # -- task visuals (video SR: LR / output / ground-truth crops of the final global model) --
-    save_visuals = getattr(sim.task, "save_visuals", None) if sim is not None else None
-    if save_visuals is not None:
-        save_visuals(sim.global_model, Path(run_dir) / "plots" / "visuals.png")
-    # -- end task visuals --
-    fixed = sim is not None and sim.recipe.weighting.name in ("data_size", "uniform")
+    save_visuals = getattr(task, "save_visuals", None) if task is not None else None
+    if save_visuals is not None and model is not None:  # e.g. video SR: LR / output / ground-truth crops
+        save_visuals(model, Path(run_dir) / "plots" / "visuals.png")
+    fixed = weighting in ("data_size", "uniform")
     if (Path(run_dir) / "client_weights.jsonl").is_file() and not fixed:
         plot_client_weights(run_dir)  # before the summary, which links it; skipped for data-fixed weights
     write_summary(run_dir)
@@ -235,4 +315,7 @@ def load_run_config(run_dir: str | Path) -> Any:
     return validate(run.read_config(), str(run.path / "config.json"))
 
 
-__all__ = ["build_task", "build_recipe", "build_simulation", "execute", "load_run_config", "Outcome"]
+__all__ = [
+    "Outcome", "build_local", "build_recipe", "build_schedule", "build_server", "build_simulation", "build_stages",
+    "build_task", "execute", "load_run_config", "metric_directions", "record_round", "resolved",
+]

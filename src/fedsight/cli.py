@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .config import ConfigError
+from .errors import ConfigError
 
 app = typer.Typer(
     add_completion=False,
@@ -36,12 +36,9 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _short(row: dict[str, Any]) -> str:
-    parts = []
-    for key, label in (("test/acc", "acc"), ("local/wma", "wma"), ("test/loss", "loss"), ("train/loss", "train")):
-        if key in row:
-            parts.append(f"{label} {row[key]:.4f}")
-    return "  ".join(parts)
+def _short(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
+    """The progress line's metrics: ``keys`` from ``api.progress_keys`` (the task's primary metric first)."""
+    return "  ".join(f"{label} {row[key]:.4f}" for key, label in keys if key in row)
 
 
 def _progress() -> Progress:
@@ -59,16 +56,17 @@ def _progress() -> Progress:
 
 
 def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
-    from .api import execute, run_status
+    from .api import execute, progress_keys
     from .runs import RunDir
 
-    done = int(run_status(RunDir(run_dir)).get("round", 0)) if RunDir(run_dir).exists() else 0
+    done = int(RunDir(run_dir).read_status().get("round", 0)) if RunDir(run_dir).exists() else 0
+    keys = progress_keys(cfg)
     with _progress() as progress:
         task = progress.add_task(label, total=cfg.server.rounds, completed=done, clients="", metrics="")
 
         def on_round(r: int, row: dict[str, Any]) -> None:
             clients = f"{row.get('clients/aggregated', 0)} clients"
-            progress.update(task, completed=r, clients=clients, metrics=_short(row))
+            progress.update(task, completed=r, clients=clients, metrics=_short(row, keys))
 
         return execute(cfg, run_dir, on_round=on_round, **kwargs)
 
@@ -172,9 +170,10 @@ def list_(
     kind: Annotated[Optional[str], typer.Argument(help="Only this kind (e.g. model, dataset, aggregator).")] = None,
 ) -> None:
     """List registered tasks, datasets, models, partitioners and recipe parts with their parameters."""
-    import fedsight.components  # noqa: F401
-
     from . import registry as R
+    from .plugins import load_builtin
+
+    load_builtin()
 
     regs = (R.TASKS, R.DATASETS, R.MODELS, R.PARTITIONERS, R.WEIGHTINGS, R.AGGREGATORS, R.SERVER_OPTIMIZERS,
             R.SHARING, R.COMPONENTS)
@@ -206,7 +205,8 @@ def partition(
     """Show how a config partitions its data: per-client statistics and a clients x classes heatmap."""
     from . import config as C
     from .api import build_task
-    from .data.partition import partition_summary, plot_partition_heatmap
+    from .data.partition import partition_summary
+    from .reporting import plot_partition_heatmap
 
     try:
         cfg = C.load(config, set_ or [])[0].config

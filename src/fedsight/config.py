@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from . import registry as R
+from .errors import ConfigError
 from .registry import Params
 
-
-class ConfigError(ValueError):
-    """A config problem, already phrased for the user (one line per problem)."""
+__all__ = ["ConfigError", "RunSpec", "expand", "load", "parse_override", "read_toml", "set_path", "validate"]
 
 
 # -- component specs -------------------------------------------------------------------------------
@@ -139,11 +138,33 @@ class StageSection(BaseModel):
 
 
 class EngineSection(Params):
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    """Where and how the run computes (``fedsight.device``)."""
+
+    device: str = Field("auto", description='"auto" (CUDA when available), "cpu", "cuda" or "cuda:N"')
+    threads: int | Literal["auto"] = Field(
+        "auto", description='torch intra-op threads; "auto" = 1 (small models: no thread-pool overhead or oversubscription)'
+    )
+    deterministic: bool = Field(False, description="CUDA: deterministic kernels (bit-identical repeats on one GPU; slower)")
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or \"auto\"")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        import re
+
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value.strip()):
+            raise ValueError('expected "auto", "cpu", "cuda" or "cuda:N"')
+        return value.strip()
 
 
 def _sections() -> dict[str, Any]:
-    from .data.validation import ValidationSection  # the server-held validation set (FedVG)
+    from .data.server_split import ValidationSection  # the server-held validation set (FedVG)
     from .pretrain import PretrainSection  # the server-held pre-training split (Fed3R's extractor)
 
     partition_extra = {
@@ -187,7 +208,9 @@ def _sections() -> dict[str, Any]:
 
 def config_model() -> type[BaseModel]:
     """The Config model for the components registered now (rebuilt when registries change)."""
-    import fedsight.components  # noqa: F401  (registers everything built in)
+    from .plugins import load_builtin
+
+    load_builtin()
 
     key = ("config", *(tuple(r.names()) for r in _ALL_REGISTRIES()))
     if key not in _SPEC_CACHE:
@@ -374,13 +397,70 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate(raw: dict[str, Any], source: str = "config") -> BaseModel:
+    """A validated config: every section's keys and values, then every recipe part's and option's
+    requirements against what the task, the model and the config provide (``fedsight.capabilities``),
+    then every stage as a config of its own."""
     cls = config_model()
     try:
         cfg = cls.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, raw, cls, source)) from None
+    problems = unmet_requirements(cfg)
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
     stage_configs(cfg, source)  # every stage must be a valid config too
     return cfg
+
+
+def requirements(cfg: Any) -> list[Any]:
+    """What a validated config's recipe parts, sections and options need (``capabilities.Requirement``)."""
+    from .capabilities import Requirement, resolve
+
+    out = []
+    rc = cfg.recipe
+    parts = [("recipe.weighting", R.WEIGHTINGS, rc.weighting), ("recipe.aggregator", R.AGGREGATORS, rc.aggregator),
+             ("recipe.sharing", R.SHARING, rc.sharing), ("server.optimizer", R.SERVER_OPTIMIZERS, cfg.server.optimizer)]
+    parts += [(f"recipe.components[{i}]", R.COMPONENTS, c) for i, c in enumerate(rc.components)]
+    for where, reg, spec in parts:
+        needs = resolve(reg.get(spec.name).requires, spec)
+        if needs:
+            out.append(Requirement(f"{where} = {spec.name!r}", needs))
+    t = cfg.train
+    if t.temperature != 1.0:
+        out.append(Requirement(f"train.temperature = {t.temperature}", frozenset({"class_logits"})))
+    if t.freeze:
+        out.append(Requirement(f"train.freeze = {list(t.freeze)}", frozenset({"parameter_groups"})))
+    v = cfg.validation
+    if v.source != "none":
+        out.append(Requirement(f"validation.source = {v.source!r}", frozenset({"server_split"})))
+    if v.imbalance is not None:
+        out.append(Requirement(f"validation.imbalance = {v.imbalance}", frozenset({"class_labels"})))
+    if cfg.pretrain.source != "none":
+        out.append(Requirement(f"pretrain.source = {cfg.pretrain.source!r}",
+                               frozenset({"server_split", "class_labels", "parameter_groups"})))
+    return out
+
+
+def provided(cfg: Any) -> tuple[dict[str, frozenset[str]], dict[str, str]]:
+    """What the task, the model and the config sections of a validated config provide, and how to name
+    each provider in a message."""
+    from .capabilities import resolve
+
+    task_spec = R.TASKS.get(cfg.task.name).meta["spec"](cfg.task)
+    model = R.MODELS.get(cfg.model.name)
+    config = {"val_split"} if cfg.validation.source != "none" else set()
+    return (
+        {"task": task_spec.provides, "model": resolve(model.provides, cfg.model), "config": frozenset(config)},
+        {"task": f"task {cfg.task.name!r}", "model": f"model {cfg.model.name!r} (with these parameters)"},
+    )
+
+
+def unmet_requirements(cfg: Any) -> list[str]:
+    """One line per requirement of ``cfg`` that its task, model or sections do not meet."""
+    from .capabilities import missing
+
+    have, names = provided(cfg)
+    return missing(requirements(cfg), have, names)
 
 
 def stage_configs(cfg: Any, source: str = "config") -> list[tuple[str, int, Any]]:

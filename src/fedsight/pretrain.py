@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from pydantic import Field, field_validator
 from torch import nn
 
+from .device import model_device, to_device
+from .errors import ConfigError
 from .registry import Params
-from .rng import derive_seed, np_rng, seed_torch, torch_gen
+from .rng import derive_seed, seed_torch, torch_gen
 
 #: bumped when the pre-training procedure changes, so cached extractors of an older procedure are not reused
 PRETRAIN_VERSION = 1
@@ -79,82 +80,6 @@ class PretrainSection(Params):
         if len(set(value)) != len(value):
             raise ValueError(f"class {sorted(c for c in set(value) if value.count(c) > 1)} listed twice")
         return sorted(value)
-
-
-# -- the server's split -----------------------------------------------------------------------------
-
-
-def pretrain_counts(labels: np.ndarray, num_classes: int, fraction: float, classes: list[int] | None) -> np.ndarray:
-    """Examples of each class that go to the server: ``floor(fraction * n_c + 1/2)`` for every class c
-    (or only the listed ``classes``), where n_c counts class c in ``labels``."""
-    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes)
-    take = np.floor(fraction * counts + 0.5).astype(np.int64)
-    if classes is not None:
-        listed = np.zeros(num_classes, dtype=bool)
-        listed[classes] = True
-        take[~listed] = 0
-    return take
-
-
-def pretrain_indices(
-    labels: np.ndarray, num_classes: int, fraction: float, classes: list[int] | None, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted (server split, rest) index arrays of a training pool; see ``pretrain_counts``. Classes are
-    drawn in increasing order, each uniformly without replacement."""
-    labels = np.asarray(labels, dtype=np.int64)
-    counts = np.bincount(labels, minlength=num_classes)
-    take = pretrain_counts(labels, num_classes, fraction, classes)
-    starved = [c for c in range(num_classes) if counts[c] > 0 and take[c] >= counts[c]]
-    if starved:
-        c = starved[0]
-        raise ValueError(
-            f"pretrain.fraction = {fraction} gives the server all {counts[c]} pool example(s) of class {c}"
-            f"{' and classes ' + str(starved[1:]) if len(starved) > 1 else ''}, leaving the clients none; "
-            "lower pretrain.fraction (every class keeps at least one example for the clients)"
-        )
-    picked = [rng.choice(np.flatnonzero(labels == c), size=int(take[c]), replace=False) for c in range(num_classes) if take[c] > 0]
-    if not picked:
-        raise ValueError(
-            f"pretrain: the server's split is empty (fraction = {fraction} of "
-            f"{'classes ' + str(classes) if classes is not None else 'the pool'}); raise pretrain.fraction"
-        )
-    pre = np.sort(np.concatenate(picked).astype(np.int64))
-    mask = np.ones(len(labels), dtype=bool)
-    mask[pre] = False
-    return pre, np.flatnonzero(mask).astype(np.int64)
-
-
-def split_pretrain(p: PretrainSection, splits: Any, seed: int) -> tuple[Any, Any]:
-    """(splits whose training pool no longer holds the server's split, that split as an ArrayDataset);
-    (splits, None) when ``source = "none"``. Raises ConfigError for classes outside the dataset."""
-    from .config import ConfigError
-    from .data import DatasetSplits
-
-    if p.source == "none":
-        return splits, None
-    num_classes = splits.num_classes
-    if p.classes is not None:
-        bad = [c for c in p.classes if c >= num_classes]
-        if bad:
-            raise ConfigError(
-                f"pretrain.classes = {p.classes}: class {bad[0]} is out of range; the dataset has {num_classes} "
-                f"classes (indices 0..{num_classes - 1})"
-            )
-    pre_idx, rest_idx = pretrain_indices(splits.train.labels, num_classes, p.fraction, p.classes, np_rng(seed, "pretrain"))
-    return DatasetSplits(train=splits.train.subset(rest_idx), test=splits.test), splits.train.subset(pre_idx)
-
-
-def pretrain_summary(p: PretrainSection, pre: Any) -> dict[str, Any] | None:
-    """The server split's setup, size and class histogram (``RUN_DIR/partition.json``)."""
-    if pre is None:
-        return None
-    return {
-        "source": p.source,
-        "fraction": p.fraction,
-        "classes": p.classes,
-        "size": int(len(pre)),
-        "class_counts": [int(c) for c in np.bincount(pre.labels, minlength=pre.num_classes)],
-    }
 
 
 # -- where the extractor lives ----------------------------------------------------------------------
@@ -210,7 +135,6 @@ def _supports_pretrain(task: Any) -> bool:
 
 
 def _require_support(cfg: Any, task: Any) -> None:
-    from .config import ConfigError
 
     if not _supports_pretrain(task):
         raise ConfigError(f"task {cfg.task.name!r} does not support a pretrain section; set pretrain.source = \"none\"")
@@ -226,13 +150,15 @@ def backbone_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _test_metrics(task: Any, model: nn.Module, batch_size: int, classes: list[int] | None) -> dict[str, float]:
-    metrics = dict(task.finalize(task.eval_sums(model, "test", batch_size)))
+    metrics = dict(task.evaluate(model, "test", batch_size))
     if classes is not None:  # accuracy on the test examples of the classes the extractor saw
         was = model.training
         model.eval()
-        listed = torch.tensor(classes)
+        device = model_device(model)
+        listed = torch.tensor(classes, device=device)
         correct = n = 0
         for xb, yb in task.eval_batches("test", batch_size):
+            xb, yb = to_device(xb, device), to_device(yb, device)
             keep = torch.isin(yb, listed)
             if keep.any():
                 correct += int((model(xb[keep]).argmax(1) == yb[keep]).sum())
@@ -245,31 +171,27 @@ def _test_metrics(task: Any, model: nn.Module, batch_size: int, classes: list[in
 
 def pretrain(
     cfg: Any,
-    task: Any = None,
+    task: Any,
     out: str | Path | None = None,
     progress: Callable[[int, float], None] | None = None,
+    device: torch.device | str = "cpu",
 ) -> PretrainResult:
     """Pre-train the task's model centrally on the server's split and write its backbone to ``out``
     (default ``pretrain_weights_path(cfg)``) plus a JSON sidecar; ``progress(epoch, mean_loss)`` is
     called after each epoch. Torch's global RNG is left as it was."""
     from safetensors.torch import save
 
-    from .config import ConfigError
     from .runs import atomic_write_bytes, atomic_write_text
 
     p = cfg.pretrain
     if p.source == "none":
         raise ConfigError('pretrain.source = "none": nothing to pre-train on; set pretrain.source = "samples"')
-    if task is None:
-        from .api import build_task
-
-        task = build_task(cfg)
     _require_support(cfg, task)
     path = Path(out) if out is not None else pretrain_weights_path(cfg)
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "pretrain-init"))
-        model = task.build_model()
+        model = task.build_model().to(device)
         if not hasattr(model, "parameter_groups"):
             raise ConfigError(f"model {cfg.model.name!r} has no backbone/head structure to pre-train")
         opt = torch.optim.SGD(model.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
@@ -277,9 +199,10 @@ def pretrain(
         losses: list[float] = []
         for epoch in range(p.epochs):
             seed_torch(cfg.seed, "pretrain-dropout", epoch)
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float64, device=device)
             n = 0
             for xb, yb in task.pretrain_batches(p.batch_size, torch_gen(cfg.seed, "pretrain-shuffle", epoch)):
+                xb, yb = to_device(xb, model_device(model)), to_device(yb, model_device(model))
                 loss = task.loss(model(xb), yb)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -321,12 +244,12 @@ def pretrain(
                           sorted(state), meta["seconds"])
 
 
-def ensure_pretrained(cfg: Any, task: Any) -> Path:
+def ensure_pretrained(cfg: Any, task: Any, device: torch.device | str = "cpu") -> Path:
     """The extractor file of ``cfg``, pre-training it first when it does not exist yet."""
     _require_support(cfg, task)
     path = pretrain_weights_path(cfg)
     if not path.is_file():
-        pretrain(cfg, task, path)
+        pretrain(cfg, task, path, device=device)
     return path
 
 
@@ -362,7 +285,4 @@ __all__ = [
     "load_backbone",
     "pretrain_weights_path",
     "pretrain_key",
-    "split_pretrain",
-    "pretrain_indices",
-    "pretrain_counts",
 ]

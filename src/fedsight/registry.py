@@ -8,7 +8,7 @@ sees an untyped dict.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
@@ -34,6 +34,12 @@ class Entry(Generic[T]):
     help: str
     #: for datasets and models: the task family they serve (None = "classification")
     task: str | None = None
+    #: capabilities (``fedsight.capabilities``) this part needs: a set, or a function of its params
+    requires: Any = None
+    #: capabilities this part provides (models): a set, or a function of its params
+    provides: Any = None
+    #: kind-specific declarations (a task's ``spec``; the metrics a part logs, ``metrics``)
+    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def task_family(self) -> str:
@@ -46,13 +52,18 @@ class Registry(Generic[T]):
         self._entries: dict[str, Entry[T]] = {}
 
     def register(
-        self, name: str, params: type[Params] = NoParams, help: str = "", task: str | None = None
+        self, name: str, params: type[Params] = NoParams, help: str = "", task: str | None = None, *,
+        requires: Any = None, provides: Any = None, **meta: Any,
     ) -> Callable[[T], T]:
+        """Register ``factory(params, **context)`` under ``name``. ``requires`` / ``provides``: the
+        capabilities it needs or has (a set, or a function of the validated params); ``meta``: other
+        declarations (a task's ``spec``, the ``metrics`` a recipe part logs)."""
+
         def deco(obj: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             doc = help or (getattr(obj, "__doc__", None) or "").strip().split("\n")[0]
-            self._entries[name] = Entry(name, obj, params, doc, task)
+            self._entries[name] = Entry(name, obj, params, doc, task, requires, provides, dict(meta))
             return obj
 
         return deco

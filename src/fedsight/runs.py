@@ -1,9 +1,13 @@
-"""Run directories: resolved config, metrics log, atomic per-round checkpoints.
+"""Run directories: the format and its only reader and writer.
 
 Layout::
 
     RUN_DIR/config.json          resolved config (also config.toml for reading)
+    RUN_DIR/run.json             what the run logs: every metric's direction (higher or lower is better),
+                                 the primary metric, and where each session ran (device, threads, versions)
+    RUN_DIR/status.json          {"state": "running" | "stopped" | "complete", "round": r, "rounds": R}
     RUN_DIR/metrics.jsonl        one JSON object per round (and ``{"event": ...}`` lines)
+    RUN_DIR/client_weights.jsonl each round's aggregated clients and their normalised weights
     RUN_DIR/checkpoints/round-000007.safetensors + round-000007.json
     RUN_DIR/plots/*.png, RUN_DIR/summary.md
 
@@ -26,6 +30,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 CKPT_DIR = "checkpoints"
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+RUN_META_FILE = "run.json"
+STATUS_FILE = "status.json"
+StrPath = str | os.PathLike[str]
 
 
 def round_(x: float) -> float:
@@ -49,6 +58,88 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
+
+
+# -- reading the logs -------------------------------------------------------------------------------
+
+
+def _run_file(run_dir: StrPath, name: str) -> tuple[Path, str]:
+    """(path, text) of a run directory's file; a missing one says the folder may not be a run."""
+    path = Path(run_dir) / name
+    try:
+        return path, path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file (is {Path(run_dir)} a FedSight run directory?)") from None
+
+
+def read_config(run_dir: StrPath) -> dict[str, Any]:
+    """The resolved config of a run: the parsed ``RUN_DIR/config.json``.
+
+    Raises ``FileNotFoundError`` or ``ValueError`` naming the file when it is missing, is not valid
+    JSON, or is not a JSON object.
+    """
+    path, text = _run_file(run_dir, CONFIG_FILE)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
+    """All records of ``RUN_DIR/metrics.jsonl``, in file order, event lines included.
+
+    Blank lines are skipped. A line that is not a JSON object, or a metrics line (one without
+    ``"event"``) whose ``"round"`` is not an integer, raises ``ValueError`` naming ``file:line``.
+    """
+    path, text = _run_file(run_dir, METRICS_FILE)
+    lines = text.splitlines()
+    records: list[dict[str, Any]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        if "event" not in rec:
+            rnd = rec.get("round")
+            if not isinstance(rnd, int) or isinstance(rnd, bool):
+                raise ValueError(f"{path}:{lineno}: metrics line needs an integer 'round', got {rnd!r}")
+        records.append(rec)
+    return records
+
+
+def read_run_meta(run_dir: StrPath) -> dict[str, Any] | None:
+    """``RUN_DIR/run.json`` (None for a run written before it existed); a damaged file names itself."""
+    path = Path(run_dir) / RUN_META_FILE
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("metrics", {}), dict):
+        raise ValueError(f"{path}: expected a JSON object with a 'metrics' table")
+    return meta
+
+
+def read_status(run_dir: StrPath) -> dict[str, Any]:
+    """``RUN_DIR/status.json`` ({} before the first round)."""
+    path = Path(run_dir) / STATUS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        status = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(status, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(status).__name__}")
+    return status
 
 
 # -- nested state <-> (JSON, flat tensors) ----------------------------------------------------------
@@ -105,8 +196,6 @@ class RunDir:
         return (self.path / "config.json").is_file()
 
     def read_config(self) -> dict[str, Any]:
-        from .reporting import read_config  # one reader for the CLI, resume and reports
-
         return read_config(self.path)
 
     def write_config(self, resolved: dict[str, Any], toml_text: str) -> None:
@@ -122,9 +211,21 @@ class RunDir:
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """Every line of metrics.jsonl (``[]`` before the first round)."""
-        from .reporting import read_metrics
-
         return read_metrics(self.path) if self.metrics_path.is_file() else []
+
+    def read_status(self) -> dict[str, Any]:
+        return read_status(self.path)
+
+    def write_status(self, state: str, round: int, rounds: int) -> None:
+        atomic_write_text(self.path / STATUS_FILE, json.dumps({"state": state, "round": round, "rounds": rounds}) + "\n")
+
+    def write_run_meta(self, metrics: dict[str, bool | None], primary: str, session: dict[str, Any]) -> None:
+        """Record the run's metric directions and primary metric, and append this session's
+        environment (a resumed run adds a session: it may run on another device)."""
+        old = read_run_meta(self.path) or {}
+        sessions = list(old.get("sessions", [])) + [session]
+        meta = {"format": 1, "primary": primary, "metrics": dict(sorted(metrics.items())), "sessions": sessions}
+        atomic_write_text(self.path / RUN_META_FILE, json.dumps(meta, indent=1) + "\n")
 
     def truncate_metrics(self, last_round: int) -> None:
         """Drop rows of rounds after ``last_round`` (written after the last checkpoint of a killed run)."""

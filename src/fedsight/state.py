@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+#: client-state key of a client's personal (non-shared) model entries
+PERSONAL = "personal"
+
 
 class ClientStateStore:
     def __init__(self, root: str | Path | None = None):
@@ -49,7 +52,7 @@ class ClientStateStore:
             raise ValueError(f"invalid client-state key {key!r}")
         old = self._index.setdefault(key, {}).get(client)
         if self.root is None:
-            self._mem[(key, client)] = {k: v.detach().clone() for k, v in tensors.items()}
+            self._mem[(key, client)] = {k: v.detach().cpu().clone() for k, v in tensors.items()}
         else:
             path = self._path(key, client, round)
             path.parent.mkdir(parents=True, exist_ok=True)

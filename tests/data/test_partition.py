@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from fedsight.data import ClientSplit, make_client_splits, partition_counts, partition_summary, plot_partition_heatmap
+from fedsight.data import ClientSplit, make_client_splits, partition_counts, partition_summary
+from fedsight.reporting import plot_partition_heatmap
 from fedsight.registry import PARTITIONERS, build
 from fedsight.rng import np_rng
 

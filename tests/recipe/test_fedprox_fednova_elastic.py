@@ -15,11 +15,10 @@ from hypothesis import strategies as st
 from fedsight import registry as R
 from fedsight.api import build_simulation
 from fedsight.config import validate
-from fedsight.recipe.base import Component
+from fedsight.training import Component
 from fedsight.records import ClientResult
 from fedsight.rng import torch_gen
 
-import fedsight.components  # noqa: F401  (registers the built-in components)
 from helpers import ToyTask, tiny, toy_sim
 
 

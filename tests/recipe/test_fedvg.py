@@ -20,10 +20,9 @@ from fedsight import registry as R
 from fedsight.api import build_simulation, build_task, execute
 from fedsight.config import ConfigError, validate
 from fedsight.functional.fedvg import layer_norm
-from fedsight.recipe.base import ServerContext
+from fedsight.training import ServerContext
 from fedsight.records import ClientResult
 
-import fedsight.components  # noqa: F401
 from helpers import ToyLinear, ToyTask, tiny, toy_sim
 
 EPS = 1e-8
@@ -445,7 +444,7 @@ def test_carved_validation_set_is_disjoint_from_every_client_and_sized(tmp_path,
     xs = torch.cat([x for x, _ in task.eval_batches("val", 7)])
     assert torch.equal(xs, task.val_x)
     assert raw_ids(build_task(npz_cfg(tmp_path / "u.npz", **{"validation.fraction": 0.15, "validation.stratified": stratified})), task.val_x) == v_ids
-    assert set(task.eval_sums(task.build_model(), "val", 16)) >= {"correct", "n"}
+    assert set(task.evaluate(task.build_model(), "val", 16)) == {"acc", "loss"}
     assert task.data_description()["validation"]["size"] == 30
 
 

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from fedsight import registry as R
+from fedsight.models.base import ModelIO
 from fedsight.api import execute
 from fedsight.config import ConfigError, validate
 from fedsight.runs import RunDir
 
 from helpers import ToyTask, tiny, toy_sim
 
-import fedsight.components  # noqa: F401,E402
 
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -43,7 +43,7 @@ def expected_local(model, kinds, affine):
 
 def cnn(norm):
     return R.build(R.MODELS, "cnn", {"channels": [4, 6], "hidden": 8, "norm": norm},
-                   num_classes=3, in_channels=1, image_size=8)
+                   io=ModelIO("classification", in_channels=1, num_outputs=3, image_size=8))
 
 
 # -- shared keys ---------------------------------------------------------------------------------
@@ -171,9 +171,9 @@ def test_fedbn_clients_with_different_inputs_keep_different_statistics():
 
 
 def spy_eval(sim):
-    """Record the BN state of the evaluated model at each eval_sums call."""
+    """Record the BN state of the evaluated model at each eval_state call."""
     seen = []
-    orig = sim.task.eval_sums
+    orig = sim.task.eval_state
 
     def wrapped(model, split, batch_size):
         bn = model.backbone
@@ -181,7 +181,7 @@ def spy_eval(sim):
                      "weight": bn.weight.detach().clone(), "momentum": bn.momentum})
         return orig(model, split, batch_size)
 
-    sim.task.eval_sums = wrapped
+    sim.task.eval_state = wrapped
     return seen
 
 
@@ -244,7 +244,7 @@ def test_fresh_statistics_on_a_local_split_and_restore():
     sim.run()
     model = sim.load_client_model(2)
     mine = model.backbone.running_mean.clone()
-    with sim.recipe.sharing.eval_context(model, sim, 2):
+    with sim.eval_context(model, 2):
         torch.testing.assert_close(model.backbone.running_mean, task.test_x.mean(0), rtol=1e-5, atol=1e-6)
     assert torch.equal(model.backbone.running_mean, mine)
     torch.testing.assert_close(mine, sim.store.get("personal", 2)["backbone.running_mean"])
@@ -276,7 +276,7 @@ def test_global_sharing_eval_context_is_a_no_op():
     sim = toy_sim(task=ToyTask(bn=True), rounds=1)
     sim.run()
     before = {k: v.clone() for k, v in sim.global_model.state_dict().items()}
-    with sim.recipe.sharing.eval_context(sim.global_model, sim, "test"):
+    with sim.eval_context(sim.global_model, "test"):
         for k, v in sim.global_model.state_dict().items():
             assert torch.equal(v, before[k])
 

@@ -22,13 +22,12 @@ from fedsight import registry as R
 from fedsight.api import build_simulation
 from fedsight.config import ConfigError, validate
 from fedsight.functional.robust import coordinate_median, krum_scores, krum_select, trimmed_mean
-from fedsight.recipe.base import Component
+from fedsight.training import Component
 from fedsight.records import ClientResult
 from fedsight.rng import np_rng
 
 from helpers import ToyTask, tiny, toy_sim
 
-import fedsight.components  # noqa: F401
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=64)
 
@@ -331,7 +330,7 @@ def test_attack_set_deterministic_across_runs_and_seed_dependent():
 
 
 def test_attack_broadcasts_num_clients_only_when_unset():
-    from fedsight.recipe.base import ServerContext
+    from fedsight.training import ServerContext
 
     sctx = ServerContext(round=1, model=torch.nn.Linear(1, 1), num_clients=13, sampled=[0], seed=0)
     sent = _attack().server_broadcast(sctx)

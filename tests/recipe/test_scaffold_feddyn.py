@@ -15,12 +15,11 @@ import torch
 import torch.nn.functional as F
 
 import fedsight.api
-import fedsight.components  # noqa: F401  (registers scaffold, feddyn, ...)
 from fedsight import registry as R
 from fedsight.api import build_simulation, execute
 from fedsight.config import validate
 from fedsight.engine.simulation import sample_clients
-from fedsight.recipe.base import Component
+from fedsight.training import Component
 from fedsight.recipe.feddyn import FedDynParams
 from fedsight.runs import RunDir
 

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fedsight.components  # noqa: F401  (registers the built-in parts)
 from fedsight import registry as R
 from fedsight.api import build_simulation, execute
 from fedsight.config import validate

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -11,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fedsight.components  # noqa: F401
-from fedsight.client import LocalTraining, train_client
-from fedsight.recipe.base import ServerContext
-from fedsight.recipe.fedvsr import DWTLoss, DWTLossParams, FedVSRWeighting, FedVSRWeightingParams
+from fedsight.training.local import LocalTraining, train_client
+from fedsight.training import ServerContext
+from fedsight.recipe.fedvsr import DWTLoss, DWTLossParams, FedVSRWeighting
 from fedsight.records import ClientResult
 from fedsight.registry import COMPONENTS, WEIGHTINGS, build
 from helpers import ToyTask, toy_sim
@@ -138,6 +136,9 @@ class _FixedTask:
     def train_batch(self, client, positions):
         return self.x[positions], self.y[positions]
 
+    def train_batches(self, client, batches, *, seed=0, round=0):
+        return (self.train_batch(client, p) for p in batches)
+
     def loss(self, out, target):
         return torch.sqrt((out - target) ** 2 + 1e-6**2).mean()
 
@@ -194,12 +195,17 @@ def test_dwt_loss_rejects_non_image_outputs_and_composes_in_config():
     with pytest.raises(ValueError, match="image outputs"):
         DWTLoss().loss_term(None, torch.zeros(4, 10), torch.zeros(4, dtype=torch.long))
     from fedsight.api import build_recipe
-    from fedsight.config import validate
+    from fedsight.config import ConfigError, validate
     from helpers import tiny
 
-    cfg = validate(tiny(**{"recipe.components": [{"name": "dwt_loss", "lambda_hifr": 0.5}, {"name": "fedprox", "mu": 0.001}],
-                           "recipe.weighting": {"name": "fedvsr", "decay": "paper", "alpha": 2.0}}))
-    recipe = build_recipe(cfg)
+    recipe_over = {"recipe.components": [{"name": "dwt_loss", "lambda_hifr": 0.5}, {"name": "fedprox", "mu": 0.001}],
+                   "recipe.weighting": {"name": "fedvsr", "decay": "paper", "alpha": 2.0}}
+    # on a task whose outputs are not images, the config names both sides before anything runs
+    with pytest.raises(ConfigError, match=r"recipe.components\[0\] = 'dwt_loss' needs images .*task 'classification'"):
+        validate(tiny(**recipe_over))
+    video = tiny(**{"task": "video_sr", "data": {"name": "synthetic_video", "sources": ["astronaut"], "test_sources": ["coffee"]},
+                    "model": {"name": "basicvsr", "channels": 4, "blocks": 1}, "partition.name": "iid", **recipe_over})
+    recipe = build_recipe(validate(video))
     assert isinstance(recipe.weighting, FedVSRWeighting) and recipe.weighting.p.decay == "paper"
     assert [c.name for c in recipe.components] == ["dwt_loss", "fedprox"]
 

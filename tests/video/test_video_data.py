@@ -9,7 +9,6 @@ import pytest
 import torch
 from PIL import Image
 
-import fedsight.components  # noqa: F401
 from fedsight.data.partition import make_client_splits
 from fedsight.data.video import REDS4, render_clip, CameraPath, load_photo
 from fedsight.functional.resize import bicubic_degrade

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 from torch import nn
 
-import fedsight.components  # noqa: F401
 from fedsight.api import build_task, execute
 from fedsight.config import ConfigError, validate
 from fedsight.tasks.video_sr import assemble_visuals
@@ -93,7 +92,7 @@ def test_evaluation_protocol_matches_scikit_image(tmp_path):
     """Per frame (8-bit outputs, Y and RGB, border crop), then mean per clip, then mean over clips."""
     cfg = config(tmp_path, task={"name": "video_sr", "crop_border": 2})
     task = build_task(cfg)
-    got = task.finalize(task.eval_sums(_Bicubic(), "test", 1))
+    got = task.evaluate(_Bicubic(), "test", 1)
     per_clip = {"psnr_y": [], "ssim_y": [], "psnr_rgb": [], "ssim_rgb": []}
     for clip in task.splits.test.clips:
         lr = clip.lr(0, len(clip)).float() / 255
@@ -124,5 +123,5 @@ def test_local_test_clips_and_category_partition(tmp_path):
         held = np.concatenate([task.clients[k].train, task.clients[k].test])
         assert len(set(labels[held])) == 1  # one source photo per client
         assert task.num_test_examples(k) == 1 and task.num_train_examples(k) == 3
-    sums = task.eval_sums(_Bicubic(), 0, 1)
-    assert sums["n"] == 1.0 and np.isfinite(task.finalize(sums)["psnr"])
+    state = task.eval_state(_Bicubic(), 0, 1)
+    assert float(state.get("psnr.count")) == 1.0 and np.isfinite(task.metrics.compute(state)["psnr"])

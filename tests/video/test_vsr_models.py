@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fedsight.components  # noqa: F401
 from fedsight.models.vsr import SpyFlow, flow_warp
+from fedsight.models.base import ModelIO
 from fedsight.registry import MODELS, build
 
 VARIANTS = [
@@ -20,7 +20,7 @@ VARIANTS = [
 
 def make(name, params, scale=4, seed=0):
     torch.manual_seed(seed)
-    return build(MODELS, name, params, scale=scale)
+    return build(MODELS, name, params, io=ModelIO("video_sr", num_outputs=3, scale=scale))
 
 
 def test_registered_for_video_sr():

@@ -11,7 +11,6 @@ from fedsight.data.partition import (
     make_client_splits,
     partition_counts,
     partition_summary,
-    plot_partition_heatmap,
 )
 from fedsight.registry import DATASETS, Params, build
 
@@ -23,7 +22,6 @@ __all__ = [
     "make_client_splits",
     "partition_counts",
     "partition_summary",
-    "plot_partition_heatmap",
 ]
 
 

@@ -79,12 +79,13 @@ def _check_free(run_dir: Path, overwrite: bool) -> None:
         _fail(f"{run_dir} already holds a run; pass --overwrite to replace it or --run-dir for another directory")
 
 
-def _row_text(row: dict[str, Any]) -> str:
+def _row_text(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
+    """One progress line: the round, its clients, ``keys`` (``api.progress_keys``) and DP's epsilon."""
     if "event" in row:
         what = {k: v for k, v in row.items() if k not in ("event", "stage")}
         return f"[yellow]{row['event']}[/] {json.dumps(what)}"
     parts = [f"round {row.get('round')}", f"{row.get('clients/aggregated', 0)}/{row.get('clients/sampled', 0)} clients"]
-    for key, label in (("train/loss", "train"), ("test/acc", "acc"), ("local/wma", "wma"), ("dp/epsilon", "eps")):
+    for key, label in [*keys, ("dp/epsilon", "eps")]:
         if key in row:
             parts.append(f"{label} {row[key]:.4f}")
     if "time/round_s" in row:
@@ -144,15 +145,17 @@ def local_cmd(
 ) -> None:
     """Start a SuperLink and N SuperNodes on loopback, run CONFIG as a Flower app, stream progress,
     collect the FedSight run directory, and stop every process started."""
+    from ..api import progress_keys
     from .local import FlowerRunError, run_local
 
     cfg, rd = _one_config(config, set_, run_dir)
     opts = _options(round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
+    keys = progress_keys(cfg)
 
     def on_row(row: dict[str, Any], dep: Any) -> None:
-        console.print(f"[dim]{time.monotonic() - t0:7.1f} s[/]  {_row_text(row)}", highlight=False)
+        console.print(f"[dim]{time.monotonic() - t0:7.1f} s[/]  {_row_text(row, keys)}", highlight=False)
 
     console.print(f"starting a SuperLink and {nodes or cfg.partition.num_clients} SuperNodes on 127.0.0.1 ...")
     try:
@@ -179,6 +182,7 @@ def simulate_cmd(
     overwrite: Overwrite = False,
 ) -> None:
     """Run CONFIG on Flower's Ray-backed simulation engine (one virtual SuperNode per client)."""
+    from ..api import progress_keys
     from .simulation import flower_simulate
 
     cfg, rd = _one_config(config, set_, run_dir)
@@ -190,8 +194,9 @@ def simulate_cmd(
     except (RuntimeError, ValueError) as exc:
         _fail(str(exc), 1)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    keys = progress_keys(cfg)
     for row in rows:
-        console.print(_row_text(row), highlight=False)
+        console.print(_row_text(row, keys), highlight=False)
     console.print(f"done in {time.monotonic() - t0:.1f} s; run directory: {out}")
 
 

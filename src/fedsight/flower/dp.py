@@ -36,7 +36,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..records import ClientResult
 from ..rng import derive_seed
 from .records import record_to_tensors, tensors_to_record
@@ -169,8 +169,9 @@ class CentralDP:
 
 
 def install_central_dp(sim: Any, *, noise_multiplier: float, clipping_norm: float, delta: float | None) -> CentralDP:
-    """Replace the aggregator of every stage of ``sim`` by one ``CentralDP`` (one accountant for the
-    run). The recipe must weight uniformly with the mean aggregator and share no buffers."""
+    """Replace the aggregator of every stage of ``sim`` (an ``engine.server.Server``) by one
+    ``CentralDP`` (one accountant for the run). The recipe must weight uniformly with the mean
+    aggregator and share no buffers."""
     for st in sim.stages:
         w, a = st.recipe.weighting.name, st.recipe.aggregator.name
         if w != "uniform" or a != "mean":

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .tls import TLSFiles
+
 CONNECTION = "fedsight-local"
 
 
@@ -109,15 +111,6 @@ def _signal(pids: list[int], sig: int) -> None:
     for p in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, sig)
-
-
-@dataclass
-class TLSFiles:
-    """PEM paths: the CA certificate (clients trust it), the server certificate and key."""
-
-    ca_cert: Path
-    server_cert: Path
-    server_key: Path
 
 
 class LocalDeployment:
@@ -413,7 +406,7 @@ def run_local(
     app_dir = write_app(cfg, work / "app", run_dir=run_dir, options=opts)
     tls = None
     if tls_dir is not None or node_auth:
-        from .tls import make_tls, make_node_key
+        from .tls import make_node_key, make_tls
 
         tls = make_tls(Path(tls_dir or work / "tls"))
     dep = LocalDeployment(work, tls=tls, node_auth=node_auth)

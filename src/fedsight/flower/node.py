@@ -24,7 +24,7 @@ is rebuilt from the files (``restore_index``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..metrics import MetricState
+from ..models.base import ModelIO
 from ..state import ClientStateStore
 from ..tasks.base import Task
 
@@ -91,13 +93,14 @@ class NodeTask(Task):
 
     ``inner`` is a task whose client ``inner_client`` is this node's data; client id ``client_id`` of
     the federation (one of ``num_clients``) is answered from it. Other clients' data are not here:
-    asking for their sizes is an error. ``train_batch`` serves this node's data whatever the id, for
-    the engine's one-example model-cost probe (``Simulation`` reads an input shape from client 0)."""
+    asking for their sizes is an error. ``example_input`` serves this node's data (the model-cost
+    probe's input)."""
 
     def __init__(self, inner: Task, inner_client: int, client_id: int, num_clients: int):
         self.inner, self.inner_client, self.client_id, self._num_clients = inner, inner_client, client_id, num_clients
         self.name = inner.name
-        self.primary_metric = inner.primary_metric
+        self.provides = inner.provides
+        self.metrics = inner.metrics
 
     def _own(self, client: int) -> int:
         if int(client) != self.client_id:
@@ -115,6 +118,10 @@ class NodeTask(Task):
     def num_classes(self) -> int:
         return self.inner.num_classes  # type: ignore[attr-defined]
 
+    @property
+    def model_io(self) -> ModelIO:
+        return self.inner.model_io
+
     def build_model(self) -> nn.Module:
         return self.inner.build_model()
 
@@ -124,26 +131,39 @@ class NodeTask(Task):
     def num_test_examples(self, client: int) -> int:
         return self.inner.num_test_examples(self._own(client))
 
-    def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.train_batch(self.inner_client, positions)
+    def train_batch(self, client: int, positions: torch.Tensor) -> tuple[Any, Any]:
+        return self.inner.train_batch(self._own(client), positions)
 
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def train_batches(self, client: int, batches: Iterable[torch.Tensor], *, seed: int = 0, round: int = 0) -> Iterator[Any]:
+        return self.inner.train_batches(self._own(client), batches, seed=seed, round=round)
+
+    def example_input(self) -> Any:
+        return self.inner.train_batch(self.inner_client, torch.tensor([0]))[0]
+
+    def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         return self.inner.loss(outputs, targets)
 
-    def eval_sums(self, model: nn.Module, split: str | int, batch_size: int) -> dict[str, float]:
-        return self.inner.eval_sums(model, self._split(split), batch_size)
+    def update_metrics(self, state: MetricState, outputs: Any, targets: Any) -> None:
+        self.inner.update_metrics(state, outputs, targets)
 
-    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
-        return self.inner.finalize(sums)
+    def predict(self, model: nn.Module, inputs: Any) -> Any:
+        return self.inner.predict(model, inputs)
 
-    def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_state(self, model: nn.Module, split: str | int, batch_size: int) -> MetricState:
+        return self.inner.eval_state(model, self._split(split), batch_size)
+
+    def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[Any, Any]]:
         return self.inner.eval_batches(self._split(split), batch_size)
 
-    def eval_inputs(self, split: str | int, batch_size: int = 512) -> Iterator[torch.Tensor]:
+    def eval_inputs(self, split: str | int, batch_size: int = 512) -> Iterator[Any]:
         return self.inner.eval_inputs(self._split(split), batch_size)
 
     def client_labels(self, client: int) -> np.ndarray:
         return self.inner.client_labels(self._own(client))  # type: ignore[attr-defined]
+
+    def to(self, device: torch.device) -> "NodeTask":
+        self.inner.to(device)
+        return self
 
 
 def _local_splits(cfg: Any, data_dir: Path, class_names: list[str] | None):

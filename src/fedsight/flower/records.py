@@ -19,7 +19,8 @@ reply (SuperNode -> server)::
 
 evaluation reply (SuperNode -> server)::
 
-    "sums"              MetricRecord  the client's local-test sums (``Task.eval_sums``)
+    "state"             ArrayRecord   the client's local-test metric state (``Task.eval_state``): the task
+                                      declares its entries and how they merge (``MetricSet.state_from``)
     "meta"              MetricRecord  partition-id, num-test-examples
     "personal"          ArrayRecord   only when asked: the client's stored personal entries (FedBN's
                                       global-test evaluation averages them)
@@ -143,13 +144,13 @@ def read_result(content: RecordDict) -> tuple[ClientResult, bool]:
 # -- local evaluation -----------------------------------------------------------------------------
 
 
-def eval_content(partition: int, sums: Mapping[str, float], num_test: int,
+def eval_content(partition: int, state: Mapping[str, torch.Tensor], num_test: int,
                  personal: Mapping[str, torch.Tensor] | None = None) -> RecordDict:
-    """A node's local-test sums (``Task.eval_sums``), its number of local test examples and, when
-    asked, its stored personal entries (``ArrayRecord`` "personal")."""
+    """A node's local-test metric state (``MetricState.tensors()``), its number of local test examples
+    and, when asked, its stored personal entries (``ArrayRecord`` "personal")."""
     content = RecordDict(
         {
-            "sums": MetricRecord({k: float(v) for k, v in sums.items()}),
+            "state": tensors_to_record(state),
             "meta": MetricRecord({"partition-id": int(partition), "num-test-examples": int(num_test)}),
         }
     )
@@ -158,8 +159,9 @@ def eval_content(partition: int, sums: Mapping[str, float], num_test: int,
     return content
 
 
-def read_eval(content: RecordDict) -> tuple[int, dict[str, float], int, dict[str, torch.Tensor] | None]:
-    """(partition, sums, number of local test examples, personal entries or None) of an evaluation reply."""
+def read_eval(content: RecordDict) -> tuple[int, dict[str, torch.Tensor], int, dict[str, torch.Tensor] | None]:
+    """(partition, metric-state tensors, number of local test examples, personal entries or None) of an
+    evaluation reply."""
     meta = content["meta"]
     personal = record_to_tensors(content["personal"]) if "personal" in content.array_records else None
-    return int(meta["partition-id"]), {k: float(v) for k, v in content["sums"].items()}, int(meta["num-test-examples"]), personal
+    return int(meta["partition-id"]), record_to_tensors(content["state"]), int(meta["num-test-examples"]), personal

@@ -1,23 +1,24 @@
-"""The FedSight ServerApp: FedSight's server round over Flower's ``Grid``.
+"""The FedSight ServerApp: FedSight's round loop over Flower's ``Grid``.
 
-No algorithm logic here: the server builds the run's ``Simulation`` (``fedsight.api.build_simulation``)
-and drives its server half, round by round:
+No algorithm logic here: the server builds the run's ``Server`` (``fedsight.api.build_server``) and runs
+the one round loop of every engine (``fedsight.engine.loop.run_round``) with a ``FlowerBackend`` that
+sends the client half of each round to the SuperNodes:
 
-1. ``Simulation.begin_round(r)`` samples the FedSight client ids and collects the components'
-   broadcasts (SCAFFOLD's ``c``);
+1. ``Server.begin_round(r)`` samples the FedSight client ids and collects the components' broadcasts
+   (SCAFFOLD's ``c``);
 2. the instruction (global state, broadcasts, round, sampled ids) goes to the SuperNodes holding the
    sampled clients (a node's FedSight client id is its ``partition-id``; the server learns which node
    holds which client from the nodes' replies: in the first round every node gets the instruction and
    the unsampled ones answer with their partition only);
-3. the replies become ``ClientResult``s (``records.read_result``), in the sampled order, so the
-   aggregation sums in the same order as the in-process simulator;
-4. ``Simulation.end_round`` weights, aggregates, steps the server optimizer, averages shared buffers
-   and runs the components' server hooks (SCAFFOLD's control update).
+3. the replies become ``Reply``s (``records.read_result``) that ``Server.collect`` accepts or rejects,
+   in the sampled order, so the aggregation sums in the same order as the in-process simulator;
+4. ``Server.end_round`` weights, aggregates, steps the server optimizer, averages shared buffers and
+   runs the components' server hooks (SCAFFOLD's control update).
 
-Evaluation as the simulator does it: the global test set on the server (``Simulation.evaluate`` with
-local evaluation off), and, with ``eval.local``, each client's local test set on its node (an
-``evaluate`` message; the node evaluates the model the simulator would) summarised on the server into
-``local/wma`` and ``local/worst10``. FedBN/SiloBN evaluate the global test set with the clients'
+Evaluation is the loop's (``engine.loop.evaluate``): the global test set on the server, and, with
+``eval.local``, each client's local test set on its node (an ``evaluate`` message; the node returns the
+metric state of the model the simulator would evaluate) summarised on the server into ``local/wma``,
+``local/worst10`` and the merged metrics. FedBN/SiloBN evaluate the global test set with the clients'
 example-weighted mean normalisation entries (``NormSharing.client_average``); for that the nodes send
 their stored personal entries with the evaluation reply, and the server holds them in memory for that
 evaluation only.
@@ -26,7 +27,7 @@ Faults: a sampled client whose node does not answer within ``round-timeout`` sec
 an error) is left out of the round and recorded as a ``client_lost`` event (round, client, node,
 reason) in ``metrics.jsonl``; a round with fewer than ``min-clients`` accepted updates is not
 aggregated (``too_few_clients`` and ``round_skipped`` events). Per-client state never reaches the
-server: its ``Simulation`` has an in-memory client store that stays empty.
+server: its ``Server`` has an in-memory client store that stays empty.
 
 The run directory is the usual one (``config.json``, ``metrics.jsonl``, ``client_weights.jsonl``,
 checkpoints, ``model.safetensors``, ``status.json``, ``summary.md``), written by this ServerApp to the
@@ -45,6 +46,10 @@ from typing import Any
 from flwr.app import Context, Message, MessageType
 from flwr.serverapp import Grid, ServerApp
 
+from ..cost import model_cost
+from ..device import to_device
+from ..engine.loop import ClientEvaluation
+from ..engine.plan import Reply
 from . import records as FR
 
 #: run-config keys of the ServerApp (with their defaults); ``fedsight-config`` and ``run-dir`` are required
@@ -135,40 +140,22 @@ def exchange(
     return got, failed
 
 
-class FlowerServer:
-    """FedSight's server over a ``Grid``: ``run()`` executes every round and writes the run directory."""
+class FlowerBackend:
+    """The client half of FedSight's round on Flower SuperNodes (``engine.loop.Backend``): training and
+    evaluation instructions go to the nodes over a ``Grid``; replies come back as ``Reply``s and
+    metric states. The server learns which node holds which client from the nodes' replies."""
 
-    def __init__(self, cfg: Any, options: ServerOptions):
-        from ..api import build_simulation
-
-        self.cfg, self.opts = cfg, options
-        self.sim = build_simulation(cfg)  # in-memory client store: client state lives on the nodes
-        # the server evaluates the global test set; local test sets (and personal entries) are on the nodes
-        self.local_eval = bool(self.sim.schedule.eval_local)
-        self.sim.schedule = dataclasses.replace(self.sim.schedule, eval_local=False)
+    def __init__(self, server: Any, grid: Grid, opts: ServerOptions, task_info: dict[str, Any], dp: Any = None):
+        self.server, self.grid, self.opts, self.task_info, self.dp = server, grid, opts, task_info, dp
         self.node_of: dict[int, int] = {}  # FedSight client id -> Flower node id
         self._online: set[int] = set()
-        self.dp = None
-        if options.dp_noise_multiplier > 0:
-            from .dp import install_central_dp
+        self._failed: set[int] = set()  # nodes that failed in the last training exchange
 
-            self.dp = install_central_dp(
-                self.sim, noise_multiplier=options.dp_noise_multiplier, clipping_norm=options.dp_clipping_norm,
-                delta=options.dp_delta or None,
-            )
-        splits = getattr(self.sim.task, "splits", None)
-        #: what a data-dir node needs to build the run's model whatever classes it holds
-        self.task_info: dict[str, Any] = {"class-names": list(splits.train.class_names)} if splits is not None else {}
-        #: the per-example model cost, so nodes need not measure it again (same model, same numbers)
-        self.task_info["model-cost"] = [float(self.sim.cost.forward), float(self.sim.cost.head)]
-
-    # -- nodes ------------------------------------------------------------------------------------
-
-    def wait_for_nodes(self, grid: Grid) -> list[dict[str, Any]]:
-        want = self.opts.min_nodes or self.sim.task.num_clients
+    def wait_for_nodes(self) -> list[dict[str, Any]]:
+        want = self.opts.min_nodes or self.server.task.num_clients
         deadline = time.monotonic() + self.opts.node_wait_timeout
         while True:
-            online = len(list(grid.get_node_ids()))
+            online = len(list(self.grid.get_node_ids()))
             if online >= want:
                 return []
             if time.monotonic() >= deadline:
@@ -187,136 +174,134 @@ class FlowerServer:
             return [{"round": r, "event": "client_moved", "client": pid, "from_node": other, "to_node": node}]
         return []
 
-    # -- one round --------------------------------------------------------------------------------
+    def enter_round(self, r: int) -> None:
+        pass
 
-    def train_round(self, grid: Grid, r: int) -> tuple[dict[str, Any], list[dict[str, Any]], set[int]]:
-        from ..cost import result_bytes
-        from ..engine.simulation import Simulation
-
-        sim, opts = self.sim, self.opts
-        plan = sim.begin_round(r)
-        self._online = set(int(n) for n in grid.get_node_ids())
+    def train(self, plan: Any) -> tuple[list[Reply], list[dict[str, Any]]]:
+        r, opts = plan.round, self.opts
+        self._online = set(int(n) for n in self.grid.get_node_ids())
         known = set(self.node_of.values())
         # the nodes of the sampled clients (if Flower still lists them online) and every unidentified node
         targets = sorted({self.node_of[c] for c in plan.sampled if self.node_of.get(c) in self._online} | (self._online - known))
-        content = FR.instruction_content(r, plan.sampled, sim.global_model.state_dict(), plan.broadcast, **self.task_info)
+        content = FR.instruction_content(r, plan.sampled, self.server.global_model.state_dict(), plan.broadcast, **self.task_info)
         wanted = set(plan.sampled)
 
         def enough(replies: dict[int, Message]) -> bool:  # every sampled client answered (a restarted node may)
             return wanted <= {FR.reply_partition(m.content) for m in replies.values() if not FR.is_skipped(m.content)}
 
-        replies, failed = exchange(grid, targets, content, MessageType.TRAIN, str(r), opts.round_timeout, opts.poll_interval, enough)
+        replies, failed = exchange(self.grid, targets, content, MessageType.TRAIN, str(r), opts.round_timeout,
+                                   opts.poll_interval, enough)
+        self._failed = set(failed)
         events: list[dict[str, Any]] = []
-        got: dict[int, tuple[Any, bool]] = {}
+        got: dict[int, Reply] = {}
         for node, reply in replies.items():
             events += self._learn(node, reply.content, r)
             if not FR.is_skipped(reply.content):
                 res, ok = FR.read_result(reply.content)
-                got[res.client_id] = (res, ok)
-        results = []
-        spent = {"up_bytes": 0.0, "flops": 0.0}
-        for cid in plan.sampled:  # the simulator's order: aggregation sums in the same order
-            if cid not in got:
-                node = self.node_of.get(cid)
-                if node is None:
-                    unknown = [n for n in targets if n in failed and n not in self.node_of.values()]
-                    reason = "no node known to hold this client" + (
-                        "; unidentified nodes that did not answer: " + "; ".join(f"{n}: {failed[n]}" for n in unknown)
-                        if unknown else "")
-                elif node not in self._online:
-                    reason = "its node is offline"
-                else:
-                    reason = failed.get(node, "no reply")
-                events.append({"round": r, "event": "client_lost", "client": cid, "node": node, "reason": reason})
+                got[res.client_id] = Reply(res.client_id, res, ok)
+        out = []
+        for cid in plan.sampled:
+            if cid in got:
+                out.append(got[cid])
                 continue
-            res, ok = got[cid]
-            spent["up_bytes"] += result_bytes(res)
-            spent["flops"] += res.flops
-            if not (ok and Simulation.accept(res, {})):
-                events.append({"round": r, "event": "rejected_update", "client": cid, "reason": "non-finite values"})
-                continue
-            results.append(res)
-        if results and len(results) < opts.min_clients:
-            events.append({"round": r, "event": "too_few_clients", "accepted": len(results), "min_clients": opts.min_clients})
-            results = []
-        if self.dp is not None and results and len(results) != self.dp.num_sampled:
-            events.append({"round": r, "event": "dp_release_skipped", "accepted": len(results), "needed": self.dp.num_sampled})
-            results = []
-        row = sim.end_round(plan, results, events, spent)
-        row["flower/nodes_online"] = len(self._online)
-        if self.dp is not None:
-            row.update(self.dp.privacy_spent())
-        return row, events, set(failed)
-
-    def needs_client_entries(self) -> bool:
-        """Whether the global-test evaluation reads the clients' personal entries (FedBN/SiloBN
-        evaluate with their example-weighted mean, ``NormSharing.client_average``)."""
-        return bool(self.sim.personal_keys) and hasattr(self.sim.recipe.sharing, "client_average")
-
-    def node_evaluation(self, grid: Grid, r: int, skip: set[int], *, local: bool, personal: bool):
-        """One ``evaluate`` exchange with every reachable node: local-test sums (``local``) and stored
-        personal entries (``personal``). Returns (the local metrics summarised as
-        ``Simulation.evaluate`` does: WMA over clients with a local test set, the worst 10 %, the
-        pooled metrics; {client: personal entries}; events)."""
-        sim = self.sim
-        online = set(int(n) for n in grid.get_node_ids())
-        known = set(self.node_of.values())
-        nodes = sorted({n for n in known if n not in skip and n in online} | (online - known - skip))
-        content = FR.instruction_content(r, [], sim.global_model.state_dict(), None, local=local, personal=personal,
-                                         **self.task_info)
-        replies, failed = exchange(grid, nodes, content, MessageType.EVALUATE, f"eval-{r}", self.opts.round_timeout, self.opts.poll_interval)
-        per_client: dict[int, tuple[dict[str, float], int]] = {}
-        entries: dict[int, dict[str, Any]] = {}
-        events: list[dict[str, Any]] = []
-        for node, reply in replies.items():
-            events += self._learn(node, reply.content, r)
-            pid, sums, n, pers = FR.read_eval(reply.content)
-            per_client[pid] = (sums, n)
-            if pers is not None:
-                entries[pid] = pers
-        events += [{"round": r, "event": "eval_lost", "client": c, "node": n,
-                   "reason": failed.get(n, "skipped: lost in training" if n in skip else "its node is offline")}
-                   for c, n in sorted(self.node_of.items()) if c not in per_client]
-        events += [{"round": r, "event": "eval_lost", "client": c, "node": None, "reason": "no node holds this client"}
-                   for c in range(sim.task.num_clients) if c not in self.node_of]
-        out = sim.summarize_local(per_client) if local else {}
-        return out, entries, events
-
-    def evaluate(self, grid: Grid, r: int, skip: set[int]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """The simulator's evaluation: the global test set here, the local test sets on the nodes.
-        Where the global-test evaluation needs the clients' personal entries (FedBN/SiloBN), the nodes
-        send them with the evaluation reply; they stay in memory for this evaluation only."""
-        from ..engine.simulation import PERSONAL
-        from ..state import ClientStateStore
-
-        sim = self.sim
-        need = self.needs_client_entries()
-        local, entries, events = ({}, {}, [])
-        if self.local_eval or need:
-            local, entries, events = self.node_evaluation(grid, r, skip, local=self.local_eval, personal=need)
-        if need:
-            for cid in sorted(entries):
-                sim.store.put(PERSONAL, cid, r, entries[cid])
-        try:
-            out = sim.evaluate()  # global test set (local evaluation is off on the server)
-        finally:
-            if need:
-                sim.store = ClientStateStore()  # the clients' entries are not kept
-        out.update(local)
+            node = self.node_of.get(cid)
+            if node is None:
+                unknown = [n for n in targets if n in failed and n not in self.node_of.values()]
+                reason = "no node known to hold this client" + (
+                    "; unidentified nodes that did not answer: " + "; ".join(f"{n}: {failed[n]}" for n in unknown)
+                    if unknown else "")
+            elif node not in self._online:
+                reason = "its node is offline"
+            else:
+                reason = failed.get(node, "no reply")
+            out.append(Reply(cid, None, False, reason, {"node": node}))
         return out, events
 
-    # -- the run ----------------------------------------------------------------------------------
+    def admit(self, plan: Any, results: list[Any], events: list[dict[str, Any]]) -> list[Any]:
+        r, opts = plan.round, self.opts
+        if results and len(results) < opts.min_clients:
+            events.append({"round": r, "event": "too_few_clients", "accepted": len(results), "min_clients": opts.min_clients})
+            return []
+        if self.dp is not None and results and len(results) != self.dp.num_sampled:
+            events.append({"round": r, "event": "dp_release_skipped", "accepted": len(results), "needed": self.dp.num_sampled})
+            return []
+        return results
+
+    def round_metrics(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"flower/nodes_online": len(self._online)}
+        if self.dp is not None:
+            row.update(self.dp.privacy_spent())
+        return row
+
+    def client_evaluation(self, r: int, *, local: bool, personal: bool) -> ClientEvaluation:
+        """One ``evaluate`` exchange with every reachable node (none if neither is asked): local-test
+        metric states (``local``) and stored personal entries (``personal``; FedBN/SiloBN evaluate the
+        global test set with the clients' mean normalisation entries). The entries stay in memory for
+        this evaluation only."""
+        from ..state import PERSONAL, ClientStateStore
+
+        store = ClientStateStore()
+        out = ClientEvaluation(store=store)
+        if not (local or personal):
+            return out
+        server, skip = self.server, self._failed
+        online = set(int(n) for n in self.grid.get_node_ids())
+        known = set(self.node_of.values())
+        nodes = sorted({n for n in known if n not in skip and n in online} | (online - known - skip))
+        content = FR.instruction_content(r, [], server.global_model.state_dict(), None, local=local, personal=personal,
+                                         **self.task_info)
+        replies, failed = exchange(self.grid, nodes, content, MessageType.EVALUATE, f"eval-{r}", self.opts.round_timeout,
+                                   self.opts.poll_interval)
+        metrics = server.task.metrics
+        for node, reply in replies.items():
+            out.events += self._learn(node, reply.content, r)
+            pid, tensors, n, pers = FR.read_eval(reply.content)
+            out.states[pid] = (metrics.state_from(tensors), n)
+            if pers is not None:
+                store.put(PERSONAL, pid, r, pers)
+        out.events += [{"round": r, "event": "eval_lost", "client": c, "node": n,
+                        "reason": failed.get(n, "skipped: lost in training" if n in skip else "its node is offline")}
+                       for c, n in sorted(self.node_of.items()) if c not in out.states]
+        out.events += [{"round": r, "event": "eval_lost", "client": c, "node": None, "reason": "no node holds this client"}
+                       for c in range(server.task.num_clients) if c not in self.node_of]
+        if not local:
+            out.states = {}
+        return out
+
+
+class FlowerServer:
+    """FedSight's server over a ``Grid``: ``run()`` executes every round with the one round loop
+    (``engine.loop``) and a ``FlowerBackend``, and writes the run directory."""
+
+    def __init__(self, cfg: Any, options: ServerOptions):
+        from ..api import build_server
+
+        self.cfg, self.opts = cfg, options
+        self.server = build_server(cfg)  # in-memory client store: client state lives on the nodes
+        self.dp = None
+        if options.dp_noise_multiplier > 0:
+            from .dp import install_central_dp
+
+            self.dp = install_central_dp(
+                self.server, noise_multiplier=options.dp_noise_multiplier, clipping_norm=options.dp_clipping_norm,
+                delta=options.dp_delta or None,
+            )
+        splits = getattr(self.server.task, "splits", None)
+        #: what a data-dir node needs to build the run's model whatever classes it holds
+        self.task_info: dict[str, Any] = {"class-names": list(splits.train.class_names)} if splits is not None else {}
+        #: the per-example model cost, so nodes need not measure it again (same model, same numbers)
+        cost = model_cost(self.server.global_model, to_device(self.server.task.example_input(), self.server.device))
+        self.task_info["model-cost"] = [float(cost.forward), float(cost.head)]
 
     def run(self, grid: Grid, on_round=None) -> Path:
-        from ..api import finish, record_round, resolved, toml_safe, write_status
+        from ..api import finish, record_round, start_run_dir
+        from ..engine.loop import run_round
         from ..models.base import save_weights
         from ..runs import RunDir, atomic_write_text
 
-        import tomli_w
-
-        sim, cfg, opts = self.sim, self.cfg, self.opts
+        server, cfg, opts = self.server, self.cfg, self.opts
+        backend = FlowerBackend(server, grid, opts, self.task_info, self.dp)
         run = RunDir(opts.run_dir)
-        res = resolved(cfg)
         if run.exists():
             if not opts.overwrite:
                 raise FileExistsError(f"{run.path} already holds a run; choose another run-dir or set overwrite = true")
@@ -324,38 +309,26 @@ class FlowerServer:
 
             shutil.rmtree(run.path)
         run.path.mkdir(parents=True, exist_ok=True)
-        run.write_config(res, tomli_w.dumps(toml_safe(res)))
-        describe = getattr(sim.task, "data_description", None)
-        if describe is not None and opts.data == "partition":
-            atomic_write_text(run.path / "partition.json", json.dumps(describe()) + "\n")
-        for e in self.wait_for_nodes(grid):
-            run.append_metrics({"stage": sim.stage, **e})
+        # with the nodes' own data (data-dir) the server's partition describes nothing
+        start_run_dir(run, cfg, server.task, server.device, partition=opts.data == "partition")
+        for e in backend.wait_for_nodes():
+            run.append_metrics({"stage": server.stage, **e})
         for r in range(1, cfg.server.rounds + 1):
-            sim.enter_round(r)
-            t0 = time.perf_counter()
-            row, events, failed = self.train_round(grid, r)
-            if sim.should_evaluate(r):
-                te = time.perf_counter()
-                evaluated, eval_events = self.evaluate(grid, r, failed)
-                row.update(evaluated)
-                events += eval_events
-                row["time/eval_s"] = time.perf_counter() - te
-            row["time/round_s"] = time.perf_counter() - t0
-            sim.round = r
-            record_round(run, sim, cfg, r, {"round": r, "stage": sim.stage, **row}, events)
+            row, events = run_round(server, backend, r)
+            record_round(run, server, cfg, r, row, events)
             if on_round is not None:
                 on_round(r, row, events)
-        if sim.store.state_dict():
+        if server.store.state_dict():
             raise RuntimeError("client state reached the server")  # by construction it cannot
-        save_weights(sim.global_model, run.path / "model.safetensors")
-        info = {"node_of_client": {str(c): n for c, n in sorted(self.node_of.items())}, "options": {
+        save_weights(server.global_model, run.path / "model.safetensors")
+        info = {"node_of_client": {str(c): n for c, n in sorted(backend.node_of.items())}, "options": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()}}
         if self.dp is not None:
             info["dp"] = {"noise_multiplier": self.dp.noise_multiplier, "clipping_norm": self.dp.clipping_norm,
                           "num_sampled": self.dp.num_sampled, **self.dp.privacy_spent()}
         atomic_write_text(run.path / "flower.json", json.dumps(info, indent=2) + "\n")
-        write_status(run, "complete", cfg.server.rounds, cfg.server.rounds)
-        finish(run.path, sim)
+        run.write_status("complete", cfg.server.rounds, cfg.server.rounds)
+        finish(run.path, server.task, server.global_model, server.recipe.weighting.name)
         return run.path
 
 

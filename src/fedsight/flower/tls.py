@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
@@ -26,7 +27,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from .local import TLSFiles
+
+@dataclass
+class TLSFiles:
+    """PEM paths: the CA certificate (clients trust it), the server certificate and key."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
 
 
 def _name(cn: str) -> x509.Name:

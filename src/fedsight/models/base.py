@@ -1,15 +1,33 @@
-"""The interface every classification model exposes.
+"""The model contract every task family shares.
 
-A model is ``features`` (the backbone, ``x -> [N, feature_dim]``) followed by ``head`` (a linear
-classifier). Parameter groups come from this declared structure and from module types, never from
-substring matching on parameter names: ``backbone`` = everything under ``self.backbone``, ``head`` =
-everything under ``self.head``, ``norm`` = parameters and buffers of normalisation layers.
+**Factory.** Every registered model is built as ``factory(params, *, io: ModelIO)``: ``params`` are its
+validated parameters, ``io`` what the task says about inputs and outputs (channels, classes or output
+channels, image size, SR scale, frames). One signature for every family, so generic code (the engine,
+the conformance suite, ``fedsight list``) builds any model the same way.
+
+**Structure.** A model is a ``FedModel``. Parameter groups come from declared structure and module
+types, never from substring matching on parameter names:
+
+* ``backbone`` and ``head``: by default everything under ``self.backbone`` and ``self.head``; a model
+  whose forward is not ``head(features(x))`` (a VSR model with a global skip) overrides
+  ``parameter_groups`` and sets ``split_head = False``;
+* ``norm``: parameters and buffers of normalisation layers (by module type).
+
+Optional: ``features(x)`` (the backbone's output), ``feature_maps(x)`` (multi-scale feature maps,
+highest resolution first, for dense heads and feature distillation; ``multi_scale = True``) and
+``blocks()`` (named units for block-level methods such as FedVG's).
+
+**Capabilities.** A registry entry declares what its model provides (``linear_head``, ``norm_layers``,
+``norm_stats``, ``parameter_groups``; ``fedsight.capabilities``) as a function of its parameters, so a
+recipe that needs, say, BatchNorm statistics fails at config time; ``detect_capabilities`` reads the
+same from a built model, and the conformance suite checks that the two agree for every model.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,19 +36,43 @@ from torch import nn
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
 
+@dataclass(frozen=True)
+class ModelIO:
+    """What a task tells a model factory about its inputs and outputs."""
+
+    family: str
+    in_channels: int = 3
+    #: classes (classification, segmentation), keypoints, or output channels (super-resolution)
+    num_outputs: int = 0
+    #: the (square) training input size, for models whose layers depend on it; None if any size works
+    image_size: int | None = None
+    #: upscaling factor (super-resolution)
+    scale: int = 1
+    #: frames per input clip (video), None otherwise
+    num_frames: int | None = None
+
+
 class FedModel(nn.Module):
-    """Base class: subclasses set ``self.backbone`` (an nn.Module mapping images to features),
-    ``self.head`` (nn.Linear) and ``self.feature_dim``."""
+    """Base class: subclasses set ``self.backbone`` (images -> features) and ``self.head`` (a linear
+    classifier for classification, a dense head otherwise) and ``self.feature_dim`` where it exists."""
 
     backbone: nn.Module
-    head: nn.Linear
+    head: nn.Module
     feature_dim: int
+    #: whether ``forward(x) == head(features(x))`` (cost accounting and Fed3R rely on it)
+    split_head: bool = True
+    #: whether ``feature_maps`` is implemented
+    multi_scale: bool = False
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+    def feature_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Multi-scale feature maps, highest resolution first (models with ``multi_scale = True``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no multi-scale feature maps")
 
     def parameter_groups(self) -> dict[str, list[str]]:
         """Qualified names of parameters *and* buffers in each declared group.
@@ -44,21 +86,54 @@ class FedModel(nn.Module):
             module = getattr(self, part)
             for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
                 groups[part].append(f"{part}.{name}")
-        for mod_name, module in self.named_modules():
-            if isinstance(module, NORM_TYPES):
-                for name, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-                    groups["norm"].append(f"{mod_name}.{name}")
+        groups["norm"] = norm_keys(self)
         return {g: [k for k in names if k in keys] for g, names in groups.items()}
 
     def blocks(self) -> dict[str, list[str]]:
         """Named blocks of ``state_dict()`` keys (parameters and buffers), in forward order, for
         block-level methods (FedVG's block granularity, App. A.7.3 E.17). Default: one block per direct
         child of ``backbone`` that holds any state (the backbone itself if it has no children), plus
-        ``head``. Families override this with their natural units (a residual block, a conv stage)."""
+        ``head``; a model without a backbone attribute: one block per direct child. Families override
+        this with their natural units (a residual block, a conv stage)."""
+        if not hasattr(self, "backbone"):
+            out = {name: state_keys(m, name) for name, m in self.named_children()}
+            return {k: v for k, v in out.items() if v}
         children = [(f"backbone.{n}", m) for n, m in self.backbone.named_children()] or [("backbone", self.backbone)]
         out = {name: state_keys(m, name) for name, m in children}
         out["head"] = state_keys(self.head, "head")
         return {k: v for k, v in out.items() if v}
+
+
+def norm_keys(model: nn.Module) -> list[str]:
+    """State keys (parameters and buffers) of the model's normalisation layers, found by module type."""
+    out = []
+    for mod_name, module in model.named_modules():
+        if isinstance(module, NORM_TYPES):
+            prefix = f"{mod_name}." if mod_name else ""
+            for name, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+                out.append(prefix + name)
+    return out
+
+
+def detect_capabilities(model: nn.Module) -> frozenset[str]:
+    """The model capabilities (``fedsight.capabilities``) a built model has, read from its structure."""
+    out = set()
+    if callable(getattr(model, "parameter_groups", None)):
+        out.add("parameter_groups")
+    head = getattr(model, "head", None)
+    if isinstance(head, nn.Linear) and getattr(model, "split_head", False):
+        out.add("linear_head")
+    norms = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
+    if norms:
+        out.add("norm_layers")
+    if any(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats for m in norms):
+        out.add("norm_stats")
+    return frozenset(out)
+
+
+def norm_capabilities(norm: str) -> frozenset[str]:
+    """The capabilities a ``norm`` parameter ("batch", "group", "none") gives a model family."""
+    return frozenset({"batch": {"norm_layers", "norm_stats"}, "group": {"norm_layers"}}.get(norm, set()))
 
 
 def state_keys(module: nn.Module, prefix: str) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 from torch import nn
 
-from fedsight.models.base import FedModel, state_keys
+from fedsight.models.base import FedModel, ModelIO, norm_capabilities, state_keys
 from fedsight.models.layers import init_weights, norm_layer
 from fedsight.registry import MODELS, Params
 
@@ -68,6 +68,10 @@ class CNN(FedModel):
         return out
 
 
-@MODELS.register("cnn", params=CNNParams, help="small CNN for 8x8 to 64x64 images")
-def cnn(p: CNNParams, *, num_classes: int, in_channels: int, image_size: int) -> FedModel:
-    return CNN(p, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
+def _provides(p: CNNParams) -> frozenset[str]:
+    return frozenset({"parameter_groups", "linear_head"}) | norm_capabilities(p.norm)
+
+
+@MODELS.register("cnn", params=CNNParams, help="small CNN for 8x8 to 64x64 images", provides=_provides)
+def cnn(p: CNNParams, *, io: ModelIO) -> FedModel:
+    return CNN(p, num_classes=io.num_outputs, in_channels=io.in_channels, image_size=io.image_size or 32)

@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fedsight.models.base import FedModel, state_keys
+from fedsight.models.base import FedModel, ModelIO, norm_capabilities, state_keys
 from fedsight.models.layers import init_weights, norm_layer
 from fedsight.registry import MODELS, Params
 
@@ -106,6 +106,10 @@ class MobileNetV2(FedModel):
         return out
 
 
-@MODELS.register("mobilenetv2", params=MobileNetV2Params, help="MobileNetV2 (CIFAR stem by default)")
-def mobilenetv2(p: MobileNetV2Params, *, num_classes: int, in_channels: int, image_size: int) -> FedModel:
-    return MobileNetV2(p, num_classes=num_classes, in_channels=in_channels)
+def _provides(p: MobileNetV2Params) -> frozenset[str]:
+    return frozenset({"parameter_groups", "linear_head"}) | norm_capabilities(p.norm)
+
+
+@MODELS.register("mobilenetv2", params=MobileNetV2Params, help="MobileNetV2 (CIFAR stem by default)", provides=_provides)
+def mobilenetv2(p: MobileNetV2Params, *, io: ModelIO) -> FedModel:
+    return MobileNetV2(p, num_classes=io.num_outputs, in_channels=io.in_channels)

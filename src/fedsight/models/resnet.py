@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fedsight.models.base import FedModel, state_keys
+from fedsight.models.base import FedModel, ModelIO, norm_capabilities, state_keys
 from fedsight.models.layers import init_weights, norm_layer
 from fedsight.registry import MODELS, Params
 
@@ -99,11 +99,15 @@ def _resnet(p: ResNetParams, widths: list[int], blocks: list[int], *, num_classe
     return ResNet(backbone, scaled[-1], num_classes)
 
 
-@MODELS.register("resnet8", params=ResNetParams, help="CIFAR ResNet-8 (16/32/64, one BasicBlock per stage)")
-def resnet8(p: ResNetParams, *, num_classes: int, in_channels: int, image_size: int) -> FedModel:
-    return _resnet(p, [16, 32, 64], [1, 1, 1], num_classes=num_classes, in_channels=in_channels)
+def _provides(p: ResNetParams) -> frozenset[str]:
+    return frozenset({"parameter_groups", "linear_head"}) | norm_capabilities(p.norm)
 
 
-@MODELS.register("resnet18", params=ResNetParams, help="CIFAR ResNet-18 (64-512, [2, 2, 2, 2], 3x3 stem)")
-def resnet18(p: ResNetParams, *, num_classes: int, in_channels: int, image_size: int) -> FedModel:
-    return _resnet(p, [64, 128, 256, 512], [2, 2, 2, 2], num_classes=num_classes, in_channels=in_channels)
+@MODELS.register("resnet8", params=ResNetParams, help="CIFAR ResNet-8 (16/32/64, one BasicBlock per stage)", provides=_provides)
+def resnet8(p: ResNetParams, *, io: ModelIO) -> FedModel:
+    return _resnet(p, [16, 32, 64], [1, 1, 1], num_classes=io.num_outputs, in_channels=io.in_channels)
+
+
+@MODELS.register("resnet18", params=ResNetParams, help="CIFAR ResNet-18 (64-512, [2, 2, 2, 2], 3x3 stem)", provides=_provides)
+def resnet18(p: ResNetParams, *, io: ModelIO) -> FedModel:
+    return _resnet(p, [64, 128, 256, 512], [2, 2, 2, 2], num_classes=io.num_outputs, in_channels=io.in_channels)

@@ -1,7 +1,10 @@
 """Video super-resolution models in plain PyTorch: a recurrent BasicVSR-family model and a
 sliding-window model. Both map LR clips ``[B, T, 3, h, w]`` in [0, 1] to HR clips
 ``[B, T, 3, s h, s w]`` for any number of frames T >= 1 and any frame size, and are registered in
-:data:`fedsight.registry.MODELS` with ``task="video_sr"`` as ``factory(params, *, scale) -> nn.Module``.
+:data:`fedsight.registry.MODELS` with ``task="video_sr"`` as ``factory(params, *, io) -> FedModel``
+(``io.scale`` is the upscaling factor). Their forward adds a global skip from the interpolated input, so
+they are not ``head(features(x))`` (``split_head = False``): their groups are ``backbone`` (alignment,
+propagation or trunk) and ``head`` (fusion and upsampler), with no normalisation layers.
 
 Shared pieces (as in BasicSR): residual blocks without normalisation whose convolutions start at 0.1x
 the Kaiming init (``ResidualBlockNoBN``), LeakyReLU(0.1), sub-pixel (pixel-shuffle) upsampling in x2 or
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from fedsight.models.base import FedModel, ModelIO
 from fedsight.registry import MODELS, Params
 
 __all__ = ["BasicVSR", "SlidingWindowVSR", "SpyFlow", "flow_warp", "Upsampler", "ResidualBlock"]
@@ -177,8 +181,10 @@ def _skip(lr: torch.Tensor, scale: int, mode: str) -> torch.Tensor:
     return F.interpolate(lr, scale_factor=scale, mode=mode, align_corners=False)
 
 
-class BasicVSR(nn.Module):
+class BasicVSR(FedModel):
     """Bidirectional recurrent VSR (BasicVSR family); see the module docstring."""
+
+    split_head = False
 
     def __init__(
         self,
@@ -240,8 +246,10 @@ class BasicVSR(nn.Module):
         return {"backbone": [n for n in names if n not in head], "head": [n for n in names if n in head], "norm": []}
 
 
-class SlidingWindowVSR(nn.Module):
+class SlidingWindowVSR(FedModel):
     """Early-fusion sliding-window VSR over 2k+1 frames; see the module docstring."""
+
+    split_head = False
 
     def __init__(
         self,
@@ -294,13 +302,18 @@ class SlidingParams(Params):
     )
 
 
-@MODELS.register("basicvsr", params=BasicVSRParams, help="bidirectional recurrent VSR (BasicVSR family), flow or flow-free", task="video_sr")
-def build_basicvsr(params: BasicVSRParams, *, scale: int) -> BasicVSR:
+VSR_PROVIDES = frozenset({"parameter_groups"})
+
+
+@MODELS.register("basicvsr", params=BasicVSRParams, help="bidirectional recurrent VSR (BasicVSR family), flow or flow-free",
+                 task="video_sr", provides=VSR_PROVIDES)
+def build_basicvsr(params: BasicVSRParams, *, io: ModelIO) -> BasicVSR:
     return BasicVSR(
-        scale, params.channels, params.blocks, params.align, params.flow_channels, params.flow_levels, params.skip, params.upsampler
+        io.scale, params.channels, params.blocks, params.align, params.flow_channels, params.flow_levels, params.skip, params.upsampler
     )
 
 
-@MODELS.register("sliding_vsr", params=SlidingParams, help="sliding-window VSR with early fusion of 2k+1 frames", task="video_sr")
-def build_sliding_vsr(params: SlidingParams, *, scale: int) -> SlidingWindowVSR:
-    return SlidingWindowVSR(scale, params.channels, params.blocks, params.radius, params.skip, params.upsampler)
+@MODELS.register("sliding_vsr", params=SlidingParams, help="sliding-window VSR with early fusion of 2k+1 frames",
+                 task="video_sr", provides=VSR_PROVIDES)
+def build_sliding_vsr(params: SlidingParams, *, io: ModelIO) -> SlidingWindowVSR:
+    return SlidingWindowVSR(io.scale, params.channels, params.blocks, params.radius, params.skip, params.upsampler)

@@ -1,5 +1,5 @@
-"""Recipe parts. See ``fedsight.recipe.base`` and DESIGN.md section 1."""
+"""Recipe parts. Every part implements hooks of ``fedsight.training`` (DESIGN.md section 1)."""
 
-from .base import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ServerContext
 
 __all__ = ["ClientContext", "Component", "ServerContext"]

@@ -56,7 +56,7 @@ from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import torch_gen
 from .aggregators import Aggregator
-from .base import ClientContext, Component
+from ..training import ClientContext, Component
 
 
 class ElasticAggregator(Aggregator):
@@ -134,7 +134,7 @@ class Elastic(Component):
         model.eval()
         try:
             for s in range(0, m, bs):
-                x, y = ctx.task.train_batch(ctx.client_id, sample[s : s + bs])
+                x, y = ctx.batch(sample[s : s + bs])
                 loss = ctx.task.loss(model(x), y)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 for k, g in zip(names, grads):

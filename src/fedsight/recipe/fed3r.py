@@ -44,7 +44,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from ..client import Trainer
+from ..training.local import Trainer
 from ..functional.ridge import (
     RandomFourierFeatures,
     RidgeAccumulator,
@@ -53,10 +53,11 @@ from ..functional.ridge import (
     ncm_classifier,
     normalize_columns,
 )
+from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import derive_seed, np_rng
-from .base import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ServerContext
 
 
 class RFFHead(nn.Module):
@@ -85,13 +86,13 @@ def head_linear(model: nn.Module) -> nn.Linear:
 def client_features(ctx: ClientContext, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The classifier's inputs for all of a client's training data (RFF-lifted if the head has a map),
     with the model in eval mode, and the labels."""
-    model, task = ctx.model, ctx.task
+    model = ctx.model
     was = model.training
     model.eval()
     zs, ys = [], []
     n = ctx.num_examples
     for s in range(0, n, batch_size):
-        x, y = task.train_batch(ctx.client_id, torch.arange(s, min(n, s + batch_size)))
+        x, y = ctx.batch(torch.arange(s, min(n, s + batch_size)))
         z = model.features(x)
         if isinstance(model.head, RFFHead):
             z = model.head.rff(z)
@@ -247,7 +248,9 @@ class Fed3R(ClosedFormClassifier):
 
 
 @COMPONENTS.register(
-    "fed3r", params=Fed3RParams, help="Fed3R closed-form ridge classifier (+ RF features, Sync) from frozen features"
+    "fed3r", params=Fed3RParams, help="Fed3R closed-form ridge classifier (+ RF features, Sync) from frozen features",
+    requires={"class_labels", "linear_head"},
+    metrics=(MetricSpec("fed3r/clients_reported", None, "clients whose statistics were absorbed so far"),),
 )
 def _fed3r(params: Fed3RParams) -> Fed3R:
     return Fed3R(params)
@@ -304,6 +307,8 @@ class FedNCM(ClosedFormClassifier):
             self.sums, self.counts = state["sums"].to(torch.float64), state["counts"].to(torch.float64)
 
 
-@COMPONENTS.register("fedncm", params=FedNCMParams, help="FedNCM: nearest-class-mean classifier from frozen features")
+@COMPONENTS.register("fedncm", params=FedNCMParams, help="FedNCM: nearest-class-mean classifier from frozen features",
+                     requires={"class_labels", "linear_head"},
+                     metrics=(MetricSpec("fedncm/clients_reported", None, "clients whose class means were absorbed so far"),))
 def _fedncm(params: FedNCMParams) -> FedNCM:
     return FedNCM(params)

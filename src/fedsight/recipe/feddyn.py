@@ -38,7 +38,7 @@ from pydantic import Field
 
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
-from .base import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ServerContext
 
 KEY = "feddyn"
 

@@ -46,7 +46,7 @@ from ..functional.aggregate import Weights, normalize_weights, weights_for
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from .aggregators import Aggregator
-from .base import ClientContext, Component
+from ..training import ClientContext, Component
 
 
 def normalizing_factor(steps: int, lr: float, momentum: float = 0.0, prox_mu: float = 0.0) -> float:

@@ -65,16 +65,16 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from ..data.validation import NEEDS_VALIDATION
+from ..device import model_device, to_device
 from ..functional import fedvg as FV
 from ..functional.aggregate import Weights, normalize_weights
+from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import WEIGHTINGS, Params
-from .base import ServerContext
+from ..training import ServerContext
 from .weighting import ClientWeighting
 
 NAME = "fedvg"
-NEEDS_VALIDATION.add(NAME)
 
 
 class FedVGParams(Params):
@@ -170,7 +170,9 @@ class FedVGWeighting(ClientWeighting):
         loss_sum, passes, n = 0.0, 0, 0
         with torch.enable_grad():
             merge = self.p.bn_mode == "train" and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+            device = model_device(model)
             for x, y in _val_batches(task, self.p.batch_size, merge):
+                x, y = to_device(x, device), to_device(y, device)
                 nb = len(y)
                 loss = task.loss(model(x), y) * nb  # summed over the batch; divided by |V| below
                 loss.backward()
@@ -231,7 +233,15 @@ class FedVGWeighting(ClientWeighting):
 
 
 @WEIGHTINGS.register(
-    NAME, params=FedVGParams, help="FedVG: inverse validation-gradient norms on a server-held set (Devkota et al. 2026)"
+    NAME, params=FedVGParams, help="FedVG: inverse validation-gradient norms on a server-held set (Devkota et al. 2026)",
+    requires={"val_split"},
+    metrics=(
+        MetricSpec(f"{NAME}/server_passes", False, "forward+backward batch passes of the server's scoring"),
+        MetricSpec(f"{NAME}/server_examples", False, "examples the server scored (clients x |V|)"),
+        MetricSpec(f"{NAME}/score_s", False, "seconds the server spent scoring"),
+        MetricSpec(f"{NAME}/val_loss_mean", False, "mean validation loss of the client models"),
+        MetricSpec(f"{NAME}/weight_max", None, "the largest client weight (concentration)"),
+    ),
 )
 def _fedvg(params: FedVGParams) -> FedVGWeighting:
     return FedVGWeighting(params)

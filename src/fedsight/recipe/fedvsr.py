@@ -49,9 +49,10 @@ import torch
 from pydantic import Field
 
 from ..functional.dwt import high_frequency_loss
+from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, WEIGHTINGS, Params
-from .base import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ServerContext
 from .weighting import ClientWeighting
 
 __all__ = ["DWTLoss", "DWTLossParams", "FedVSRWeighting", "FedVSRWeightingParams", "fedvsr_exponent"]
@@ -97,6 +98,7 @@ class DWTLoss(Component):
     "dwt_loss",
     params=DWTLossParams,
     help="FedVSR Haar-DWT high-frequency Charbonnier loss, lambda_VSR L_VSR + lambda_HiFr L_HiFr (Dehaghi et al. 2025)",
+    requires={"image_outputs"},
 )
 def _dwt_loss(params: DWTLossParams) -> DWTLoss:
     return DWTLoss(params)
@@ -155,6 +157,8 @@ class FedVSRWeighting(ClientWeighting):
     "fedvsr",
     params=FedVSRWeightingParams,
     help="FedVSR loss-aware weights (1/L_i)^gamma_t, gamma_t = alpha(1 - t/T) by default (Dehaghi et al. 2025)",
+    metrics=(MetricSpec("fedvsr/exponent", None, "the weighting exponent of the round"),
+             MetricSpec("fedvsr/max_weight", None, "the largest normalised client weight")),
 )
 def _fedvsr_weighting(params: FedVSRWeightingParams) -> FedVSRWeighting:
     return FedVSRWeighting(params)

@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 from ..registry import COMPONENTS, Params
-from .base import ClientContext, Component
+from ..training import ClientContext, Component
 
 
 class LocalAdamParams(Params):

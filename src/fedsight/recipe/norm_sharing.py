@@ -22,7 +22,8 @@ parameter names.
 
 Test-time statistics (``test_stats``). Under FedBN/SiloBN the global model's own running statistics
 are never aggregated (they stay at their initial values, mean 0 / variance 1), so they are meaningless
-for evaluation. The engine wraps every evaluation in ``sharing.eval_context(model, sim, split)``:
+for evaluation. The engine wraps every evaluation in ``sharing.eval_context(model, ctx)``
+(``fedsight.training.EvalContext``):
 
 - ``"client"`` (default; the thesis' SiloBN "by domain" inference, FedDrive Sec. 5.2.2):
 
@@ -53,14 +54,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
+from ..device import model_device, to_device
 from ..models.base import swap_entries
 from ..registry import SHARING, Params
+from ..state import PERSONAL
+from ..training import EvalContext
 from .sharing import Sharing
 
 #: BatchNorm-type layers: the ones with running statistics (BatchNorm1d/2d/3d, SyncBatchNorm, and
@@ -102,12 +106,6 @@ def _stat_keys(model: nn.Module) -> set[str]:
         prefix = f"{name}." if name else ""
         keys.update(prefix + b for b, _ in m.named_buffers(recurse=False))
     return keys
-
-
-def _personal_store_key() -> str:
-    from ..engine.simulation import PERSONAL  # the engine's client-state key of personal entries
-
-    return PERSONAL
 
 
 @contextlib.contextmanager
@@ -166,19 +164,18 @@ class NormSharing(Sharing):
 
     # -- evaluation -------------------------------------------------------------------------------
 
-    def client_average(self, sim: Any, keys: list[str]) -> dict[str, torch.Tensor]:
+    def client_average(self, ctx: EvalContext, keys: list[str]) -> dict[str, torch.Tensor]:
         """Example-weighted mean of the floating-point personal ``keys`` over the clients that have
         personal state (weights: their numbers of training examples); {} if none has."""
-        store_key = _personal_store_key()
-        clients = sim.store.clients(store_key)
+        clients = ctx.store.clients(PERSONAL) if ctx.store is not None else []
         if not clients or not keys:
             return {}
         acc: dict[str, torch.Tensor] = {}
         total = 0.0
         dtypes: dict[str, torch.dtype] = {}
         for c in clients:
-            w = float(sim.task.num_train_examples(c))
-            entries = sim.store.get(store_key, c)
+            w = float(ctx.task.num_train_examples(c))
+            entries = ctx.store.get(PERSONAL, c)
             for k in keys:
                 v = entries[k]
                 dtypes[k] = v.dtype
@@ -189,24 +186,26 @@ class NormSharing(Sharing):
         return {k: (v / total).to(dtypes[k]) for k, v in acc.items()}
 
     @contextlib.contextmanager
-    def eval_context(self, model: nn.Module, sim: Any, split: str | int) -> Iterator[None]:
+    def eval_context(self, model: nn.Module, ctx: EvalContext) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            if split == "test":
+            if ctx.split == "test":
                 state = model.state_dict()
-                personal = [k for k in sim.personal_keys if state[k].is_floating_point()]
+                personal = [k for k in ctx.personal_keys if state[k].is_floating_point()]
                 if self.test_stats == "fresh":
                     stats = _stat_keys(model)
                     personal = [k for k in personal if k not in stats]  # recomputed below anyway
-                avg = self.client_average(sim, personal)
+                avg = self.client_average(ctx, personal)
                 if avg:
                     stack.enter_context(swap_entries(model, avg))
             if self.test_stats == "fresh":
-                stack.enter_context(fresh_statistics(model, sim.task.eval_inputs(split, sim.schedule.eval_batch_size)))
+                device = model_device(model)
+                inputs = (to_device(x, device) for x in ctx.task.eval_inputs(ctx.split, ctx.batch_size))
+                stack.enter_context(fresh_statistics(model, inputs))
             yield
 
 
 @SHARING.register(
-    "fedbn", params=NormSharingParams,
+    "fedbn", params=NormSharingParams, requires={"norm_layers"},
     help="FedBN (Li et al. 2021): normalisation layers (parameters and statistics) stay local",
 )
 def _fedbn(params: NormSharingParams) -> NormSharing:
@@ -214,7 +213,7 @@ def _fedbn(params: NormSharingParams) -> NormSharing:
 
 
 @SHARING.register(
-    "silobn", params=NormSharingParams,
+    "silobn", params=NormSharingParams, requires={"norm_stats"},
     help="SiloBN (Andreux et al. 2020): BN statistics stay local, BN affine parameters are shared",
 )
 def _silobn(params: NormSharingParams) -> NormSharing:

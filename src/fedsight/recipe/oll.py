@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ..registry import COMPONENTS, NoParams
-from .base import ClientContext, Component
+from ..device import model_device
+from ..training import ClientContext, Component, EvalContext
 from .fed3r import head_linear
 
 
@@ -73,11 +74,11 @@ class OLL(Component):
                 result.delta[key][~keep] = 0.0
 
     @contextlib.contextmanager
-    def eval_context(self, model: nn.Module, sim, split):
-        if not isinstance(split, int):
+    def eval_context(self, model: nn.Module, ctx: EvalContext):
+        if not isinstance(ctx.split, int):
             yield
             return
-        keep = local_classes(sim.task, split)
+        keep = local_classes(ctx.task, ctx.split).to(model_device(model))
         handle = model.register_forward_hook(lambda _m, _i, out: mask_logits(out, keep))
         try:
             yield
@@ -92,6 +93,7 @@ def _head_prefix(model: nn.Module, linear: nn.Linear) -> str:
     raise ValueError("head not found in model")
 
 
-@COMPONENTS.register("oll", help="Only Local Labels: each client keeps only its local classes' classifier columns")
+@COMPONENTS.register("oll", help="Only Local Labels: each client keeps only its local classes' classifier columns",
+                     requires={"class_labels", "linear_head"})
 def _oll(params: NoParams) -> OLL:
     return OLL()

@@ -20,18 +20,19 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from pydantic import Field
 from torch import nn
 
-from ..client import Trainer, backward_scope, batch_positions, local_objective, make_result, sgd_steps
+from ..training.local import (
+    Trainer, backward_scope, batch_positions, local_objective, loss_accumulator, make_result, sgd_steps,
+)
 from ..models.base import swap_entries
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import torch_gen
-from .base import ClientContext, Component
+from ..training import ClientContext, Component, EvalContext
 
 
 def _epoch_steps(epochs: int, num_examples: int, batch_size: int) -> int:
@@ -212,7 +213,7 @@ class PFedMeTrainer(Trainer):
         self.lam, self.inner_steps, self.personal_lr = float(lam), int(inner_steps), float(personal_lr)
 
     def train(self, ctx: ClientContext, components: Sequence[Component]) -> ClientResult:
-        task, model, local = ctx.task, ctx.model, ctx.local
+        model, local = ctx.model, ctx.local
         named = dict(model.named_parameters())
         personal_keys = set(ctx.personal_keys)
         shared = [named[k] for k in ctx.global_params]
@@ -230,11 +231,11 @@ class PFedMeTrainer(Trainer):
         inner = torch.optim.SGD(params, lr=self.personal_lr, weight_decay=local.weight_decay)
         with torch.no_grad():
             w = [p.detach().clone() for p in shared]
-        loss_sum = torch.zeros(())
+        loss_sum = loss_accumulator(model)
         gen = torch_gen(ctx.seed, "shuffle", ctx.round, ctx.client_id)
         for step, pos in enumerate(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)):
             ctx.step = step
-            x, y = task.train_batch(ctx.client_id, pos)
+            x, y = ctx.batch(pos)
             with torch.no_grad():
                 for p, wi in zip(shared, w):  # theta <- w_r
                     p.copy_(wi)
@@ -392,13 +393,13 @@ class Ditto(Component):
     def trainer(self) -> Trainer:
         return self._trainer
 
-    def eval_context(self, model: nn.Module, sim: Any, split: str | int) -> contextlib.AbstractContextManager:
+    def eval_context(self, model: nn.Module, ctx: EvalContext) -> contextlib.AbstractContextManager:
         """A client's local test set is evaluated with its personal model v_k (client state "ditto") in a
         stage that shares parameters; in a stage that shares nothing the engine already evaluates the
         client's own model, and the global test set uses the global model."""
-        if isinstance(split, str) or not getattr(sim, "shared_params", None):
+        if isinstance(ctx.split, str) or not ctx.shared_params or ctx.store is None:
             return contextlib.nullcontext()
-        v_k = sim.store.get(DITTO, int(split))
+        v_k = ctx.store.get(DITTO, int(ctx.split))
         if v_k is None:
             return contextlib.nullcontext()
         return swap_entries(model, v_k)

@@ -32,7 +32,7 @@ from ..records import ClientResult
 from ..registry import AGGREGATORS, COMPONENTS, NoParams, Params
 from ..rng import np_rng, torch_gen
 from .aggregators import Aggregator
-from .base import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ServerContext
 
 
 def _keys(results: list[ClientResult]) -> list[str]:

@@ -42,7 +42,7 @@ import torch
 
 from ..records import ClientResult
 from ..registry import COMPONENTS, NoParams
-from .base import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ServerContext
 
 KEY = "scaffold"
 

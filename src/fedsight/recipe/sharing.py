@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 from torch import nn
 
 from ..registry import SHARING, NoParams, Params
+from ..training import EvalContext
 
 
 class Sharing:
@@ -20,10 +21,10 @@ class Sharing:
     def shared_keys(self, model: nn.Module) -> set[str]:
         raise NotImplementedError
 
-    def eval_context(self, model: nn.Module, sim: Any, split: str | int) -> contextlib.AbstractContextManager:
-        """Wraps every evaluation of ``model`` on ``split`` (``"test"`` or a client id) by the engine
-        ``sim``; may temporarily change the model (FedBN/SiloBN test-time statistics) and must restore
-        it on exit. The default does nothing."""
+    def eval_context(self, model: nn.Module, ctx: EvalContext) -> contextlib.AbstractContextManager:
+        """Wraps every evaluation of ``model`` on ``ctx.split`` (``"test"`` or a client id); may
+        temporarily change the model (FedBN/SiloBN test-time statistics) and must restore it on exit.
+        The default does nothing."""
         return contextlib.nullcontext()
 
 
@@ -86,6 +87,7 @@ class PersonalSharing(Sharing):
         return {k for k in model.state_dict() if k not in personal}
 
 
-@SHARING.register("personal", params=PersonalParams, help="partial personalisation: a personal head or backbone (FedSim; FedAlt with the fedalt component)")
+@SHARING.register("personal", params=PersonalParams, requires={"parameter_groups"},
+                  help="partial personalisation: a personal head or backbone (FedSim; FedAlt with the fedalt component)")
 def _personal(params: PersonalParams) -> PersonalSharing:
     return PersonalSharing(params.part)

@@ -6,7 +6,7 @@ import torch
 
 from ..records import ClientResult
 from ..registry import WEIGHTINGS, NoParams
-from .base import ServerContext
+from ..training import ServerContext
 
 
 class ClientWeighting:

@@ -1,32 +1,80 @@
 """What every task provides to the algorithm-agnostic client loop, server and evaluation.
 
 Algorithms never special-case a task: the local loop asks the task for batches and a loss, evaluation
-asks it for mergeable metric sums, and a method that needs a task quantity (FedVG's validation loss)
+asks it for a mergeable metric state, and a method that needs a task quantity (FedVG's validation loss)
 gets it from here.
+
+A task declares, without loading any data (``TaskSpec``, from its registry entry's ``spec``):
+
+* its metrics (``fedsight.metrics.MetricSpec``: key and direction) and its primary metric, whose
+  per-client values give WMA and the worst-10% mean; the run directory records them and reporting reads
+  directions from there, never from metric names;
+* its capabilities (``fedsight.capabilities``): class labels, class logits, server-held splits, images
+  as outputs, visuals, ... Config validation checks them against what the recipe needs.
+
+A task instance serves data by client and split:
+
+* training: ``train_batch(client, positions)`` for index batches into the client's examples, or
+  ``train_batches`` for a whole pass (tasks over files on disk prefetch there, so decoding overlaps
+  compute);
+* evaluation: ``eval_batches(split)`` with ``split`` = ``"test"`` (the global test set), a client id (its
+  local test set) or a server-held split name (``"val"``, ``"pretrain"``); ``eval_state`` runs a model
+  over a split and returns a ``MetricState``; states of several clients merge (``metrics.merge``) and
+  ``metrics.compute`` turns a state into values.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ..device import model_device, to_device
+from ..metrics import MetricSet, MetricSpec, MetricState
+from ..models.base import ModelIO
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a task declares before any data is loaded."""
+
+    metrics: tuple[MetricSpec, ...]
+    primary: str
+    provides: frozenset[str]
+
 
 class Task(ABC):
-    name: str = "task"
-    #: the metric whose per-client values give WMA and the worst-10% mean (e.g. "acc")
-    primary_metric: str = "acc"
+    name: ClassVar[str] = "task"
+    #: capabilities this task provides (``fedsight.capabilities``)
+    provides: ClassVar[frozenset[str]] = frozenset()
+    #: the task's metrics (set by subclasses in ``__init__``)
+    metrics: MetricSet
+
+    @property
+    def primary_metric(self) -> str:
+        return self.metrics.primary
+
+    # -- model ------------------------------------------------------------------------------------
 
     @property
     @abstractmethod
-    def num_clients(self) -> int: ...
+    def model_io(self) -> ModelIO:
+        """What the model factory needs to know about inputs and outputs."""
 
     @abstractmethod
     def build_model(self) -> nn.Module:
         """A fresh model; initialisation draws from torch's global RNG (seeded by the engine)."""
+
+    # -- clients ----------------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def num_clients(self) -> int: ...
 
     @abstractmethod
     def num_train_examples(self, client: int) -> int: ...
@@ -35,32 +83,79 @@ class Task(ABC):
     def num_test_examples(self, client: int) -> int: ...
 
     @abstractmethod
-    def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(self, client: int, positions: torch.Tensor) -> tuple[Any, Any]:
         """Inputs and targets of the client's training examples at ``positions`` (0..n_k-1)."""
 
+    def train_batches(
+        self, client: int, batches: Iterable[torch.Tensor], *, seed: int = 0, round: int = 0
+    ) -> Iterator[tuple[Any, Any]]:
+        """``train_batch`` for each index batch, in order (a task may prefetch ahead here; any
+        randomness it draws must come from streams keyed by (seed, round, client, step))."""
+        for positions in batches:
+            yield self.train_batch(client, positions)
+
+    def example_input(self) -> Any:
+        """One training input (a batch of one) of some client: the model-cost probe's input."""
+        for c in range(self.num_clients):
+            if self.num_train_examples(c):
+                return self.train_batch(c, torch.tensor([0]))[0]
+        raise ValueError(f"task {self.name!r}: no client holds a training example")
+
     @abstractmethod
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """Mean task loss of a batch."""
 
-    @abstractmethod
-    def eval_sums(self, model: nn.Module, split: str | int, batch_size: int) -> dict[str, float]:
-        """Mergeable sums on the global test set (``"test"``) or a client's local test set (an int)."""
+    # -- evaluation -------------------------------------------------------------------------------
 
     @abstractmethod
-    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
-        """Metrics from (merged) sums, e.g. {"acc": ..., "loss": ...}."""
-
-    def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[Any, Any]]:
         """(inputs, targets) of an evaluation split (``"test"``, a client id, or a server-held split
         such as ``"val"``) in batches of at most ``batch_size``, in a fixed order. Methods that need a
         differentiable task loss on server data (FedVG) use this with ``loss``."""
-        raise NotImplementedError(f"task {self.name!r} does not provide eval_batches()")
 
-    def eval_inputs(self, split: str | int, batch_size: int = 512) -> Iterator[torch.Tensor]:
-        """The model inputs of an evaluation split, in the order ``eval_sums`` sees them. Used by
+    def eval_inputs(self, split: str | int, batch_size: int = 512) -> Iterator[Any]:
+        """The model inputs of an evaluation split, in the order ``eval_state`` sees them. Used by
         test-time adaptation of normalisation statistics (SiloBN/FedBN ``test_stats="fresh"``)."""
         for x, _ in self.eval_batches(split, batch_size):
             yield x
+
+    @abstractmethod
+    def update_metrics(self, state: MetricState, outputs: Any, targets: Any) -> None:
+        """Fold one evaluated batch into ``state``."""
+
+    def predict(self, model: nn.Module, inputs: Any) -> Any:
+        """The model's evaluation output for a batch (tasks may chunk or post-process here)."""
+        return model(inputs)
+
+    @torch.no_grad()
+    def eval_state(self, model: nn.Module, split: str | int, batch_size: int) -> MetricState:
+        """The metric state of ``model`` (in eval mode, restored after) over ``split``."""
+        was_training = model.training
+        model.eval()
+        device = model_device(model)
+        state = self.metrics.new_state()
+        try:
+            for x, y in self.eval_batches(split, batch_size):
+                x, y = to_device(x, device), to_device(y, device)
+                self.update_metrics(state, self.predict(model, x), y)
+        finally:
+            model.train(was_training)
+        return state
+
+    def evaluate(self, model: nn.Module, split: str | int, batch_size: int = 512) -> dict[str, float]:
+        """The metric values of ``model`` on ``split``."""
+        return self.metrics.compute(self.eval_state(model, split, batch_size))
+
+    # -- description and placement ----------------------------------------------------------------
+
+    def data_description(self) -> dict[str, Any]:
+        """What ``RUN_DIR/partition.json`` records (per-client key counts, server-held splits)."""
+        return {}
+
+    def to(self, device: torch.device) -> "Task":
+        """Move data the task holds in memory to ``device`` (small in-memory pools); tasks over files
+        keep their data on the CPU and batches move per step."""
+        return self
 
 
 def component_params(spec: Any, drop: Sequence[str] = ()) -> dict[str, Any]:
@@ -68,22 +163,17 @@ def component_params(spec: Any, drop: Sequence[str] = ()) -> dict[str, Any]:
     return {k: v for k, v in spec.model_dump().items() if k != "name" and k not in drop}
 
 
-def merge_sums(parts: Sequence[dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for p in parts:
-        for k, v in p.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
-def local_summary(values: Sequence[float], counts: Sequence[int], worst_fraction: float = 0.1) -> dict[str, float]:
+def local_summary(
+    values: Sequence[float], counts: Sequence[int], higher_is_better: bool = True, worst_fraction: float = 0.1
+) -> dict[str, float]:
     """WMA = sum_k (n_k^test / n^test) m_k (thesis eq. 4.4) and the mean over the worst
-    ceil(worst_fraction * K) clients, over clients with a non-empty local test set."""
+    ceil(worst_fraction * K) clients (the lowest values when higher is better, the highest otherwise),
+    over clients with a non-empty local test set."""
     pairs = [(float(v), int(n)) for v, n in zip(values, counts, strict=True) if n > 0]
     if not pairs:
         return {}
     total = sum(n for _, n in pairs)
     wma = sum(v * n for v, n in pairs) / total
     k = max(1, math.ceil(worst_fraction * len(pairs)))
-    worst = sorted(v for v, _ in pairs)[:k]
+    worst = sorted((v for v, _ in pairs), reverse=not higher_is_better)[:k]
     return {"wma": wma, "worst10": sum(worst) / len(worst)}

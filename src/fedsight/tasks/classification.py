@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,14 +12,25 @@ from torch import nn
 
 from ..data import ArrayDataset, DatasetSplits
 from ..data.partition import ClientSplit
-from ..models import build_model
-from ..registry import TASKS, NoParams, Params
-from .base import Task, component_params
+from ..metrics import Mean, MetricSet, MetricState
+from ..models.base import ModelIO
+from ..registry import MODELS, TASKS, NoParams, Params, build
+from .base import Task, TaskSpec, component_params
+
+PROVIDES = frozenset({"class_labels", "class_logits", "server_split"})
+
+
+def classification_metrics() -> MetricSet:
+    return MetricSet([Mean("acc", True, "top-1 accuracy"), Mean("loss", False, "mean cross-entropy")], primary="acc")
 
 
 class ClassificationTask(Task):
     name = "classification"
-    primary_metric = "acc"
+    provides = PROVIDES
+
+    @classmethod
+    def spec(cls, params: Any = None) -> TaskSpec:
+        return TaskSpec(classification_metrics().specs(), "acc", PROVIDES)
 
     def __init__(
         self,
@@ -41,6 +51,7 @@ class ClassificationTask(Task):
         self.clients = clients
         self.model_name = model_name
         self.model_params = model_params
+        self.metrics = classification_metrics()
         train, test = splits.train, splits.test
         # per-channel standardisation with statistics of the training pool, applied once up front
         mean = train.x.mean(dim=(0, 2, 3), keepdim=True)
@@ -52,6 +63,7 @@ class ClassificationTask(Task):
         order_t = torch.from_numpy(order)
         self.pool_x = ((train.x[order_t] - mean) / std).contiguous()
         self.pool_y = train.y[order_t].contiguous()
+        self._labels = self.pool_y.numpy().copy()  # CPU copy for partition statistics (pool_y may move)
         self._train_slices: list[slice] = []
         self._test_slices: list[slice] = []
         start = 0
@@ -77,14 +89,21 @@ class ClassificationTask(Task):
     def num_classes(self) -> int:
         return self.splits.num_classes
 
+    @property
+    def model_io(self) -> ModelIO:
+        return ModelIO("classification", in_channels=self.splits.in_channels, num_outputs=self.splits.num_classes,
+                       image_size=self.splits.image_size)
+
     def build_model(self) -> nn.Module:
-        return build_model(
-            self.model_name,
-            self.model_params,
-            num_classes=self.splits.num_classes,
-            in_channels=self.splits.in_channels,
-            image_size=self.splits.image_size,
-        )
+        return build(MODELS, self.model_name, self.model_params, io=self.model_io)
+
+    def to(self, device: torch.device) -> "ClassificationTask":
+        """Move the (small, in-memory) pools to ``device`` once, so batches need no copy per step."""
+        for name in ("pool_x", "pool_y", "test_x", "test_y", "val_x", "val_y", "pretrain_x", "pretrain_y"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
 
     def num_train_examples(self, client: int) -> int:
         sl = self._train_slices[client]
@@ -95,7 +114,7 @@ class ClassificationTask(Task):
         return sl.stop - sl.start
 
     def client_labels(self, client: int) -> np.ndarray:
-        return self.pool_y[self._train_slices[client]].numpy()
+        return self._labels[self._train_slices[client]]
 
     def client_label_counts(self) -> np.ndarray:
         """[clients, classes] counts of each client's local training labels."""
@@ -110,7 +129,7 @@ class ClassificationTask(Task):
     def pretrain_class_counts(self) -> list[int]:
         if self.pretrain_y is None:
             return [0] * self.num_classes
-        return np.bincount(self.pretrain_y.numpy(), minlength=self.num_classes).tolist()
+        return np.bincount(self.pretrain_y.cpu().numpy(), minlength=self.num_classes).tolist()
 
     def pretrain_batches(self, batch_size: int, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One shuffled pass (order ``torch.randperm(n, generator=gen)``) over the server's pre-training
@@ -119,7 +138,7 @@ class ClassificationTask(Task):
         if self.pretrain_y is None:
             raise ValueError('this run has no server-held pre-training split; set pretrain.source = "samples"')
         n = len(self.pretrain_y)
-        perm = torch.randperm(n, generator=gen)
+        perm = torch.randperm(n, generator=gen).to(self.pretrain_y.device)
         starts = list(range(0, n, batch_size))
         if len(starts) > 1 and n - starts[-1] == 1:
             starts.pop()
@@ -147,6 +166,10 @@ class ClassificationTask(Task):
     def _eval_split(self, split: str | int) -> tuple[torch.Tensor, torch.Tensor]:
         if split == "test":
             return self.test_x, self.test_y
+        if split == "pretrain":
+            if self.pretrain_x is None:
+                raise ValueError('this run has no server-held pre-training split; set pretrain.source = "samples"')
+            return self.pretrain_x, self.pretrain_y
         if split == "val":
             if self.val_x is None:
                 raise ValueError(
@@ -161,47 +184,66 @@ class ClassificationTask(Task):
         for s in range(0, len(y), batch_size):
             yield x[s : s + batch_size], y[s : s + batch_size]
 
-    @torch.no_grad()
-    def eval_sums(self, model: nn.Module, split: str | int, batch_size: int) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
-        correct = 0.0
-        loss_sum = 0.0
-        n = 0
-        for xb, yb in self.eval_batches(split, batch_size):
-            out = model(xb)
-            n += len(yb)
-            loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))
-            correct += float((out.argmax(1) == yb).sum())
-        model.train(was_training)
-        return {"correct": correct, "loss_sum": loss_sum, "n": float(n)}
-
-    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
-        n = sums.get("n", 0.0)
-        if n == 0:
-            return {}
-        return {"acc": sums["correct"] / n, "loss": sums["loss_sum"] / n}
+    def update_metrics(self, state: MetricState, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        acc, loss = self.metrics.metrics
+        n = len(targets)
+        loss.update(state, F.cross_entropy(outputs, targets, reduction="sum"), n)
+        acc.update(state, (outputs.argmax(1) == targets).sum(), n)
 
 
-@TASKS.register("classification", help="image classification: cross-entropy, accuracy, WMA over local test sets")
+def _external_validation(cfg: Any, splits: DatasetSplits) -> ArrayDataset:
+    """V from another dataset (``validation.source = "dataset"``): same image shape, labels matched to
+    the training classes by name (V may cover only some of them)."""
+    from ..data import load_dataset
+
+    v = cfg.validation
+    spec = dict(v.dataset or {})
+    name = spec.pop("name")
+    other = load_dataset(name, spec, seed=cfg.seed)
+    part = other.train if v.split == "train" else other.test
+    where = f"validation.dataset ({name})"
+    if tuple(part.x.shape[1:]) != tuple(splits.train.x.shape[1:]):
+        raise ValueError(
+            f"{where}: images are {tuple(part.x.shape[1:])} (C, H, W) but the training data's are "
+            f"{tuple(splits.train.x.shape[1:])}; resize them to match (e.g. the loader's image_size)"
+        )
+    names = list(splits.train.class_names)
+    used = [part.class_names[c] for c in np.unique(part.y.numpy())]
+    unknown = [c for c in used if c not in names]
+    if unknown:
+        raise ValueError(
+            f"{where}: label space does not match the training data: classes {unknown} are not among the "
+            f"training classes {names}"
+        )
+    remap = np.array([names.index(c) if c in names else -1 for c in part.class_names], dtype=np.int64)
+    return ArrayDataset(part.x.clone(), torch.from_numpy(remap[part.y.numpy()]), splits.train.num_classes, names)
+
+
+@TASKS.register("classification", help="image classification: cross-entropy, accuracy, WMA over local test sets",
+                spec=ClassificationTask.spec)
 def build_classification_task(params: NoParams, *, cfg: Any) -> ClassificationTask:
-    """The task of a validated config: load ``cfg.data``, partition with ``cfg.partition``."""
+    """The task of a validated config: load ``cfg.data``, carve the server-held splits
+    (``fedsight.data.server_split``), partition the rest with ``cfg.partition``."""
     from ..data import load_dataset
     from ..data.partition import partition_from_config
-    from ..data.validation import check_needs_validation, split_validation, validation_summary
-    from ..pretrain import pretrain_summary, split_pretrain
-    from ..registry import MODELS
+    from ..data.server_split import carve_server_splits, split_summary, validation_subset
 
-    check_needs_validation(cfg)
     splits = load_dataset(cfg.data.name, component_params(cfg.data), seed=cfg.seed)
-    # the server-held validation set V is taken out of the training pool before partitioning: V never
-    # reaches a client
-    splits, val = split_validation(cfg.validation, splits, cfg.seed)
-    # the server's pre-training split is taken out next, so no client (and not V) holds any of it
-    splits, pre = split_pretrain(cfg.pretrain, splits, cfg.seed)
+    names = list(splits.train.class_names)
+    # V and the pre-training split leave the pool before partitioning: no client ever holds them
+    server = carve_server_splits(cfg, splits.train.labels, splits.num_classes, names)
+    val = splits.train.subset(server.held["val"]) if "val" in server.held else None
+    if cfg.validation.source == "dataset":
+        val = _external_validation(cfg, splits)
+        val = val.subset(validation_subset(cfg.validation, val.labels, val.num_classes, cfg.seed))
+        server.summaries["validation"] = split_summary("dataset", val.labels, val.num_classes, names,
+                                                       imbalance=cfg.validation.imbalance)
+    pre = splits.train.subset(server.held["pretrain"]) if "pretrain" in server.held else None
+    if "val" in server.held or "pretrain" in server.held:
+        splits = DatasetSplits(train=splits.train.subset(server.rest), test=splits.test)
     clients = partition_from_config(splits.train.labels, cfg)
     model_params = MODELS.get(cfg.model.name).params(**component_params(cfg.model))
     return ClassificationTask(
-        splits, clients, cfg.model.name, model_params, val=val, val_info=validation_summary(cfg.validation, val),
-        pretrain=pre, pretrain_info=pretrain_summary(cfg.pretrain, pre),
+        splits, clients, cfg.model.name, model_params, val=val, val_info=server.summaries.get("validation"),
+        pretrain=pre, pretrain_info=server.summaries.get("pretrain"),
     )

@@ -47,10 +47,33 @@ from torch import nn
 
 from ..data.partition import ClientSplit
 from ..data.video import VideoClip, VideoSplits
+from ..device import model_device
 from ..functional.dwt import charbonnier
 from ..functional.image_metrics import psnr, ssim
+from ..metrics import Mean, MetricSet, MetricState
+from ..models.base import ModelIO
 from ..registry import DATASETS, MODELS, TASKS, Params, build
-from .base import Task, component_params
+from .base import Task, TaskSpec, component_params
+
+PROVIDES = frozenset({"server_split", "image_outputs", "visuals"})
+
+
+def video_sr_metrics(params: "VideoSRParams") -> MetricSet:
+    """psnr/ssim (on the channel ``params.metric`` picks), the same on Y and RGB, and the loss: means over
+    clips of clip-mean per-frame values."""
+    m = params.metric
+    return MetricSet(
+        [
+            Mean("psnr", True, f"PSNR (dB) on {m}, mean over clips of the per-frame mean"),
+            Mean("ssim", True, f"SSIM on {m}, mean over clips of the per-frame mean"),
+            Mean("psnr_y", True, "PSNR (dB) on BT.601 luma"),
+            Mean("ssim_y", True, "SSIM on BT.601 luma"),
+            Mean("psnr_rgb", True, "PSNR (dB) on RGB"),
+            Mean("ssim_rgb", True, "SSIM on RGB"),
+            Mean("loss", False, "mean Charbonnier loss per clip"),
+        ],
+        primary="psnr",
+    )
 
 __all__ = ["VideoSRParams", "VideoSRTask", "assemble_visuals", "interpolation_baseline"]
 
@@ -73,7 +96,12 @@ def _to_float(x: torch.Tensor) -> torch.Tensor:
 
 class VideoSRTask(Task):
     name = "video_sr"
-    primary_metric = "psnr"
+    provides = PROVIDES
+
+    @classmethod
+    def spec(cls, params: "VideoSRParams | None" = None) -> TaskSpec:
+        params = params if isinstance(params, VideoSRParams) else VideoSRParams()
+        return TaskSpec(video_sr_metrics(params).specs(), "psnr", PROVIDES)
 
     def __init__(
         self,
@@ -82,12 +110,19 @@ class VideoSRTask(Task):
         model_name: str,
         model_params: Params | None,
         params: VideoSRParams | None = None,
+        val: Sequence[VideoClip] | None = None,
+        val_info: dict[str, Any] | None = None,
     ):
+        """``val``: the server-held validation clips (``fedsight.data.server_split``), served as the
+        evaluation split ``"val"``."""
         self.splits = splits
         self.clients = list(clients)
         self.model_name = model_name
         self.model_params = model_params
         self.params = params or VideoSRParams()
+        self.metrics = video_sr_metrics(self.params)
+        self.val = list(val) if val is not None else None
+        self.val_info = val_info
         self.scale, self.num_frames, self.patch = splits.scale, splits.num_frames, splits.patch_size
         pool = splits.train.clips
         self._examples: list[torch.Tensor] = []
@@ -120,10 +155,14 @@ class VideoSRTask(Task):
         counts = np.zeros((self.num_clients, len(names)), dtype=np.int64)
         for k in range(self.num_clients):
             counts[k] = np.bincount(self.client_labels(k), minlength=len(names))
-        return {"class_names": names, "client_label_counts": counts.tolist(), "validation": None}
+        return {"class_names": names, "client_label_counts": counts.tolist(), "validation": self.val_info}
+
+    @property
+    def model_io(self) -> ModelIO:
+        return ModelIO("video_sr", in_channels=3, num_outputs=3, scale=self.scale, num_frames=self.num_frames)
 
     def build_model(self) -> nn.Module:
-        return build(MODELS, self.model_name, self.model_params, scale=self.scale)
+        return build(MODELS, self.model_name, self.model_params, io=self.model_io)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -162,8 +201,14 @@ class VideoSRTask(Task):
     def _eval_clips(self, split: str | int) -> list[VideoClip]:
         if split == "test":
             return list(self.splits.test.clips)
+        if split == "val":
+            if self.val is None:
+                raise ValueError(
+                    'this run has no server-held validation set (split "val"); set [validation] source = "carve" or "dataset"'
+                )
+            return self.val
         if isinstance(split, str) and not split.lstrip("-").isdigit():
-            raise ValueError(f"task video_sr has no evaluation split {split!r} (use 'test' or a client id)")
+            raise ValueError(f"task video_sr has no evaluation split {split!r} (use 'test', 'val' or a client id)")
         pool = self.splits.train.clips
         return [pool[int(i)] for i in self.clients[int(split)].test]
 
@@ -186,6 +231,9 @@ class VideoSRTask(Task):
             return model(lr)
         return torch.cat([model(lr[:, s : s + chunk]) for s in range(0, lr.shape[1], chunk)], dim=1)
 
+    def predict(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        return self.super_resolve(model, inputs)
+
     def frame_metrics(self, out: torch.Tensor, hr: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-frame PSNR/SSIM on Y and RGB of frames ``[T, 3, H, W]`` (module conventions)."""
         if self.params.quantize:
@@ -198,28 +246,17 @@ class VideoSRTask(Task):
             "ssim_rgb": ssim(out, hr, cb, "rgb"),
         }
 
-    @torch.no_grad()
-    def eval_sums(self, model: nn.Module, split: str | int, batch_size: int) -> dict[str, float]:
-        """Sums over clips of clip-mean metrics (and the clip count ``n``): mergeable across clients."""
-        was_training = model.training
-        model.eval()
-        sums = {"psnr_y": 0.0, "ssim_y": 0.0, "psnr_rgb": 0.0, "ssim_rgb": 0.0, "loss_sum": 0.0, "n": 0.0}
-        for lr, hr in self.eval_batches(split, batch_size):
-            out = self.super_resolve(model, lr)
-            sums["loss_sum"] += float(self.loss(out, hr))
-            for k, v in self.frame_metrics(out[0], hr[0]).items():
-                sums[k] += float(v.mean())
-            sums["n"] += 1.0
-        model.train(was_training)
-        return sums
-
-    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
-        n = sums.get("n", 0.0)
-        if n == 0:
-            return {}
+    def update_metrics(self, state: MetricState, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """One whole clip (``eval_batches`` yields one per batch): its loss and its per-frame metrics'
+        means, each counted once (means over clips, mergeable across clients)."""
+        by_name = {m.name: m for m in self.metrics.metrics}
+        by_name["loss"].update(state, self.loss(outputs, targets), 1)
+        frames = self.frame_metrics(outputs[0], targets[0])
+        for k, v in frames.items():
+            by_name[k].update(state, v.mean(), 1)
         m = self.params.metric
-        out = {k: sums[k] / n for k in ("psnr_y", "ssim_y", "psnr_rgb", "ssim_rgb")}
-        return {"psnr": out[f"psnr_{m}"], "ssim": out[f"ssim_{m}"], **out, "loss": sums["loss_sum"] / n}
+        by_name["psnr"].update(state, frames[f"psnr_{m}"].mean(), 1)
+        by_name["ssim"].update(state, frames[f"ssim_{m}"].mean(), 1)
 
     # -- visual output ----------------------------------------------------------------------------
 
@@ -274,7 +311,7 @@ class VideoSRTask(Task):
             clip = self.splits.test.clips[i]
             t = self._clip_frames(clip)
             lr = _to_float(clip.lr(0, t)).unsqueeze(0)
-            out = self.super_resolve(model, lr)[0, f].clamp(0, 1)
+            out = self.super_resolve(model, lr.to(model_device(model)))[0, f].clamp(0, 1).cpu()
             hr = _to_float(clip.hr(f, 1))[0]
             h, w = hr.shape[-2:]
             crop = min(self.params.visual_crop, h, w) // s * s
@@ -386,18 +423,39 @@ def interpolation_baseline(task: VideoSRTask, mode: str = "bicubic") -> dict[str
             up = F.interpolate(lrs.reshape(b * t, c, h, w), scale_factor=task.scale, mode=mode, align_corners=False)
             return up.view(b, t, c, h * task.scale, w * task.scale)
 
-    return task.finalize(task.eval_sums(_Interp(), "test", 1))
+    return task.evaluate(_Interp(), "test", 1)
 
 
-@TASKS.register("video_sr", params=VideoSRParams, help="video super-resolution: Charbonnier loss, PSNR/SSIM (Y and RGB) on whole clips")
+@TASKS.register("video_sr", params=VideoSRParams, spec=VideoSRTask.spec,
+                help="video super-resolution: Charbonnier loss, PSNR/SSIM (Y and RGB) on whole clips")
 def build_video_sr_task(params: VideoSRParams, *, cfg: Any) -> VideoSRTask:
-    """The task of a validated config: load ``cfg.data`` (a video dataset), partition its clips."""
+    """The task of a validated config: load ``cfg.data`` (a video dataset), carve the server-held
+    validation clips (by category), partition the rest of the clips."""
     from ..data.partition import partition_from_config
+    from ..data.server_split import carve_server_splits, split_summary, validation_subset
+    from ..data.video import VideoSet
 
     splits = build(DATASETS, cfg.data.name, component_params(cfg.data), seed=cfg.seed)
     if not isinstance(splits, VideoSplits):
         raise ValueError(f"data.name = {cfg.data.name!r} is not a video dataset")
+    names = list(splits.train.class_names)
+    server = carve_server_splits(cfg, splits.train.labels, splits.num_classes, names)
+    pool = splits.train.clips
+    val = [pool[int(i)] for i in server.held["val"]] if "val" in server.held else None
+    if cfg.validation.source == "dataset":
+        spec = dict(cfg.validation.dataset or {})
+        other = build(DATASETS, spec.pop("name"), spec, seed=cfg.seed)
+        if not isinstance(other, VideoSplits):
+            raise ValueError(f"validation.dataset = {cfg.validation.dataset['name']!r} is not a video dataset")
+        part = other.train if cfg.validation.split == "train" else other.test
+        keep = validation_subset(cfg.validation, part.labels, part.num_classes, cfg.seed)
+        val = [part.clips[int(i)] for i in keep]
+        server.summaries["validation"] = split_summary("dataset", part.labels[keep], part.num_classes, list(part.class_names))
+    if "val" in server.held:
+        splits = VideoSplits(VideoSet([pool[int(i)] for i in server.rest], names), splits.test, splits.scale,
+                             splits.num_frames, splits.patch_size)
     clients = partition_from_config(splits.train.labels, cfg)
     model_params = MODELS.get(cfg.model.name).params(**component_params(cfg.model))
     task_params = params if isinstance(params, VideoSRParams) else VideoSRParams(**component_params(params))
-    return VideoSRTask(splits, clients, cfg.model.name, model_params, task_params)
+    return VideoSRTask(splits, clients, cfg.model.name, model_params, task_params, val=val,
+                       val_info=server.summaries.get("validation"))

@@ -1,6 +1,6 @@
 """The local training loop, written once for every task and recipe.
 
-Recipe components plug in through hooks (``fedsight.recipe.base.Component``): output transforms, extra
+Recipe components plug in through hooks (``fedsight.training.component.Component``): output transforms, extra
 loss terms, gradient transforms after ``backward()``, and upload transforms at the end. What a client
 does in a round is a ``Trainer``: plain SGD by default; a component may claim the slot with a different
 local procedure (FedAlt's alternating passes, Ditto's personal model, Fed3R's statistics pass).
@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .models.base import NORM_TYPES
-from .recipe.base import ClientContext, ClientState, Component
-from .records import ClientResult
-from .rng import np_rng, torch_gen
-from .tasks.base import Task
+from ..models.base import NORM_TYPES
+from ..records import ClientResult
+from ..rng import np_rng, torch_gen
+from ..device import model_device, to_device
+from ..tasks.base import Task
+from .component import Component
+from .context import ClientContext, ClientState
 
 #: the parameter groups ``train.freeze`` may name (``FedModel.parameter_groups``)
 FREEZABLE = ("backbone", "head", "norm")
@@ -147,16 +149,21 @@ def sgd_steps(
     extra_loss=None,
 ) -> torch.Tensor:
     """``num_steps`` SGD steps on ``params`` over the client's shuffled data (stream (``stream``, round,
-    client)), with every component's hooks; returns the summed objective. ``extra_loss(model)`` adds a
-    trainer's own term (Ditto's proximal term). Adds the steps' FLOPs to ``ctx.flops``."""
+    client)), with every component's hooks; returns the summed objective (in the model's floating dtype,
+    on its device). ``extra_loss(model)`` adds a trainer's own term (Ditto's proximal term). Batches come
+    from ``task.train_batches`` (which may prefetch) and move to the model's device. Adds the steps'
+    FLOPs to ``ctx.flops``."""
     task, model, local = ctx.task, ctx.model, ctx.local
     opt = torch.optim.SGD(params, lr=local.lr if lr is None else lr, momentum=local.momentum, weight_decay=local.weight_decay)
     scope = backward_scope(ctx, params)
-    loss_sum = torch.zeros(())
+    device = model_device(model)
+    loss_sum = loss_accumulator(model)
     gen = torch_gen(ctx.seed, stream, ctx.round, ctx.client_id)
-    for step, pos in enumerate(batch_positions(ctx.num_examples, local.batch_size, num_steps, gen)):
+    positions = list(batch_positions(ctx.num_examples, local.batch_size, num_steps, gen))
+    batches = task.train_batches(ctx.client_id, positions, seed=ctx.seed, round=ctx.round)
+    for step, (pos, (x, y)) in enumerate(zip(positions, batches)):
         ctx.step = step
-        x, y = task.train_batch(ctx.client_id, pos)
+        x, y = to_device(x, device), to_device(y, device)
         loss = local_objective(ctx, components, x, y)
         if extra_loss is not None:
             loss = loss + extra_loss(model)
@@ -169,6 +176,13 @@ def sgd_steps(
         if ctx.cost is not None:
             ctx.flops += ctx.cost.train_step(len(pos), scope)
     return loss_sum
+
+
+def loss_accumulator(model: nn.Module) -> torch.Tensor:
+    """A zero scalar to sum losses into: on the model's device, in the dtype of its first floating
+    parameter (float32 for a model without one), so a float64 model sums in float64."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return torch.zeros((), device=model_device(model), dtype=dtype)
 
 
 def make_result(ctx: ClientContext, components: Sequence[Component], loss_sum: float, steps: int) -> ClientResult:

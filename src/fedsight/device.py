@@ -1,0 +1,115 @@
+"""Where tensors live and how many CPU threads torch uses.
+
+**Devices** (``[engine] device``): ``"auto"`` (CUDA when ``torch.cuda.is_available()``, else the CPU),
+``"cpu"``, ``"cuda"`` or ``"cuda:N"``. The global model, the clients' work model, every batch, client
+state read back from disk, aggregation and the server optimizer live on that device. What is written to
+disk (checkpoints, client state, model files) is always CPU tensors, so a run started on a GPU resumes
+on a CPU and vice versa.
+
+**Threads** (``[engine] threads``): torch's intra-op thread pool. With the default (``"auto"``),
+FedSight uses one thread per process: the models of federated simulations are small and run as many
+short steps, where a thread pool's synchronisation costs more than it gains, and a second busy process
+on the machine makes a multi-threaded pool far slower (``benchmarks/threads.py`` measures this). An
+integer sets it explicitly; the run records the value in ``run.json``.
+
+**Determinism** (``[engine] deterministic``): on the CPU every run of a config is bit-identical anyway.
+On CUDA, ``deterministic = true`` makes torch use deterministic kernels (``torch.use_deterministic_
+algorithms``; cuDNN benchmark off; ``CUBLAS_WORKSPACE_CONFIG`` set), which gives bit-identical repeats on
+the same GPU model, driver and torch build, at some speed cost; operations without a deterministic CUDA
+kernel then raise. Without it, CUDA results vary in the last bits between runs (atomics in reductions,
+cuDNN algorithm choice), and a resumed run equals an uninterrupted one only to float tolerance. Results
+never match bit for bit across devices (CPU vs GPU) or GPU models.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """The ``torch.device`` of an ``engine.device`` value; a CUDA device that is not there is a
+    ``ConfigError`` naming the key."""
+    spec = (spec or "auto").strip()
+    if spec == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f'engine.device = {spec!r}: expected "auto", "cpu", "cuda" or "cuda:N"') from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f'engine.device = {spec!r}: expected "auto", "cpu", "cuda" or "cuda:N"')
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"engine.device = {spec!r} but CUDA is not available here (torch {torch.__version__}"
+            f"{', a build without CUDA' if torch.version.cuda is None else ', no GPU visible'}); use \"auto\" or \"cpu\""
+        )
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"engine.device = {spec!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of a model's first parameter or buffer (CPU for a model without state)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` (a tensor, or tuples/lists/dicts of them) on ``device``; a no-op for tensors already
+    there. Pinned CPU tensors copy asynchronously."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=obj.is_pinned())
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(v, device) for v in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU copies (what is written to disk or sent over the wire)."""
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+#: the thread count "auto" resolves to (see the module docstring and benchmarks/threads.py)
+AUTO_THREADS = 1
+
+
+def configure_threads(setting: int | str | None) -> int:
+    """Set torch's intra-op threads from ``engine.threads`` (an int, ``"auto"`` or None = auto) and
+    return the number in use."""
+    n = AUTO_THREADS if setting in (None, "auto") else int(setting)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def configure_determinism(deterministic: bool, device: torch.device) -> None:
+    """Deterministic CUDA kernels on or off (a no-op on the CPU, which is deterministic anyway)."""
+    if device.type != "cuda":
+        return
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+
+
+def describe(device: torch.device) -> dict[str, Any]:
+    """What ``run.json`` records about where a session ran."""
+    out: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out

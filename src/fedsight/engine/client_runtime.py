@@ -1,0 +1,177 @@
+"""The client half of a round: local training and local evaluation of the clients a process holds.
+
+One ``ClientRuntime`` holds one work model, reused by every client it serves (no per-client copy): the
+global state is copied in, the client's personal entries on top, the client trains, its upload is read
+off, and its personal entries and component state go to the ``ClientStateStore``, only if its update
+is finite. In-process one runtime serves every client; on a Flower node (``fedsight.flower``) it serves
+the node's client, with the node's own store on the node's disk. Nothing here knows the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..cost import ModelCost, model_cost
+from ..device import to_device
+from ..functional.aggregate import all_finite
+from ..metrics import MetricState
+from ..records import ClientResult
+from ..rng import derive_seed, seed_torch
+from ..state import PERSONAL, ClientStateStore
+from ..tasks.base import Task
+from ..training import ClientState, EvalContext
+from ..training.local import train_client
+from .plan import Stage, StageLayout, build_models, personal_eval, stage_layout, stage_of_round
+
+
+def is_finite_result(res: ClientResult) -> bool:
+    """Every uploaded tensor and the training loss are finite."""
+    finite = all_finite(res.delta) and all_finite(res.buffers)
+    finite = finite and all(all_finite(v) for v in res.extras.values())
+    return finite and math.isfinite(res.metrics.get("train/loss", 0.0))
+
+
+@contextlib.contextmanager
+def eval_hooks(stage: Stage, model: nn.Module, ctx: EvalContext):
+    """The stage's sharing and components' evaluation contexts around an evaluation of ``model``."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(stage.recipe.sharing.eval_context(model, ctx))
+        for c in stage.recipe.components:
+            stack.enter_context(c.eval_context(model, ctx))
+        yield
+
+
+class ClientRuntime:
+    def __init__(
+        self,
+        task: Task,
+        stages: Sequence[Stage],
+        seed: int,
+        store: ClientStateStore,
+        device: torch.device | str = "cpu",
+        cost: ModelCost | None = None,
+        *,
+        eval_batch_size: int = 512,
+        model: nn.Module | None = None,
+    ):
+        """``model``: the work model, built and adapted by the caller (the in-process engine builds the
+        global and the work model from one seeded stream); without one, the runtime builds it from the
+        stream (seed, "init"). ``cost``: the model's per-example forward FLOPs if already known (a
+        Flower node reuses the server's measurement instead of counting again)."""
+        self.task, self.stages, self.seed, self.store = task, list(stages), seed, store
+        self.device = torch.device(device)
+        self.eval_batch_size = eval_batch_size
+        if model is None:
+            torch.manual_seed(derive_seed(seed, "init"))
+            model = build_models(task, self.stages, seed, 1)[0]
+        self.work_model: nn.Module = model.to(self.device)
+        self._wstate = self.work_model.state_dict(keep_vars=True)
+        self.cost: ModelCost = cost or model_cost(self.work_model, to_device(task.example_input(), self.device))
+        self.stage_index = -1
+        self.enter_stage(0)
+
+    # -- stages -----------------------------------------------------------------------------------
+
+    def enter_stage(self, index: int) -> None:
+        if index != self.stage_index:
+            self.stage_index, self.stage = index, self.stages[index]
+            self.layout: StageLayout = stage_layout(self.work_model, self.stage)
+
+    def enter_round(self, r: int) -> None:
+        self.enter_stage(stage_of_round(self.stages, r))
+
+    # -- training ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load(self, client: int, global_state: Mapping[str, torch.Tensor]) -> nn.Module:
+        """The work model holding ``global_state`` and this client's personal entries (the global values
+        for a client that has none yet)."""
+        for k, v in global_state.items():
+            self._wstate[k].copy_(v)
+        if self.layout.personal_keys:
+            personal = self.store.get(PERSONAL, client)
+            if personal is not None:
+                # only this stage's non-shared entries: a later stage that shares them again uses the
+                # global values
+                for k in self.layout.personal_keys:
+                    if k in personal:
+                        self._wstate[k].copy_(personal[k])
+        return self.work_model
+
+    def run(
+        self, r: int, client: int, global_state: Mapping[str, torch.Tensor],
+        broadcast: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    ) -> tuple[ClientResult, ClientState]:
+        """One client's local work in round ``r`` from ``global_state`` (the whole global model state):
+        its upload, and its state saves held in the returned ``ClientState`` until ``keep``."""
+        self.enter_round(r)
+        gstate = to_device(dict(global_state), self.device)
+        model = self.load(client, gstate)
+        seed_torch(self.seed, "client", r, client)
+        state = ClientState(self.store, client, r, self.device)
+        lay = self.layout
+        res = train_client(
+            self.task, model, client, r, self.seed, self.stage.local, self.stage.recipe.components,
+            {k: gstate[k].detach() for k in lay.shared_params}, lay.shared_buffers, state,
+            {name: to_device(dict(t), self.device) for name, t in (broadcast or {}).items()},
+            trainer=self.stage.recipe.trainer, frozen=set(lay.frozen), global_state=gstate,
+            personal_keys=lay.personal_keys, cost=self.cost,
+        )
+        return res, state
+
+    def train(
+        self, r: int, client: int, global_state: Mapping[str, torch.Tensor],
+        broadcast: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    ) -> tuple[ClientResult, bool]:
+        """``run`` then ``keep``: the upload and whether the client kept its outcome."""
+        res, state = self.run(r, client, global_state, broadcast)
+        return res, self.keep(res, state)
+
+    def keep(self, res: ClientResult, state: ClientState) -> bool:
+        """Keep a client's outcome (right after training, while the work model holds it) if every value
+        is finite: its personal entries and held component state go to the store."""
+        personal = self.personal_entries(res.client_id) if self.layout.personal_keys else {}
+        pending = [t for tensors in state.pending.values() for t in tensors.values()]
+        if not (is_finite_result(res) and all_finite(personal) and all_finite(dict(enumerate(pending)))):
+            return False
+        if personal:
+            self.store.put(PERSONAL, res.client_id, state.round, personal)
+        state.commit()
+        return True
+
+    def personal_entries(self, client: int) -> dict[str, torch.Tensor]:
+        """The work model's entries to keep for ``client``: its changing personal entries, and the
+        constant ones it already holds from an earlier stage (a personal head frozen for FP(phi))."""
+        lay = self.layout
+        # only a constant personal key needs the stored copy (a second read of the client's file otherwise)
+        held = (self.store.get(PERSONAL, client) or {}) if any(k in lay.constant for k in lay.personal_keys) else {}
+        return {k: self._wstate[k].detach() for k in lay.personal_keys if k not in lay.constant or k in held}
+
+    # -- local evaluation -------------------------------------------------------------------------
+
+    def uses_own_model(self) -> bool:
+        """Whether clients are evaluated on their own models (personal entries or a personal-evaluation
+        component) rather than on the global model."""
+        return bool(self.layout.personal_keys) or personal_eval(self.stage)
+
+    def eval_context(self, split: str | int) -> EvalContext:
+        return EvalContext(self.task, split, self.eval_batch_size, self.layout.personal_keys,
+                           self.layout.shared_params, self.store)
+
+    def local_state(
+        self, client: int, global_state: Mapping[str, torch.Tensor], global_model: nn.Module | None = None
+    ) -> MetricState:
+        """The metric state of ``client``'s local test set on the model it is evaluated with: the global
+        model (``global_model`` when the caller holds it, else ``global_state`` loaded into the work
+        model), or the global shared entries plus its personal ones; inside the stage's evaluation hooks."""
+        if self.uses_own_model() or global_model is None:
+            model = self.load(client, to_device(dict(global_state), self.device))
+        else:
+            model = global_model
+        with eval_hooks(self.stage, model, self.eval_context(client)):
+            return self.task.eval_state(model, client, self.eval_batch_size)

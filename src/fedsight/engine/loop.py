@@ -1,0 +1,137 @@
+"""The one round loop, behind a backend that runs the client half of each round.
+
+``run_round`` is every engine's round: the server samples and broadcasts (``Server.begin_round``), the
+backend trains the sampled clients and returns one ``Reply`` each, the server accepts or rejects every
+reply in one place (``Server.collect``), aggregates and steps (``Server.end_round``), and, on evaluation
+rounds, ``evaluate`` scores the global model and summarises the clients' local test sets. Backends:
+
+* ``InProcessBackend``: a ``ClientRuntime`` in this process trains and evaluates every client;
+* ``fedsight.flower.server_app.FlowerBackend``: the clients' runtimes live on Flower SuperNodes.
+
+Evaluation and personal-state handling therefore exist once, whatever runs the clients.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..metrics import MetricState
+from ..records import ClientResult
+from .client_runtime import ClientRuntime
+from .plan import Reply, RoundPlan
+from .server import Server
+
+
+@dataclass
+class ClientEvaluation:
+    """What the clients contribute to an evaluation: each client's local-test metric state and test-set
+    size, where the global evaluation reads the clients' personal entries (``store``), and events."""
+
+    states: dict[int, tuple[MetricState, int]] = field(default_factory=dict)
+    store: Any = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Backend(Protocol):
+    def enter_round(self, r: int) -> None: ...
+
+    def train(self, plan: RoundPlan) -> tuple[list[Reply], list[dict[str, Any]]]:
+        """One ``Reply`` per sampled client, in any order (a client that did not answer: result None),
+        and events of the backend's own (a Flower client that moved to another node)."""
+
+    def admit(self, plan: RoundPlan, results: list[ClientResult], events: list[dict[str, Any]]) -> list[ClientResult]:
+        """The accepted results that are aggregated (a backend may hold back a round, e.g. too few)."""
+
+    def round_metrics(self) -> dict[str, Any]:
+        """Backend-specific entries of the round's metrics row."""
+
+    def client_evaluation(self, r: int, *, local: bool, personal: bool) -> ClientEvaluation:
+        """Local-test states (``local``) and the clients' personal entries (``personal``)."""
+
+
+class InProcessBackend:
+    """Every client trains and evaluates in this process, on one ``ClientRuntime``."""
+
+    def __init__(self, server: Server, runtime: ClientRuntime):
+        self.server, self.runtime = server, runtime
+
+    def enter_round(self, r: int) -> None:
+        self.runtime.enter_round(r)
+
+    def train(self, plan: RoundPlan) -> tuple[list[Reply], list[dict[str, Any]]]:
+        gstate = self.server.global_state()
+        out = []
+        for cid in plan.sampled:
+            res, kept = self.runtime.train(plan.round, cid, gstate, plan.broadcast)
+            out.append(Reply(cid, res, kept))
+        return out, []
+
+    def admit(self, plan: RoundPlan, results: list[ClientResult], events: list[dict[str, Any]]) -> list[ClientResult]:
+        return results
+
+    def round_metrics(self) -> dict[str, Any]:
+        return {}
+
+    def client_evaluation(self, r: int, *, local: bool, personal: bool) -> ClientEvaluation:
+        out = ClientEvaluation(store=self.runtime.store)
+        if local:
+            task, gstate, gmodel = self.server.task, self.server.global_state(), self.server.global_model
+            for cid in range(task.num_clients):
+                n = task.num_test_examples(cid)
+                if n > 0:
+                    out.states[cid] = (self.runtime.local_state(cid, gstate, gmodel), n)
+        return out
+
+
+def needs_client_entries(server: Server) -> bool:
+    """Whether the global-test evaluation reads the clients' personal entries (FedBN/SiloBN evaluate with
+    their example-weighted mean, ``NormSharing.client_average``)."""
+    return bool(server.layout.personal_keys) and hasattr(server.recipe.sharing, "client_average")
+
+
+def evaluate(server: Server, backend: Backend, r: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """``test/*`` of the global model and, with ``eval.local``, ``local/*`` of the clients' test sets."""
+    local = server.schedule.eval_local
+    ev = backend.client_evaluation(r, local=local, personal=needs_client_entries(server))
+    out = server.evaluate_global(ev.store)
+    if local:
+        out.update(server.summarize_local(ev.states))
+    return out, ev.events
+
+
+def run_round(server: Server, backend: Backend, r: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One round: train, accept, aggregate, evaluate when due. Returns the metrics row and the events."""
+    server.enter_round(r)
+    backend.enter_round(r)
+    t0 = time.perf_counter()
+    plan = server.begin_round(r)
+    replies, events = backend.train(plan)
+    results, spent = server.collect(plan, replies, events)
+    results = backend.admit(plan, results, events)
+    row = server.end_round(plan, results, events, spent)
+    row.update(backend.round_metrics())
+    if server.should_evaluate(r):
+        te = time.perf_counter()
+        evaluated, eval_events = evaluate(server, backend, r)
+        row.update(evaluated)
+        events += eval_events
+        row["time/eval_s"] = time.perf_counter() - te
+    row["time/round_s"] = time.perf_counter() - t0
+    server.round = r
+    return {"round": r, "stage": server.stage, **row}, events
+
+
+OnRound = Callable[[int, dict[str, Any], list[dict[str, Any]]], None]
+
+
+def run_rounds(server: Server, backend: Backend, on_round: OnRound | None = None, stop_after: int | None = None) -> None:
+    """Rounds ``server.round + 1 .. schedule.rounds`` (or up to ``stop_after``)."""
+    last = server.schedule.rounds if stop_after is None else min(server.schedule.rounds, stop_after)
+    while server.round < last:
+        r = server.round + 1
+        row, events = run_round(server, backend, r)
+        if on_round is not None:
+            on_round(r, row, events)

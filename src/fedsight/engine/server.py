@@ -1,0 +1,279 @@
+"""The server half of a round: sampling, broadcasts, accepting replies, weighting, aggregation, the server
+optimizer, the components' server hooks and evaluation of the global model.
+
+The server never trains a client: a backend (``engine.loop``) runs the client half in this process or on
+Flower nodes and hands back ``Reply``s; every reply passes ``accept`` here, in one place for every
+backend, before anything else touches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cost import nbytes, result_bytes
+from ..device import to_device
+from ..functional.aggregate import normalize, weighted_mean_state
+from ..metrics import MetricState
+from ..records import ClientResult
+from ..rng import derive_seed
+from ..state import ClientStateStore
+from ..tasks.base import Task, local_summary
+from ..training import EvalContext, ServerContext
+from .client_runtime import eval_hooks, is_finite_result
+from .plan import (
+    Reply, RoundPlan, Schedule, Stage, StageLayout, build_models, sample_clients, stage_layout, stage_of_round,
+)
+
+
+def result_to(res: ClientResult, device: torch.device) -> ClientResult:
+    """``res`` with its tensors on ``device`` (the same object when they already are)."""
+    tensors = [*res.delta.values(), *res.buffers.values(), *(t for e in res.extras.values() for t in e.values())]
+    if all(t.device == device for t in tensors):
+        return res
+    return dataclasses.replace(
+        res, delta=to_device(res.delta, device), buffers=to_device(res.buffers, device),
+        extras={k: to_device(v, device) for k, v in res.extras.items()},
+    )
+
+
+class Server:
+    def __init__(
+        self,
+        task: Task,
+        stages: Sequence[Stage],
+        schedule: Schedule,
+        seed: int,
+        store: ClientStateStore | None = None,
+        device: torch.device | str = "cpu",
+        model: nn.Module | None = None,
+    ):
+        """``model``: the global model, built and adapted by the caller; without one, the server builds
+        it from the stream (seed, "init") and adapts it for the stages' components. ``store``: the
+        per-client state the global evaluation reads (FedBN's clients' normalisation entries) and the
+        checkpoint indexes; an empty in-memory store without one."""
+        self.task, self.schedule, self.seed = task, schedule, seed
+        self.stages = list(stages)
+        if self.stages[-1].end_round != schedule.rounds:
+            raise ValueError(f"stages end at round {self.stages[-1].end_round}, the schedule at {schedule.rounds}")
+        self.store = store if store is not None else ClientStateStore()
+        self.device = torch.device(device)
+        if model is None:
+            torch.manual_seed(derive_seed(seed, "init"))
+            model = build_models(task, self.stages, seed, 1)[0]
+        self.global_model: nn.Module = model.to(self.device)
+        self._gstate = self.global_model.state_dict(keep_vars=True)
+        #: cumulative communication and computation over the run
+        self.totals = {"up_bytes": 0.0, "down_bytes": 0.0, "flops": 0.0}
+        self.round = 0
+        #: (client ids, normalised weights) of the last aggregation, for logging
+        self.last_weights: tuple[list[int], Any] | None = None
+        self.stage_index = -1
+        self._enter_stage(0)
+
+    # -- stages -----------------------------------------------------------------------------------
+
+    def _enter_stage(self, index: int) -> None:
+        """Switch recipe and local training; a stage's server optimizer starts fresh."""
+        st = self.stages[index]
+        self.stage_index, self.stage, self.recipe, self.local = index, st.name, st.recipe, st.local
+        self.layout: StageLayout = stage_layout(self.global_model, st)
+        gparams = dict(self.global_model.named_parameters())
+        self.recipe.server_optimizer.attach({k: gparams[k] for k in self.layout.shared_params})
+        #: bytes a client downloads: the shared entries that can change (frozen ones are not re-sent)
+        self.model_bytes = nbytes([self._gstate[k] for k in self.layout.shared_params + self.layout.shared_buffers])
+
+    @property
+    def shared_params(self) -> list[str]:
+        return list(self.layout.shared_params)
+
+    @property
+    def shared_buffers(self) -> list[str]:
+        return list(self.layout.shared_buffers)
+
+    @property
+    def personal_keys(self) -> list[str]:
+        return list(self.layout.personal_keys)
+
+    def enter_round(self, r: int) -> None:
+        """Switch to the stage that round ``r`` belongs to (no-op within a stage)."""
+        i = stage_of_round(self.stages, r)
+        if i != self.stage_index:
+            self._enter_stage(i)
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The whole global model state (live tensors: read, never write)."""
+        return self._gstate
+
+    # -- one round --------------------------------------------------------------------------------
+
+    def begin_round(self, r: int) -> RoundPlan:
+        """Sample the round's clients and collect the components' broadcasts."""
+        m = self.stages[self.stage_index].clients_per_round or self.schedule.clients_per_round
+        sampled = None
+        for c in self.recipe.components:
+            sampled = c.sample(r, self.task.num_clients, m, self.seed)
+            if sampled is not None:
+                break
+        if sampled is None:
+            sampled = sample_clients(self.seed, r, self.task.num_clients, m)
+        sctx = ServerContext(
+            round=r, model=self.global_model, num_clients=self.task.num_clients, sampled=sampled, seed=self.seed,
+            rounds=self.schedule.rounds, task=self.task,
+        )
+        broadcast = {}
+        for c in self.recipe.components:
+            sent = c.server_broadcast(sctx)
+            if sent is not None:
+                broadcast[c.name] = {k: v.detach().clone() for k, v in sent.items()}
+        global_params = {k: self._gstate[k].detach() for k in self.layout.shared_params}
+        return RoundPlan(r, sctx, sampled, broadcast, global_params, time.perf_counter())
+
+    @staticmethod
+    def rejection(reply: Reply) -> str | None:
+        """Why a reply's update cannot be used (None: it can). Every backend's replies pass here."""
+        if reply.result is None:
+            return reply.reason or "no result"
+        if not reply.accepted or not is_finite_result(reply.result):
+            return "non-finite values"
+        return None
+
+    def collect(
+        self, plan: RoundPlan, replies: Sequence[Reply], events: list[dict[str, Any]]
+    ) -> tuple[list[ClientResult], dict[str, float]]:
+        """The usable results, in the sampled order (aggregation sums in that order on every backend),
+        and the costs the clients spent (every reply that carries a result counts). A sampled client
+        without a result becomes a ``client_lost`` event, an unusable result a ``rejected_update``."""
+        by_client = {rep.client: rep for rep in replies}
+        results: list[ClientResult] = []
+        device = self.device
+        spent = {"up_bytes": 0.0, "flops": 0.0}
+        for cid in plan.sampled:
+            rep = by_client.get(cid)
+            if rep is None or rep.result is None:
+                info = rep.info if rep is not None else {}
+                reason = rep.reason if rep is not None and rep.reason else "no reply"
+                events.append({"round": plan.round, "event": "client_lost", "client": cid, **info, "reason": reason})
+                continue
+            spent["up_bytes"] += result_bytes(rep.result)
+            spent["flops"] += rep.result.flops
+            why = self.rejection(rep)
+            if why is not None:
+                events.append({"round": plan.round, "event": "rejected_update", "client": cid, "reason": why})
+                continue
+            results.append(result_to(rep.result, device))
+        return results, spent
+
+    def end_round(
+        self, plan: RoundPlan, results: list[ClientResult], events: list[dict[str, Any]], spent: dict[str, float]
+    ) -> dict[str, Any]:
+        """Weight, aggregate, step the server optimizer, run the components' server hooks; the
+        round's metrics row (with the costs ``spent`` by the clients)."""
+        r, sctx = plan.round, plan.sctx
+        t_train = time.perf_counter() - plan.t0
+        row: dict[str, Any] = {"clients/sampled": len(plan.sampled), "clients/aggregated": len(results)}
+        self.last_weights = None
+        if results:
+            weights = self.recipe.weighting.weights(results, sctx)
+            delta = self.recipe.aggregator.aggregate(results, weights)
+            self.recipe.server_optimizer.step(delta)
+            if self.layout.shared_buffers:
+                buffers = weighted_mean_state([res.buffers for res in results], weights)
+                with torch.no_grad():
+                    for k, v in buffers.items():
+                        self._gstate[k].copy_(v)
+            norm_weights = normalize(weights)
+            self.last_weights = ([res.client_id for res in results], norm_weights)
+            for c in self.recipe.components:
+                c.server_round_end(sctx, results, norm_weights)
+            trained = [res for res in results if "train/loss" in res.metrics]  # statistics passes have none
+            if trained:
+                n = sum(res.num_examples for res in trained)
+                row["train/loss"] = sum(res.metrics["train/loss"] * res.num_examples for res in trained) / n
+        else:
+            events.append({"round": r, "event": "round_skipped", "reason": "no valid client update"})
+        row.update(sctx.metrics)
+        down_each = nbytes([t for sent in plan.broadcast.values() for t in sent.values()])
+        if self.recipe.trainer.downloads_model:
+            down_each += self.model_bytes
+        round_cost = {"up_bytes": spent["up_bytes"], "down_bytes": float(down_each * len(plan.sampled)), "flops": spent["flops"]}
+        for k, v in round_cost.items():
+            self.totals[k] += v
+            row[f"cost/{k}"] = v
+            row[f"cost/total_{k}"] = self.totals[k]
+        row["time/train_s"] = t_train
+        row["time/aggregate_s"] = time.perf_counter() - plan.t0 - t_train
+        return row
+
+    # -- evaluation -------------------------------------------------------------------------------
+
+    def should_evaluate(self, r: int) -> bool:
+        """Every ``eval_every`` rounds, and at the end of every stage (so each phase gets a number)."""
+        return r % self.schedule.eval_every == 0 or any(r == st.end_round for st in self.stages)
+
+    def eval_context(self, split: str | int, store: Any) -> EvalContext:
+        return EvalContext(self.task, split, self.schedule.eval_batch_size, self.layout.personal_keys,
+                           self.layout.shared_params, store)
+
+    def evaluate_global(self, store: Any) -> dict[str, float]:
+        """``test/*``: the global model on the global test set, inside the stage's evaluation hooks;
+        ``store`` holds the clients' personal entries where a hook needs them (FedBN's test-time rule)."""
+        model, bs = self.global_model, self.schedule.eval_batch_size
+        with eval_hooks(self.stages[self.stage_index], model, self.eval_context("test", store)):
+            state = self.task.eval_state(model, "test", bs)
+        return {f"test/{k}": v for k, v in self.task.metrics.compute(state).items()}
+
+    def summarize_local(self, per_client: dict[int, tuple[MetricState, int]]) -> dict[str, float]:
+        """``local/*`` from {client: (local-test metric state, test size)}: WMA (eq. 4.4) and the worst 10 %
+        of the primary metric (lowest when higher is better, highest otherwise) over clients with a
+        non-empty test set, in client order, and the other metrics of the merged state."""
+        metrics = self.task.metrics
+        pm = metrics.primary
+        states, values, counts = [], [], []
+        for cid in sorted(per_client):
+            state, n = per_client[cid]
+            if n == 0:
+                continue
+            states.append(state)
+            values.append(metrics.compute(state)[pm])
+            counts.append(n)
+        higher = metrics.higher_is_better(pm)
+        out = {f"local/{k}": v for k, v in local_summary(values, counts, higher is not False).items()}
+        out.update({f"local/{k}": v for k, v in metrics.compute(metrics.merge(states)).items() if k != pm})
+        return out
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "stage": self.stage,
+            "stage_index": self.stage_index,
+            "model": {k: v.detach().clone() for k, v in self.global_model.state_dict().items()},
+            "server_optimizer": self.recipe.server_optimizer.state_dict(),
+            "weighting": self.recipe.weighting.state_dict(),
+            "aggregator": self.recipe.aggregator.state_dict(),
+            "components": {f"{i}:{c.name}": c.state_dict() for i, c in enumerate(self.recipe.components)},
+            "rng": {"torch": torch.get_rng_state()},
+            "totals": dict(self.totals),
+            "client_state": self.store.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self._enter_stage(int(state.get("stage_index", 0)))
+        self.global_model.load_state_dict(state["model"])
+        self.recipe.server_optimizer.load_state_dict(state["server_optimizer"])
+        self.recipe.weighting.load_state_dict(state.get("weighting", {}))
+        self.recipe.aggregator.load_state_dict(state.get("aggregator", {}))
+        comp_states = state.get("components", {})
+        for i, c in enumerate(self.recipe.components):
+            c.load_state_dict(comp_states.get(f"{i}:{c.name}", {}))
+        torch.set_rng_state(state["rng"]["torch"])
+        self.totals.update({k: float(v) for k, v in state.get("totals", {}).items()})
+        self.store.load_state_dict(state.get("client_state", {}))

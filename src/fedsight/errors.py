@@ -1,0 +1,16 @@
+"""FedSight's error types: the bottom of the import graph, so every layer can raise them.
+
+An error of these types carries a message already phrased for the user (the CLI prints it as is, one
+line per problem); anything else reaching an entry point is a bug.
+"""
+
+from __future__ import annotations
+
+
+class FedSightError(Exception):
+    """Base of FedSight's expected failures."""
+
+
+class ConfigError(FedSightError, ValueError):
+    """A configuration problem: a bad value, a missing key, or parts that do not fit together. The
+    message names the key (and, for an incompatible combination, both sides)."""

@@ -1,0 +1,48 @@
+"""What a run of a config logs, and whether higher or lower is better for each metric.
+
+``RUN_DIR/run.json`` records this table (``runs.RunDir.write_run_meta``) and reports read directions from
+there, never from metric names (NME and LPIPS are lower-is-better without saying "loss"). The table is
+built from declarations: the task's metric specs (``TaskSpec``), the engine's own metrics below, and
+the ``metrics`` each recipe part declares in its registry entry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import registry as R
+from .config import stage_configs
+from .metrics import MetricSpec
+
+#: metrics every engine logs, with their direction (None: informational)
+ENGINE_METRICS = (
+    MetricSpec("train/*", False, "mean local objective (train/loss) and trainers' own losses"),
+    MetricSpec("cost/*", False, "bytes and FLOPs (lower is cheaper)"),
+    MetricSpec("time/*", False, "seconds"),
+    MetricSpec("clients/*", None, "clients sampled and aggregated"),
+    MetricSpec("flower/*", None, "Flower deployment facts"),
+    MetricSpec("dp/epsilon", False, "cumulative privacy loss"),
+    MetricSpec("dp/*", None, "differential-privacy bookkeeping"),
+)
+
+
+def metric_directions(cfg: Any) -> tuple[dict[str, bool | None], str]:
+    """Every metric key (or ``prefix/*`` family) a run of ``cfg`` logs, with whether higher is better,
+    and its primary key (``test/<primary>``): what ``RUN_DIR/run.json`` records and reports read."""
+    spec = R.TASKS.get(cfg.task.name).meta["spec"](cfg.task)
+    out: dict[str, bool | None] = {}
+    for m in spec.metrics:
+        for split in ("test", "local", "val"):
+            out[f"{split}/{m.key}"] = m.higher_is_better
+    primary = next((m.higher_is_better for m in spec.metrics if m.matches(spec.primary)), True)
+    out["local/wma"] = out["local/worst10"] = primary
+    for s in ENGINE_METRICS:
+        out[s.key] = s.higher_is_better
+    for c in [cfg] + [scfg for _, _, scfg in stage_configs(cfg)]:
+        rc = c.recipe
+        parts = [(R.WEIGHTINGS, rc.weighting), (R.AGGREGATORS, rc.aggregator), (R.SHARING, rc.sharing),
+                 (R.SERVER_OPTIMIZERS, c.server.optimizer)] + [(R.COMPONENTS, x) for x in rc.components]
+        for reg, part in parts:
+            for s in reg.get(part.name).meta.get("metrics", ()):
+                out[s.key] = s.higher_is_better
+    return out, f"test/{spec.primary}"

@@ -1,0 +1,63 @@
+"""Plots, summaries and cross-run comparison tables for FedSight run directories.
+
+A run directory is written by an engine (format and readers: ``fedsight.runs``) and read here::
+
+    RUN_DIR/config.json     resolved config; top-level "seed" and "run" ({"name": ..., ...}) plus the
+                            experiment (task, data, partition, model, train, server, recipe, eval, ...)
+    RUN_DIR/run.json        every metric's direction ({"test/acc": true, "test/loss": false,
+                            "cost/*": false, "clients/*": null, ...}) and the primary metric
+    RUN_DIR/metrics.jsonl   one JSON object per line with "round" (1-based) and "stage", plus float
+                            metrics such as "train/loss", "test/acc", "local/worst10", "time/round_s";
+                            evaluation keys appear only on rounds where evaluation ran; lines with an
+                            "event" key are log events, not metrics
+    RUN_DIR/plots/          written here (``plot_run``, ``plot_client_weights``)
+    RUN_DIR/summary.md      written here (``write_summary``)
+
+Conventions used throughout:
+
+- ``round`` counts globally across stages. If a round appears more than once for a metric (a resumed
+  run that re-logged rounds after its last checkpoint), the last line wins.
+- Whether higher or lower values of a metric are better comes from the run's ``run.json``: an exact key
+  wins over a ``prefix/*`` family, a longer family over a shorter one (``fedsight.metrics.direction``);
+  a key it does not list, or lists as null, has no direction. A run written before ``run.json`` existed
+  gets the table its config would record. Runs compared together that disagree on a metric's
+  direction leave it without one. The default comparison puts the runs' primary metric first.
+- "final" is the value at the last round where the metric was logged in that run; "best" is the max
+  (or min, for lower-is-better metrics) over all logged rounds, and absent for a metric with no
+  direction, which is never bold in a comparison either.
+- Runs whose configs are equal apart from top-level "seed" and "run" form one group (usually several
+  seeds of one experiment); tables show mean ± sample std (ddof=1) over the runs of a group.
+
+Modules: ``runs_view`` (loading runs, series, directions, grouping), ``fmt`` (formatting), ``plots``
+(curves), ``summary`` (``summary.md``), ``compare`` (comparison tables and reports), ``client_weights``
+and ``partition`` (who was trusted, and the data each client holds).
+"""
+
+from __future__ import annotations
+
+from ..runs import read_config, read_metrics
+from .client_weights import client_weight_matrix, plot_client_weights
+from .compare import ComparisonRow, ComparisonTable, compare, plot_comparison, report
+from .partition import plot_partition_heatmap, read_partition
+from .plots import mean_curve, plot_run
+from .runs_view import RunGroup, group_runs
+from .summary import write_summary
+
+__all__ = [
+    "ComparisonRow",
+    "ComparisonTable",
+    "RunGroup",
+    "client_weight_matrix",
+    "compare",
+    "group_runs",
+    "mean_curve",
+    "plot_client_weights",
+    "plot_comparison",
+    "plot_partition_heatmap",
+    "plot_run",
+    "read_config",
+    "read_metrics",
+    "read_partition",
+    "report",
+    "write_summary",
+]

@@ -1,0 +1,222 @@
+"""Cross-run comparison: groups of runs on final and best metric values (``compare``), their overlaid
+curves (``plot_comparison``) and both in a markdown report (``report``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .fmt import _decimals, _fmt_mean_std, _md_escape, _metric_label
+from .plots import CURVES_FILE, _plot_groups
+from .runs_view import (
+    _EVAL_PREFIXES,
+    RunGroup,
+    StrPath,
+    _display_order,
+    _group,
+    _load_all,
+    _primary,
+    _Run,
+    _shared_direction,
+)
+
+
+def _default_metrics(runs: Sequence[_Run]) -> list[str]:
+    """Evaluation metrics (``test/*``, ``val/*``, ``local/*``) present in every run, the runs' primary
+    metric first, then ``time/round_s`` if every run has it."""
+    order: dict[str, int] = {}
+    for r in runs:
+        for k in r.series:
+            order.setdefault(k, len(order))
+    common = [k for k in order if all(k in r.series for r in runs)]
+    evals = _display_order(k for k in common if k.split("/", 1)[0] in _EVAL_PREFIXES)
+    primary = _primary(runs)
+    if primary is not None:
+        evals.sort(key=lambda k: k != primary)
+    return evals + (["time/round_s"] if "time/round_s" in common else [])
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    arr = np.asarray(values, dtype=np.float64)
+    return float(arr.mean()), (float(arr.std(ddof=1)) if len(arr) >= 2 else None)
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    """One (group, metric) cell pair of a comparison: mean and sample std (None below 2 runs) of each
+    run's final and best value. ``higher_is_better`` is the metric's direction that the compared runs'
+    ``run.json`` agree on (None: no direction, or they disagree; then there is no best). ``n_runs``
+    counts the runs that logged the metric; ``rounds`` holds each run's last round (all runs of the
+    group)."""
+
+    group: str
+    metric: str
+    higher_is_better: bool | None
+    n_runs: int
+    rounds: tuple[int, ...]
+    seeds: tuple[int | None, ...]
+    final_mean: float | None
+    final_std: float | None
+    best_mean: float | None
+    best_std: float | None
+
+
+@dataclass(frozen=True)
+class ComparisonTable:
+    """Final and best values per group and metric, as mean ± std over the runs of each group."""
+
+    groups: tuple[RunGroup, ...]
+    metrics: tuple[str, ...]
+    rows: tuple[ComparisonRow, ...]
+
+    def _leaders(self) -> set[tuple[str, str]]:
+        """(group, metric) of the group with the best mean final per metric with a direction (>= 2
+        groups, no ties)."""
+        out = set()
+        for m in self.metrics:
+            cands = [r for r in self.rows if r.metric == m and r.higher_is_better is not None
+                     and r.final_mean is not None and not math.isnan(r.final_mean)]
+            if len(cands) >= 2:
+                sign = 1.0 if cands[0].higher_is_better else -1.0
+                top = max(sign * r.final_mean for r in cands)  # type: ignore[operator]
+                winners = [r for r in cands if sign * r.final_mean == top]  # type: ignore[operator]
+                if len(winners) == 1:  # no bold on ties
+                    out.add((winners[0].group, m))
+        return out
+
+    def _seeds_line(self) -> str:
+        ns = sorted({len(g.run_dirs) for g in self.groups})
+        n = str(ns[0]) if len(ns) == 1 else "N"
+        unit = "seed" if n == "1" else "seeds"
+        text = f"Values are mean ± std over {n} {unit}"
+        if len(ns) > 1:
+            text += " (N per group in column n)"
+        return (text + "; std is the sample std (ddof=1), omitted for a single run. Final = each run's "
+                "last logged round; best = max (↑) or min (↓) over rounds, none for a metric without "
+                "a direction. Bold: best final per metric.")
+
+    def _cells(self, r: ComparisonRow) -> tuple[str, str]:
+        """Formatted (final, best), with decimals shared by all rows of the metric."""
+        same = [x for x in self.rows if x.metric == r.metric]
+        d = _decimals([x.final_mean for x in same] + [x.best_mean for x in same])
+        return _fmt_mean_std(r.final_mean, r.final_std, d), _fmt_mean_std(r.best_mean, r.best_std, d)
+
+    @staticmethod
+    def _rounds_text(rounds: tuple[int, ...]) -> str:
+        lo, hi = min(rounds), max(rounds)
+        return str(lo) if lo == hi else f"{lo}–{hi}"
+
+    def to_markdown(self) -> str:
+        """A markdown table (one row per metric and group) preceded by a "mean ± std over N seeds" line."""
+        lead = self._leaders()
+        lines = [self._seeds_line(), "",
+                 "| metric | run | n | rounds | final | best |",
+                 "|---|---|---:|---:|---:|---:|"]
+        for r in self.rows:
+            final, best = self._cells(r)
+            if (r.group, r.metric) in lead:
+                final = f"**{final}**"
+            lines.append(f"| {_md_escape(_metric_label(r.metric, r.higher_is_better))} | {_md_escape(r.group)} | "
+                         f"{r.n_runs} | {self._rounds_text(r.rounds)} | {final} | {best} |")
+        return "\n".join(lines) + "\n"
+
+    def to_rich(self) -> Any:
+        """The same table as a ``rich.table.Table`` (one section per metric)."""
+        from rich.markup import escape
+        from rich.table import Table
+
+        lead = self._leaders()
+        table = Table(title="FedSight run comparison", caption=self._seeds_line(), caption_justify="left")
+        table.add_column("metric", style="cyan", overflow="fold")
+        table.add_column("run", overflow="fold")
+        table.add_column("n", justify="right")
+        table.add_column("rounds", justify="right")
+        table.add_column("final", justify="right", no_wrap=True)
+        table.add_column("best", justify="right", no_wrap=True)
+        for i, r in enumerate(self.rows):
+            first_of_metric = i == 0 or self.rows[i - 1].metric != r.metric
+            last_of_metric = i + 1 == len(self.rows) or self.rows[i + 1].metric != r.metric
+            final, best = self._cells(r)
+            if (r.group, r.metric) in lead:
+                final = f"[bold]{final}[/bold]"
+            label = _metric_label(r.metric, r.higher_is_better) if first_of_metric else ""
+            table.add_row(label, escape(r.group), str(r.n_runs), self._rounds_text(r.rounds), final, best,
+                          end_section=last_of_metric)
+        return table
+
+
+def _compare_runs(runs: Sequence[_Run], metrics: list[str] | None) -> tuple[ComparisonTable, list[list[_Run]]]:
+    grouped = _group(runs)
+    if metrics is None:
+        metrics = _default_metrics(runs)
+    else:
+        absent = [m for m in metrics if not any(m in r.series for r in runs)]
+        if absent:
+            raise ValueError(f"metric(s) not logged by any run: {', '.join(absent)}")
+    rows = []
+    for m in metrics:
+        higher = _shared_direction(runs, m)  # one direction per metric across all groups
+        for group, members in grouped:
+            have = [r for r in members if m in r.series]
+            fm, fs = _mean_std([r.series[m].final()[0] for r in have])
+            bm, bs = (None, None) if higher is None else _mean_std([r.series[m].best(higher)[0] for r in have])
+            rows.append(ComparisonRow(group.label, m, higher, len(have),
+                                      tuple(r.n_rounds for r in members), group.seeds, fm, fs, bm, bs))
+    table = ComparisonTable(tuple(g for g, _ in grouped), tuple(metrics), tuple(rows))
+    return table, [members for _, members in grouped]
+
+
+def compare(run_dirs: Iterable[StrPath], metrics: list[str] | None = None) -> ComparisonTable:
+    """Compare groups of runs (see ``group_runs``) on final and best metric values.
+
+    ``metrics`` defaults to the evaluation metrics (``test/*``, ``val/*``, ``local/*``) present in every
+    run, the runs' primary metric first (the first run's, if they differ), then ``time/round_s``; pass
+    other keys (``train/loss``, ``dp/epsilon``) explicitly. For each group and metric the table holds the
+    mean and sample std (ddof=1; none for a single run) over the group's runs of:
+
+    - final: each run's value at its own last round where the metric was logged, so a run that was
+      interrupted early or evaluates every k rounds still contributes its last evaluation;
+    - best: each run's max (higher-is-better) or min (lower-is-better) over its logged rounds.
+
+    Directions come from each run's ``run.json``; a metric with no direction there, or one the runs
+    disagree on, has no best and is never bold.
+    """
+    return _compare_runs(_load_all(run_dirs), metrics)[0]
+
+
+def _plot_table(table: ComparisonTable, members: Sequence[Sequence[_Run]], path: Path) -> Path:
+    directions = {r.metric: r.higher_is_better for r in table.rows}
+    return _plot_groups(table.groups, table.metrics, members, directions, path)
+
+
+def plot_comparison(run_dirs: Iterable[StrPath], path: StrPath, metrics: list[str] | None = None) -> Path:
+    """Overlay the groups' curves, one subplot per metric, and save a PNG at ``path``; return it.
+
+    Each group is one line: the mean over its runs at the rounds all its runs logged, with a shaded
+    ±std band (sample std) when it has two or more runs. ``metrics`` defaults as in ``compare``.
+    """
+    table, members = _compare_runs(_load_all(run_dirs), metrics)
+    return _plot_table(table, members, Path(path))
+
+
+def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None) -> ComparisonTable:
+    """Write ``out_dir/report.md`` (comparison table, group membership, curves link) and
+    ``out_dir/curves.png`` for the given runs; return the table. ``metrics`` defaults as in ``compare``."""
+    out = Path(out_dir)
+    table, members = _compare_runs(_load_all(run_dirs), metrics)
+    _plot_table(table, members, out / CURVES_FILE)
+    lines = ["# FedSight comparison", "", table.to_markdown(), "## Groups", ""]
+    for g in table.groups:
+        seeds = ", ".join("?" if s is None else str(s) for s in g.seeds)
+        dirs = ", ".join(f"`{d}`" for d in g.run_dirs)
+        lines.append(f"- **{_md_escape(g.label)}**: seeds {seeds} — {dirs}")
+    lines += ["", "## Curves", "", f"![comparison curves]({CURVES_FILE})", ""]
+    (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
+    return table

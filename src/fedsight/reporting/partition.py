@@ -1,0 +1,101 @@
+"""How a run's data was dealt out: ``RUN_DIR/partition.json`` and the clients x classes heat map."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..data.partition import partition_summary
+from .runs_view import StrPath
+
+PARTITION_FILE = "partition.json"
+
+
+def read_partition(run_dir: StrPath) -> dict[str, Any] | None:
+    """``RUN_DIR/partition.json`` (per-client label counts, class names, the server validation set), or
+    None when the run did not write one."""
+    p = Path(run_dir) / PARTITION_FILE
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: invalid JSON ({exc})") from None
+
+
+def _tick_positions(n: int, max_ticks: int) -> np.ndarray:
+    """At most about ``max_ticks`` evenly spaced positions in ``0..n-1``, starting at 0."""
+    step = max(1, int(math.ceil(n / max_ticks)))
+    return np.arange(0, n, step)
+
+
+def plot_partition_heatmap(
+    counts: np.ndarray,
+    path: str | os.PathLike[str],
+    class_names: Sequence[str] | None = None,
+    title: str = "",
+) -> None:
+    """Save a PNG (dpi 120) heat map of ``counts`` (clients down, classes across) with a colour bar and a side
+    bar of client totals. Cells are annotated with counts when the matrix is smaller than 30 x 30."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    counts = np.asarray(counts)
+    if counts.ndim != 2 or 0 in counts.shape:
+        raise ValueError(f"counts must be a non-empty [clients, classes] matrix, got shape {counts.shape}")
+    n_clients, n_classes = counts.shape
+    names = [str(c) for c in (class_names if class_names is not None else range(n_classes))]
+    if len(names) != n_classes:
+        raise ValueError(f"{len(names)} class names for {n_classes} classes")
+    annotate = n_clients < 30 and n_classes < 30
+
+    cell_w = 0.45 if annotate else 0.25
+    cell_h = 0.32 if annotate else 0.12
+    width = 3.5 + min(n_classes, 60) * cell_w
+    height = 1.8 + min(n_clients, 120) * cell_h
+    fig = Figure(figsize=(max(width, 6.0), max(height, 3.5)), layout="constrained")
+    FigureCanvasAgg(fig)
+    gs = fig.add_gridspec(1, 3, width_ratios=[max(n_classes, 4), 2.5, 0.35])
+    ax = fig.add_subplot(gs[0, 0])
+    ax_tot = fig.add_subplot(gs[0, 1], sharey=ax)
+    cax = fig.add_subplot(gs[0, 2])
+
+    im = ax.imshow(counts, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0)
+    fig.colorbar(im, cax=cax, label="samples")
+    xt = _tick_positions(n_classes, 40)
+    ax.set_xticks(xt, [names[i] for i in xt], rotation=90 if max(len(s) for s in names) > 3 or n_classes > 20 else 0)
+    yt = _tick_positions(n_clients, 40)
+    ax.set_yticks(yt, [str(i) for i in yt])
+    ax.set_xlabel("class")
+    ax.set_ylabel("client")
+    if annotate:
+        vmax = counts.max() if counts.max() > 0 else 1
+        fs = 8 if max(n_clients, n_classes) <= 15 else 6
+        for i in range(n_clients):
+            for j in range(n_classes):
+                v = counts[i, j]
+                ax.text(j, i, str(v), ha="center", va="center", fontsize=fs, color="black" if v > 0.6 * vmax else "white")
+
+    totals = counts.sum(axis=1)
+    ax_tot.barh(np.arange(n_clients), totals, height=0.8, color="0.45")
+    ax_tot.set_xlabel("client total")
+    ax_tot.tick_params(axis="y", labelleft=False)
+    ax_tot.set_xlim(0, max(1, totals.max()) * (1.35 if n_clients <= 40 else 1.05))
+    if n_clients <= 40:
+        for i, t in enumerate(totals):
+            ax_tot.text(t, i, f" {t}", va="center", ha="left", fontsize=7)
+    ax.set_ylim(n_clients - 0.5, -0.5)
+    s = partition_summary(counts)
+    fig.suptitle(
+        (f"{title}\n" if title else "")
+        + f"{n_clients} clients, {int(s['total'])} samples; client size {s['min_size']}-{s['max_size']} "
+        f"(median {s['median_size']:g}); {s['mean_classes_per_client']:.1f} classes/client",
+        fontsize=10,
+    )
+    fig.savefig(os.fspath(path), dpi=120, format="png")

@@ -1,0 +1,198 @@
+"""Curves: figure helpers, one run's metrics against round (``plot_run``), mean curves over seeds and the
+overlaid curves of run groups that ``plot_comparison`` and ``report`` draw."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..runs import METRICS_FILE
+from .fmt import _direction_text
+from .runs_view import RunGroup, StrPath, _display_order, _load_all, _Run, _Series
+
+CURVES_FILE = "curves.png"
+_DPI = 120
+_PREFIX_TITLES = {
+    "test": "Test",
+    "val": "Validation",
+    "local": "Per-client (local) evaluation",
+    "train": "Training",
+    "time": "Time per round",
+}
+
+
+def _panel_groups(keys: Sequence[str], series: dict[str, _Series],
+                  direction: Callable[[str], bool | None]) -> list[tuple[str, list[str]]]:
+    """Split metric keys into subplots: by prefix and by direction (``direction(key)``: True higher is
+    better, False lower, None none), losses apart from the rest, and (except for time) values more than
+    10x apart in magnitude on separate axes (accuracy vs PSNR). Titles say the direction, if any."""
+    buckets: dict[tuple[str, bool, bool | None], list[str]] = {}
+    for k in keys:
+        prefix = k.split("/", 1)[0] if "/" in k else ""
+        is_loss = "loss" in k.rsplit("/", 1)[-1]
+        buckets.setdefault((prefix, is_loss, direction(k)), []).append(k)
+    panels: list[tuple[str, list[str]]] = []
+    for (prefix, is_loss, higher), ks in buckets.items():
+        base = _PREFIX_TITLES.get(prefix, prefix.capitalize() if prefix else "Other")
+        better = _direction_text(higher)
+        if prefix == "time":
+            panels.append((f"{base} (s, {better})" if better else f"{base} (s)", ks))
+            continue
+        title = f"{base} loss" if is_loss else (base if prefix in ("local", "") else f"{base} metrics")
+        if better:
+            title += f" ({better})"
+        # cluster by magnitude so small-range metrics are not flattened by large-range ones; magnitudes
+        # below 0.1 count as 0.1 so an all-zero or tiny series joins its neighbours
+        mags = {k: max(float(np.nanmax(np.abs(v))) if np.any(np.isfinite(v := series[k].values)) else 0.0, 0.1)
+                for k in ks}
+        clusters: list[list[str]] = []
+        for k in sorted(ks, key=lambda k: mags[k]):
+            if clusters and mags[k] <= 10 * mags[clusters[-1][0]]:
+                clusters[-1].append(k)
+            else:
+                clusters.append([k])
+        order = {k: i for i, k in enumerate(ks)}
+        for c in sorted(clusters, key=lambda c: min(order[k] for k in c)):
+            c.sort(key=order.__getitem__)
+            panels.append((title, c))
+    return panels
+
+
+def _new_figure(n_panels: int, title: str) -> tuple[Any, list[Any]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = min(3, n_panels)
+    nrows = math.ceil(n_panels / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(max(5.0 * ncols, 6.5), 3.6 * nrows + 0.5), squeeze=False,
+                             layout="constrained")
+    flat = list(axes.ravel())
+    for ax in flat[n_panels:]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=13)
+    return fig, flat[:n_panels]
+
+
+def _style_axes(ax: Any, title: str, ylabel: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(title, fontsize=10.5)
+    ax.set_xlabel("round")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=_DPI, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def plot_run(run_dir: StrPath, keys: list[str] | None = None) -> Path:
+    """Plot the metrics of one run against round into ``RUN_DIR/plots/curves.png``; return its path.
+
+    ``keys`` defaults to every numeric key present except "round". Keys share a subplot by prefix
+    (``test/*``, ``local/*``, ``train/*``, ``time/*``) and direction (from the run's ``run.json``), with
+    losses on their own axes and metrics of very different magnitude (accuracy vs PSNR) split apart.
+    Stage changes are marked with dashed lines. Event lines are ignored.
+    """
+    run = _Run.load(run_dir)
+    series = run.series
+    if keys is None:
+        keys = list(series)
+    missing = [k for k in keys if k not in series]
+    if missing:
+        raise ValueError(f"{run.path / METRICS_FILE}: no numeric values for {', '.join(missing)}")
+    if not keys:
+        raise ValueError(f"{run.path / METRICS_FILE}: no metrics to plot")
+
+    panels = _panel_groups(_display_order(keys), series, run.direction)
+    stages = run.stages
+    title = run.name + (f", seed {run.seed}" if run.seed is not None else "")
+    if len(stages) > 1:
+        title += f"  (stages: {' → '.join(s for s, _ in stages)}, dashed lines)"
+    fig, axes = _new_figure(len(panels), title)
+    for ax, (title, ks) in zip(axes, panels):
+        for k in ks:
+            s = series[k]
+            ax.plot(s.rounds, s.values, label=k, marker="o" if len(s.rounds) <= 30 else None, markersize=3,
+                    linewidth=1.5)
+        if len(stages) > 1:
+            for stage, start in stages[1:]:
+                ax.axvline(start - 0.5, color="0.5", linestyle="--", linewidth=0.8)
+                ax.text(start - 0.5, 0.98, f" {stage}", transform=ax.get_xaxis_transform(), fontsize=7,
+                        color="0.35", ha="left", va="top")
+        ylabel = "seconds" if title.startswith(_PREFIX_TITLES["time"]) else (ks[0] if len(ks) == 1 else "value")
+        _style_axes(ax, title, ylabel)
+        ax.legend(fontsize=8, loc="best")
+    return _save(fig, run.path / "plots" / CURVES_FILE)
+
+
+# -- several runs -----------------------------------------------------------------------------------
+
+
+def _mean_curve_runs(runs: Sequence[_Run], metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    have = [r.series[metric] for r in runs if metric in r.series]
+    if not have:
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
+    common = have[0].rounds
+    for s in have[1:]:
+        common = np.intersect1d(common, s.rounds)
+    stacked = np.stack([s.values[np.searchsorted(s.rounds, common)] for s in have])
+    std = stacked.std(axis=0, ddof=1) if len(have) >= 2 else np.zeros(len(common))
+    return common, stacked.mean(axis=0), std
+
+
+def mean_curve(run_dirs: Iterable[StrPath], metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rounds, mean, std)`` of ``metric`` over the given runs (typically one group's seeds).
+
+    Curves are aligned on the rounds where every run that logged the metric has a value, so a run
+    interrupted early shortens the curve rather than skewing its tail. std is the sample std (ddof=1),
+    zeros for a single run.
+    """
+    return _mean_curve_runs(_load_all(run_dirs), metric)
+
+
+def _plot_groups(groups: Sequence[RunGroup], metrics: Sequence[str], members: Sequence[Sequence[_Run]],
+                 directions: Mapping[str, bool | None], path: Path) -> Path:
+    """One subplot per metric, one mean ± std line per group; titles say each metric's direction."""
+    if not metrics:
+        raise ValueError("no metrics to plot")
+    n_seeds = sorted({len(g.run_dirs) for g in groups})
+    seeds_text = (f"{n_seeds[0]} seed{'s' if n_seeds[0] != 1 else ''}" if len(n_seeds) == 1
+                  else f"{n_seeds[0]}–{n_seeds[-1]} seeds")
+    fig, axes = _new_figure(len(metrics), f"Comparison: mean ± std over {seeds_text} per run group")
+    import matplotlib.pyplot as plt
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    handles: dict[str, Any] = {}
+    for ax, m in zip(axes, metrics):
+        for gi, (group, runs) in enumerate(zip(groups, members)):
+            rounds, mean, std = _mean_curve_runs(runs, m)
+            if len(rounds) == 0:
+                continue
+            color = colors[gi % len(colors)]
+            (line,) = ax.plot(rounds, mean, color=color, linewidth=1.6, label=group.label,
+                              marker="o" if len(rounds) <= 30 else None, markersize=3)
+            if len(runs) >= 2:
+                ax.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+            handles.setdefault(group.label, line)
+        ylabel = "seconds" if m.startswith("time") else m.rsplit("/", 1)[-1]
+        better = _direction_text(directions.get(m))
+        _style_axes(ax, f"{m} ({better})" if better else m, ylabel)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+               ncol=min(len(handles), 4), frameon=False)
+    return _save(fig, path)

@@ -1,0 +1,184 @@
+"""One run's ``summary.md``: name and seed, a config digest, final and best value of every metric."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .client_weights import CLIENT_WEIGHTS_FILE
+from .fmt import _fmt, _fmt_duration, _md_escape, _metric_label
+from .partition import read_partition
+from .plots import CURVES_FILE, plot_run
+from .runs_view import StrPath, _display_order, _Run
+
+SUMMARY_FILE = "summary.md"
+
+
+def _name_of(v: Any) -> str | None:
+    """Readable name of a config component: a string, or a table's "name"/"type"."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict):
+        for k in ("name", "type", "kind"):
+            if isinstance(v.get(k), str):
+                return v[k]
+    return None
+
+
+def _scalar_params(d: dict[str, Any], skip: Iterable[str] = ("name", "type", "kind")) -> str:
+    skip = set(skip)
+    items = [f"{k}={v}" for k, v in d.items() if k not in skip and isinstance(v, (str, int, float, bool))]
+    return ", ".join(items)
+
+
+def _component(v: Any, with_params: bool) -> str | None:
+    name = _name_of(v)
+    if name is None:
+        return None
+    if with_params and isinstance(v, dict):
+        params = _scalar_params(v)
+        return f"{name}({params})" if params else name
+    return name
+
+
+def _render_recipe(recipe: Any) -> str | None:
+    """``slot: part(params) + part; slot: part`` for whatever shape the recipe table has."""
+    if isinstance(recipe, str):
+        return recipe
+    if isinstance(recipe, list):
+        parts = [p for p in (_component(x, True) for x in recipe) if p]
+        return " + ".join(parts) or None
+    if not isinstance(recipe, dict):
+        return None
+    if _name_of(recipe) is not None and not any(isinstance(v, (dict, list)) for v in recipe.values()):
+        return _component(recipe, True)
+    slots = []
+    for slot, v in recipe.items():
+        if isinstance(v, list):
+            parts = [p for p in (_component(x, True) for x in v) if p]
+            rendered = " + ".join(parts) if parts else None
+        elif isinstance(v, dict):
+            rendered = _component(v, True)
+        elif isinstance(v, (str, int, float, bool)):
+            rendered = str(v)
+        else:
+            rendered = None
+        if rendered:
+            slots.append(f"{slot}: {rendered}")
+    return "; ".join(slots) or None
+
+
+def _find(config: dict[str, Any], keys: Sequence[str], sections: Sequence[str]) -> Any:
+    for sec in sections:
+        table = config if sec == "" else config.get(sec)
+        if isinstance(table, dict):
+            for k in keys:
+                if k in table and table[k] is not None:
+                    return table[k]
+    return None
+
+
+def _config_digest(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """The few config facts a reader wants first; keys that are absent are simply left out."""
+    out: list[tuple[str, str]] = []
+    if (task := _name_of(config.get("task"))) is not None:
+        out.append(("task", task))
+    if (data := _name_of(config.get("data"))) is not None:
+        out.append(("data", data))
+    part = config.get("partition")
+    if isinstance(part, (str, dict)) and (pname := _name_of(part)) is not None:
+        text = pname
+        if isinstance(part, dict):
+            n = part.get("num_clients")
+            # float parameters are the heterogeneity knobs (alpha, fractions); ints/bools are mostly
+            # algorithm limits (max_tries, min_size) and would bury them
+            params = ", ".join(f"{k}={v}" for k, v in part.items() if isinstance(v, float))
+            text += f" ({params})" if params else ""
+            text += f", {n} clients" if n is not None else ""
+        out.append(("partition", text))
+    n_clients = _find(config, ("num_clients",), ("data", "train", "server", ""))
+    if n_clients is not None and not (isinstance(part, dict) and "num_clients" in part):
+        out.append(("clients", str(n_clients)))
+    if (model := _name_of(config.get("model"))) is not None:
+        out.append(("model", model))
+    sections = ("train", "server", "")
+    if (rounds := _find(config, ("rounds", "num_rounds"), sections)) is not None:
+        out.append(("rounds", str(rounds)))
+    cpr = _find(config, ("clients_per_round", "num_clients_per_round"), sections)
+    if cpr is None:
+        cpr = _find(config, ("fraction", "client_fraction", "fraction_fit"), sections)
+        if cpr is not None:
+            out.append(("clients per round", f"fraction {cpr}"))
+    else:
+        out.append(("clients per round", str(cpr)))
+    train = config.get("train")
+    if isinstance(train, dict) and (params := _scalar_params(train)):
+        out.append(("local training", params))
+    server = config.get("server")
+    if isinstance(server, dict) and (opt := _component(server.get("optimizer"), True)) is not None:
+        out.append(("server optimizer", opt))
+    if (recipe := _render_recipe(config.get("recipe"))) is not None:
+        out.append(("recipe", recipe))
+    return out
+
+
+def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
+    """Write ``RUN_DIR/summary.md`` and return its path.
+
+    The summary has the run name and seed, a short config digest (data, partition, model, rounds,
+    clients per round, recipe: whichever exist), a table of the final and best value of every metric
+    with the rounds where they occurred, the total time (sum of ``time/round_s``), and a link to
+    ``plots/curves.png``. "Best" is the max or min over rounds as the run's ``run.json`` directs; a
+    metric with no direction has none ("—"). With ``plot=True`` (default) the curves are (re)drawn first
+    so the link is never stale.
+    """
+    run = _Run.load(run_dir)
+    series = run.series
+    if plot and series:
+        plot_run(run.path)
+    lines = [f"# {run.name}", ""]
+    lines.append(f"- **seed:** {run.seed if run.seed is not None else 'not set'}")
+    for label, text in _config_digest(run.config):
+        lines.append(f"- **{label}:** {_md_escape(text)}")
+    stages = run.stages
+    stage_text = f" (stages: {' → '.join(s for s, _ in stages)})" if len(stages) > 1 else ""
+    val = (read_partition(run.path) or {}).get("validation")
+    if val:
+        hist = ", ".join(f"{n}: {c}" for n, c in zip(val.get("class_names", []), val.get("class_counts", [])))
+        lines.append(f"- **server validation set:** {val['size']} examples ({val['source']}"
+                     f"{', imbalance ' + str(val['imbalance']) if val.get('imbalance') else ''}); per class {hist}")
+    lines.append(f"- **rounds completed:** {run.n_rounds}{stage_text}")
+    if "time/round_s" in series:
+        total = float(np.nansum(series["time/round_s"].values))
+        lines.append(f"- **total time:** {_fmt_duration(total)} (sum of time/round_s over "
+                     f"{len(series['time/round_s'].rounds)} rounds)")
+    else:
+        lines.append("- **total time:** not recorded (no time/round_s)")
+    lines.append("")
+    if series:
+        lines += ["## Metrics", "",
+                  "| metric | final | at round | best | at round |",
+                  "|---|---:|---:|---:|---:|"]
+        for k in _display_order(series):
+            s = series[k]
+            higher = run.direction(k)
+            fv, fr = s.final()
+            bv, br = s.best(higher)
+            lines.append(f"| {_md_escape(_metric_label(k, higher))} | {_fmt(fv)} | {fr} | {_fmt(bv)} | "
+                         f"{'—' if br is None else br} |")
+        lines += ["", "Final = value at the last round where the metric was logged; "
+                  "↑ higher is better, ↓ lower is better; no arrow: no direction, so no best.", ""]
+    else:
+        lines += ["No metrics recorded.", ""]
+    lines += ["## Curves", "", f"![training curves](plots/{CURVES_FILE})", ""]
+    if (run.path / "plots" / CLIENT_WEIGHTS_FILE).is_file():
+        lines += ["## Client weights", "", f"![client weights](plots/{CLIENT_WEIGHTS_FILE})", ""]
+    path = run.path / SUMMARY_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines), encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,90 @@
+"""The hooks a recipe part may implement (``Component``).
+
+A recipe is a composition of parts (DESIGN.md section 1): local objective terms, update transforms,
+a client weighting, an aggregator, a server optimizer, parameter sharing and stages. A *component* is
+one named object that may contribute to several of these slots (SCAFFOLD adds a gradient correction on
+the client and a server-side control update) and owns its state through ``state_dict()`` /
+``load_state_dict()``. Every hook is optional; the default does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..records import ClientResult
+from .context import ClientContext, EvalContext, ServerContext
+
+
+class Component:
+    """Base class of multi-slot recipe components. Override only the hooks you need."""
+
+    name: str = "component"
+
+    # -- client side ---------------------------------------------------------------------------
+    def client_start(self, ctx: ClientContext) -> None:
+        """Before the first local step (e.g. load this client's state)."""
+
+    def outputs(self, ctx: ClientContext, outputs: torch.Tensor) -> torch.Tensor:
+        """Transform the model outputs before the loss (OLL masks the classes a client does not hold)."""
+        return outputs
+
+    def loss_term(self, ctx: ClientContext, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """An extra term added to the task loss (local objective), or None."""
+        return None
+
+    def after_backward(self, ctx: ClientContext) -> None:
+        """Transform gradients in place after ``backward()`` and before the optimizer step."""
+
+    def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
+        """Transform the upload or attach named extra tensors to ``result.extras``."""
+
+    # -- server side ---------------------------------------------------------------------------
+    def server_broadcast(self, sctx: "ServerContext") -> dict[str, torch.Tensor] | None:
+        """Tensors sent to every sampled client with the global model this round (e.g. SCAFFOLD's
+        server control variate); the client sees them as ``ctx.broadcast[self.name]``."""
+        return None
+
+    def aggregator(self) -> Any:
+        """An ``Aggregator`` this component requires (Elastic, FedNova), or None. Claiming the slot
+        together with a non-default ``recipe.aggregator`` or another component is a config error."""
+        return None
+
+    def weighting(self) -> Any:
+        """A ``ClientWeighting`` this component requires, or None (same exclusivity rule)."""
+        return None
+
+    def trainer(self) -> Any:
+        """A ``fedsight.client.Trainer`` (the client's local procedure) this component requires, or
+        None for plain SGD (same exclusivity rule)."""
+        return None
+
+    def sample(self, round: int, num_clients: int, m: int, seed: int) -> list[int] | None:
+        """The clients of ``round`` if this component chooses them (Fed3R visits each client once), or
+        None for the engine's uniform sampling."""
+        return None
+
+    def adapt_model(self, model: nn.Module, seed: int) -> None:
+        """Change a freshly built model's structure in place, once, for the whole run (Fed3R-RF puts a
+        random-feature map in front of the classifier). Must be deterministic in ``seed``."""
+
+    def eval_context(self, model: nn.Module, ctx: EvalContext) -> contextlib.AbstractContextManager:
+        """Wraps the evaluation of ``model`` on ``ctx.split`` (``"test"`` or a client id), like
+        ``Sharing.eval_context`` (OLL masks non-local classes, Ditto swaps in the personal model).
+        Must restore the model on exit."""
+        return contextlib.nullcontext()
+
+    def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
+        """After aggregation and the server optimizer step (e.g. update server-side state, or apply a
+        correction to ``sctx.model``'s parameters as FedDyn does). ``weights`` are normalised."""
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"component {self.name!r} has no state but got keys {sorted(state)}")
