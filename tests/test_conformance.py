@@ -1,0 +1,214 @@
+"""Conformance: every registered model passes one generic test, every task runs a round with every
+recipe part it is compatible with, and every incompatible pair is refused at config time, naming both
+sides. New models, tasks and parts are picked up from the registries automatically."""
+
+from __future__ import annotations
+
+import copy
+import math
+import typing
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fedsight import registry as R
+from fedsight.api import build_simulation
+from fedsight.capabilities import resolve
+from fedsight.config import ConfigError, set_path, validate
+from fedsight.models.base import FedModel, ModelIO, detect_capabilities, load_weights, norm_keys, save_weights
+
+from helpers import tiny
+
+
+def builtin(registry: R.Registry[Any]) -> list[str]:
+    """Registered names that ship with FedSight (other test modules register their own parts too)."""
+    return [e.name for e in registry.entries() if getattr(e.factory, "__module__", "").startswith("fedsight.")]
+
+
+# -- every model --------------------------------------------------------------------------------------------
+
+#: per task family: the ModelIO a factory gets, an input batch and the expected output shape
+FAMILIES: dict[str, tuple[ModelIO, Any, tuple[int, ...]]] = {
+    "classification": (ModelIO("classification", in_channels=3, num_outputs=5, image_size=16),
+                       lambda: torch.randn(2, 3, 16, 16), (2, 5)),
+    "video_sr": (ModelIO("video_sr", in_channels=3, num_outputs=3, scale=2, num_frames=3),
+                 lambda: torch.rand(1, 3, 3, 8, 8), (1, 3, 3, 16, 16)),
+}
+
+
+def variants(name: str) -> list[dict[str, Any]]:
+    """The model's default parameters and, for a model with a ``norm`` choice, each choice."""
+    field = R.MODELS.get(name).params.model_fields.get("norm")
+    if field is None:
+        return [{}]
+    return [{"norm": c} for c in typing.get_args(field.annotation)]
+
+
+MODEL_CASES = [(n, v) for n in builtin(R.MODELS) for v in variants(n)]
+
+
+def test_every_builtin_model_family_has_a_conformance_entry():
+    assert {R.MODELS.get(n).task_family for n in builtin(R.MODELS)} <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("name,params", MODEL_CASES, ids=[f"{n}-{v}" for n, v in MODEL_CASES])
+def test_model_conformance(name, params, tmp_path):
+    entry = R.MODELS.get(name)
+    io, make_input, out_shape = FAMILIES[entry.task_family]
+    p = entry.params(**params)
+    torch.manual_seed(0)
+    model = R.build(R.MODELS, name, p, io=io)
+    assert isinstance(model, FedModel)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    x = make_input()
+    out = model(x)
+    assert tuple(out.shape) == out_shape and torch.isfinite(out).all()
+    # parameter groups: state keys; every parameter in exactly one of backbone / head; norm by module type
+    state = model.state_dict()
+    groups = model.parameter_groups()
+    assert set(groups) >= {"backbone", "head", "norm"}
+    for g in groups.values():
+        assert set(g) <= set(state)
+    params_ = {k for k, _ in model.named_parameters()}
+    bb, hd = set(groups["backbone"]) & params_, set(groups["head"]) & params_
+    assert bb | hd == params_ and not bb & hd and hd
+    assert sorted(groups["norm"]) == sorted(k for k in norm_keys(model) if k in state)
+    # the registry's declared capabilities are the built model's
+    assert resolve(entry.provides, p) == detect_capabilities(model)
+    # blocks: disjoint sets of state keys
+    blocks = model.blocks()
+    seen: set[str] = set()
+    for keys in blocks.values():
+        assert set(keys) <= set(state) and not seen & set(keys)
+        seen |= set(keys)
+    # initialisation is a function of the seed
+    torch.manual_seed(0)
+    again = R.build(R.MODELS, name, p, io=io).state_dict()
+    assert all(torch.equal(init[k], again[k]) for k in init)
+    # every trainable parameter gets a finite gradient
+    out.float().pow(2).mean().backward()
+    for k, prm in model.named_parameters():
+        assert prm.grad is not None and torch.isfinite(prm.grad).all(), k
+    # weights round-trip through safetensors
+    save_weights(model, tmp_path / "m.safetensors")
+    torch.manual_seed(1)
+    other = R.build(R.MODELS, name, p, io=io)
+    load_weights(other, tmp_path / "m.safetensors")
+    assert all(torch.equal(state[k], v) for k, v in other.state_dict().items())
+
+
+# -- every task x every recipe part --------------------------------------------------------------------------
+
+VIDEO: dict[str, Any] = {
+    "seed": 0, "run": {"name": "v", "checkpoint_keep": 1}, "task": "video_sr",
+    "data": {"name": "synthetic_video", "sources": ["astronaut", "coffee"], "test_sources": ["chelsea"],
+             "clips_per_source": 4, "test_clips_per_source": 1, "clip_length": 3, "frame_size": 24, "scale": 2,
+             "num_frames": 2, "patch_size": 6},
+    "partition": {"name": "iid", "num_clients": 6, "local_test_fraction": 0.0},
+    "model": {"name": "sliding_vsr", "channels": 4, "blocks": 1},
+    "train": {"steps": 1, "batch_size": 2, "lr": 0.05}, "server": {"rounds": 1, "clients_per_round": 5},
+    "engine": {"threads": 1},
+}
+TASKS = {
+    "classification": tiny(**{"server.rounds": 1, "server.clients_per_round": 5, "model.norm": "batch",
+                              "engine.threads": 1, "eval.every": 1}),
+    "video_sr": VIDEO,
+}
+
+#: what a part needs besides itself to be meaningful (not capabilities: its own documented setup)
+COMPANIONS: dict[str, dict[str, Any]] = {
+    "fedalt": {"recipe.sharing": {"name": "personal", "part": "head"}},
+    "fedvg": {"validation.source": "carve", "validation.fraction": 0.2},
+    "krum": {"recipe.aggregator": {"name": "krum", "byzantine": 1}},
+    "fed3r": {"eval.local": False},
+}
+
+SLOTS = {"weighting": R.WEIGHTINGS, "aggregator": R.AGGREGATORS, "sharing": R.SHARING, "optimizer": R.SERVER_OPTIMIZERS,
+         "component": R.COMPONENTS}
+
+
+def part_config(task: str, slot: str, name: str) -> dict[str, Any]:
+    raw = copy.deepcopy(TASKS[task])
+    key = {"component": "recipe.components", "optimizer": "server.optimizer"}.get(slot, f"recipe.{slot}")
+    set_path(raw, key.split("."), [name] if slot == "component" else name)
+    for k, v in COMPANIONS.get(name, {}).items():
+        set_path(raw, k.split("."), v)
+    return raw
+
+
+CASES = [(t, s, n) for t in TASKS for s, reg in SLOTS.items() for n in builtin(reg)]
+
+
+@pytest.mark.parametrize("task,slot,name", CASES, ids=[f"{t}-{s}-{n}" for t, s, n in CASES])
+def test_every_part_runs_a_round_or_is_refused_at_config_time(task, slot, name):
+    raw = part_config(task, slot, name)
+    try:
+        cfg = validate(raw)
+    except ConfigError as exc:
+        # refused before anything is built, naming the part and what does not provide what it needs
+        msg = str(exc)
+        assert repr(name) in msg and " needs " in msg, msg
+        assert f"task {task!r}" in msg or "model " in msg or "validation.source" in msg, msg
+        return
+    rows = []
+    sim = build_simulation(cfg)
+    sim.run(on_round=lambda r, row, events: rows.append((row, events)))
+    (row, events), = rows
+    assert not [e for e in events if e["event"] in ("rejected_update", "round_skipped")], events
+    primary = "test/" + sim.task.primary_metric
+    assert math.isfinite(row[primary]) and row["clients/aggregated"] == 5
+
+
+#: pairs that must be refused: the capability machinery's reason to exist
+REFUSED = {
+    ("video_sr", "component", "fed3r"), ("video_sr", "component", "fedncm"), ("video_sr", "component", "oll"),
+    ("classification", "component", "dwt_loss"), ("video_sr", "sharing", "fedbn"), ("video_sr", "sharing", "silobn"),
+}
+
+
+@pytest.mark.parametrize("task,slot,name", sorted(REFUSED))
+def test_known_incompatible_pairs_are_refused(task, slot, name):
+    with pytest.raises(ConfigError, match=f"'{name}' needs"):
+        validate(part_config(task, slot, name))
+
+
+def test_model_without_batchnorm_refuses_silobn_and_the_temperature_needs_class_logits():
+    with pytest.raises(ConfigError, match=r"recipe.sharing = 'silobn' needs normalisation layers with running statistics .*model 'cnn'"):
+        validate(tiny(**{"recipe.sharing": "silobn", "model.norm": "group"}))
+    with pytest.raises(ConfigError, match=r"recipe.sharing = 'fedbn' needs normalisation layers .*model 'cnn'"):
+        validate(tiny(**{"recipe.sharing": "fedbn", "model.norm": "none"}))
+    validate(tiny(**{"recipe.sharing": "fedbn", "model.norm": "group"}))  # GroupNorm layers are normalisation layers
+    video = copy.deepcopy(VIDEO)
+    video["train"]["temperature"] = 0.5
+    with pytest.raises(ConfigError, match=r"train.temperature = 0.5 needs class logits .*task 'video_sr'"):
+        validate(video)
+
+
+def test_stage_parts_are_checked_too():
+    raw = tiny(**{"server.rounds": 2})
+    raw["stages"] = [{"name": "a", "rounds": 1}, {"name": "b", "rounds": 1, "recipe": {"sharing": "silobn"}}]
+    with pytest.raises(ConfigError, match=r"stages\[1\] b.*'silobn' needs"):
+        validate(raw)
+
+
+def test_a_wrong_model_declaration_is_caught_when_the_model_is_built(monkeypatch):
+    """The registry's declaration is what config validation reads; the built model is checked against
+    the recipe's needs before anything runs, so a model that lies about its capabilities cannot start."""
+    entry = R.MODELS.get("cnn")
+    monkeypatch.setitem(R.MODELS._entries, "cnn", type(entry)(**{**entry.__dict__, "provides": lambda p: {
+        "parameter_groups", "linear_head", "norm_layers", "norm_stats"}}))
+    cfg = validate(tiny(**{"recipe.sharing": "silobn", "model.norm": "none"}))  # the lie passes config time
+    with pytest.raises(ConfigError, match=r"'silobn' needs normalisation layers with running statistics .*built model 'cnn'"):
+        build_simulation(cfg)
+
+
+def test_layer_free_models_are_not_norm_models():
+    class Plain(FedModel):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
+            self.head = nn.Linear(2, 2)
+
+    assert detect_capabilities(Plain()) == {"parameter_groups", "linear_head"}
