@@ -204,6 +204,15 @@ def test_a_wrong_model_declaration_is_caught_when_the_model_is_built(monkeypatch
         build_simulation(cfg)
 
 
+def test_a_random_feature_head_is_still_a_linear_head():
+    """Fed3R-RF adapts the model's head (random Fourier features, then a linear classifier); the built
+    model passes the check that Fed3R's own requirement asks for."""
+    cfg = validate(tiny(**{"recipe.components": [{"name": "fed3r", "rff_dim": 16}], "server.rounds": 1}))
+    sim = build_simulation(cfg)
+    assert type(sim.global_model.head).__name__ == "RFFHead"
+    assert "linear_head" in detect_capabilities(sim.global_model)
+
+
 def test_layer_free_models_are_not_norm_models():
     class Plain(FedModel):
         def __init__(self):

@@ -187,6 +187,13 @@ def resolved(cfg: Any) -> dict[str, Any]:
     return cfg.model_dump(mode="json")
 
 
+def experiment(config: dict[str, Any]) -> dict[str, Any]:
+    """A resolved config without ``[engine]``: what a run computes, not where or how fast. A run started
+    on a GPU resumes on a CPU (and vice versa, or with other threads); ``run.json`` records each
+    session's engine."""
+    return {k: v for k, v in config.items() if k != "engine"}
+
+
 def toml_safe(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: toml_safe(v) for k, v in obj.items() if v is not None}
@@ -247,12 +254,12 @@ def execute(
     skipped if complete); one of a different config is an error unless ``overwrite``.
     """
     run = RunDir(run_dir)
-    res = resolved(cfg)
+    res = experiment(resolved(cfg))
     if run.exists() and not overwrite:
-        old = run.read_config()
+        old = experiment(run.read_config())
         if old != res:
             try:  # a run written before a section or default was added resolves to the same config now
-                old = resolved(validate(old, str(run.path / "config.json")))
+                old = experiment(resolved(validate(run.read_config(), str(run.path / "config.json"))))
             except ConfigError:
                 pass
         if old != res:
@@ -310,9 +317,14 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     write_summary(run_dir)
 
 
-def load_run_config(run_dir: str | Path) -> Any:
+def load_run_config(run_dir: str | Path, engine: dict[str, Any] | None = None) -> Any:
+    """A run directory's config; ``engine`` replaces entries of its ``[engine]`` section (resume on
+    another device)."""
     run = RunDir(run_dir)
-    return validate(run.read_config(), str(run.path / "config.json"))
+    raw = run.read_config()
+    if engine:
+        raw = {**raw, "engine": {**raw.get("engine", {}), **engine}}
+    return validate(raw, str(run.path / "config.json"))
 
 
 __all__ = [

@@ -113,13 +113,15 @@ def run(
 def resume(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `fedsight run`.")],
     stop_after: Annotated[Optional[int], typer.Option(min=1, help="Stop after this round.")] = None,
+    device: Annotated[Optional[str], typer.Option(help='Continue on this device ("cpu", "cuda", "cuda:N"; default: the run\'s engine.device).')] = None,
 ) -> None:
-    """Continue an interrupted run from its last checkpoint; the result equals an uninterrupted run."""
+    """Continue an interrupted run from its last checkpoint; the result equals an uninterrupted run (on
+    another device: to float tolerance)."""
     from .api import load_run_config
     from .reporting import write_summary
 
     try:
-        cfg = load_run_config(run_dir)
+        cfg = load_run_config(run_dir, {"device": device} if device else None)
         out = _execute_with_progress(cfg, run_dir, f"{cfg.run.name} seed {cfg.seed}", resume=True, stop_after=stop_after)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 1)

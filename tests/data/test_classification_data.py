@@ -8,7 +8,14 @@ import torch
 from PIL import Image
 
 from fedsight.data import ArrayDataset, DatasetSplits, load_dataset
+from fedsight.data.base import StoredDataset
 from fedsight.registry import DATASETS
+
+
+def eager(splits: DatasetSplits) -> DatasetSplits:
+    """An ImageFolder's lazy splits decoded into memory (what its batches hold)."""
+    assert isinstance(splits.train, StoredDataset) and isinstance(splits.test, StoredDataset)
+    return DatasetSplits(train=splits.train.materialize(), test=splits.test.materialize())
 
 
 def check_types(splits: DatasetSplits) -> None:
@@ -110,11 +117,11 @@ def reference_image(path, size, channels) -> np.ndarray:
 def test_imagefolder_with_test_dir(tmp_path, channels) -> None:
     train = write_folder(tmp_path / "train", seed=1)
     test = write_folder(tmp_path / "test", per_class=2, seed=2)
-    splits = load_dataset(
+    splits = eager(load_dataset(
         "imagefolder",
         {"train_dir": str(tmp_path / "train"), "test_dir": str(tmp_path / "test"), "image_size": 9, "channels": channels},
         seed=0,
-    )
+    ))
     check_types(splits)
     classes = sorted(["zebra", "ant", "bee"])
     assert splits.train.class_names == classes and splits.test.class_names == classes
@@ -135,12 +142,12 @@ def test_imagefolder_with_test_dir(tmp_path, channels) -> None:
 def test_imagefolder_split_when_no_test_dir(tmp_path) -> None:
     write_folder(tmp_path, per_class=10)
     params = {"train_dir": str(tmp_path), "test_fraction": 0.2, "image_size": 6}
-    splits = load_dataset("imagefolder", params, seed=0)
+    splits = eager(load_dataset("imagefolder", params, seed=0))
     check_types(splits)
     assert len(splits.train) + len(splits.test) == 30
     assert len(splits.test) == 6
     assert np.bincount(splits.test.labels, minlength=3).tolist() == [2, 2, 2]  # stratified
-    again = load_dataset("imagefolder", params, seed=99)
+    again = eager(load_dataset("imagefolder", params, seed=99))
     assert torch.equal(splits.test.x, again.test.x)
     # train and test are disjoint: no test image appears in train
     tr = splits.train.x.reshape(len(splits.train), -1)
@@ -158,13 +165,28 @@ def test_imagefolder_corrupt_file_names_it(tmp_path) -> None:
 
 
 def test_imagefolder_truncated_file_names_it(tmp_path) -> None:
-    write_folder(tmp_path)
-    good = tmp_path / "ant" / "img2.png"
+    """A truncated file passes the header check and fails when decoded, naming the file; a truncated
+    training image fails when the task is built (its statistics pass decodes the whole pool), before any
+    run directory exists."""
+    from fedsight.api import build_task
+    from fedsight.config import validate
+
+    from helpers import tiny
+
+    write_folder(tmp_path / "tree", per_class=6)
+    good = tmp_path / "tree" / "ant" / "img2.png"
     data = good.read_bytes()
     good.write_bytes(data[: len(data) // 2])
+    splits = load_dataset("imagefolder", {"train_dir": str(tmp_path / "tree"), "test_fraction": 0.2}, seed=0)
     with pytest.raises(ValueError) as err:
-        load_dataset("imagefolder", {"train_dir": str(tmp_path)}, seed=0)
+        eager(splits)
     assert str(good) in str(err.value)
+    cfg = validate(tiny(**{"data": {"name": "imagefolder", "train_dir": str(tmp_path / "tree"), "image_size": 8},
+                           "partition": {"name": "iid", "num_clients": 2}, "server.clients_per_round": 2,
+                           "run.output_dir": str(tmp_path / "runs")}))
+    with pytest.raises(ValueError, match="img2.png"):
+        build_task(cfg)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_imagefolder_missing_and_empty_dirs(tmp_path) -> None:

@@ -1,8 +1,10 @@
-"""In-memory dataset containers shared by loaders, partitioners and tasks."""
+"""Dataset containers shared by loaders, partitioners and tasks: images in memory (``ArrayDataset``) or
+read from disk on demand (``StoredDataset``), with integer labels."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -35,25 +37,88 @@ class ArrayDataset:
     def labels(self) -> np.ndarray:
         return self.y.numpy()
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of every image."""
+        return tuple(self.x.shape[1:])  # type: ignore[return-value]
+
     def subset(self, idx: np.ndarray | torch.Tensor) -> "ArrayDataset":
         idx_t = torch.as_tensor(np.asarray(idx), dtype=torch.long)
         return ArrayDataset(self.x[idx_t], self.y[idx_t], self.num_classes, self.class_names)
+
+    def materialize(self) -> "ArrayDataset":
+        return self
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """How a task reads a ``StoredDataset``: prefetching workers (threads or processes, 0 = decode in the
+    training thread) and the training augmentation (``"crop_flip"``: zero-pad by ``crop_pad``, random crop,
+    horizontal flip; per-sample randomness from the stream (seed, "augment", round, client, step, j))."""
+
+    workers: int = 2
+    backend: Literal["thread", "process"] = "thread"
+    augment: Literal["none", "crop_flip"] = "none"
+    crop_pad: int = 4
+
+
+@dataclass
+class StoredDataset:
+    """Images decoded on demand from an image store (``fedsight.data.pipeline.ImageStore``: uint8
+    ``[C, H, W]``, all the same size) and integer labels held in memory. ``subset`` is a lazy view."""
+
+    store: Any
+    y: torch.Tensor
+    num_classes: int
+    class_names: list[str] = field(default_factory=list)
+    loader: LoaderSpec = field(default_factory=LoaderSpec)
+
+    def __post_init__(self) -> None:
+        if self.y.ndim != 1 or len(self.y) != len(self.store):
+            raise ValueError(f"labels must be [N] with N={len(self.store)}, got shape {tuple(self.y.shape)}")
+        if self.store.shape is None:
+            raise ValueError("a StoredDataset needs images of one size (set the loader's image_size)")
+        if not self.class_names:
+            self.class_names = [str(c) for c in range(self.num_classes)]
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self.y.numpy()
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.store.shape)
+
+    def subset(self, idx: np.ndarray | torch.Tensor) -> "StoredDataset":
+        idx = np.asarray(idx, dtype=np.int64)
+        return StoredDataset(self.store.subset(idx), self.y[torch.as_tensor(idx)], self.num_classes,
+                             self.class_names, self.loader)
+
+    def materialize(self, batch_size: int = 256) -> ArrayDataset:
+        """Every image decoded into memory as float32 in [0, 1] (small sets: a node's own data, V)."""
+        n = len(self)
+        parts = [self.store.get(np.arange(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
+        x = torch.cat(parts).to(torch.float32).div_(255.0) if parts else torch.zeros(0, *self.shape)
+        return ArrayDataset(x, self.y.clone(), self.num_classes, self.class_names)
 
 
 @dataclass
 class DatasetSplits:
     """What a dataset loader returns: a training pool (partitioned over clients) and a global test set."""
 
-    train: ArrayDataset
-    test: ArrayDataset
+    train: ArrayDataset | StoredDataset
+    test: ArrayDataset | StoredDataset
 
     @property
     def in_channels(self) -> int:
-        return int(self.train.x.shape[1])
+        return int(self.train.shape[0])
 
     @property
     def image_size(self) -> int:
-        return int(self.train.x.shape[-1])
+        return int(self.train.shape[-1])
 
     @property
     def num_classes(self) -> int:

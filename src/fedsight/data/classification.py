@@ -11,17 +11,15 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from fedsight.data.base import ArrayDataset, DatasetSplits
+from fedsight.data.base import ArrayDataset, DatasetSplits, LoaderSpec, StoredDataset
+from fedsight.data.images import check_image_header, load_image, scan_image_folder
 from fedsight.registry import DATASETS, Params
-
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
-
 
 # --------------------------------------------------------------------------------------------- helpers
 
@@ -130,91 +128,48 @@ class ImageFolderParams(Params):
     split_seed: int = Field(0, ge=0, description="seed of the stratified split when test_dir is unset")
     image_size: int = Field(32, ge=1, description="images are resized (bilinear) to image_size x image_size")
     channels: Literal[1, 3] = Field(3, description="1: greyscale (PIL mode L), 3: RGB")
+    workers: int = Field(2, ge=0, description="decoding workers that prefetch batches (0: decode in the training thread)")
+    backend: Literal["thread", "process"] = Field("thread", description="prefetch workers: threads or spawned processes")
+    cache_mb: float = Field(0.0, ge=0, description="keep up to this many MB of decoded images in memory (LRU)")
+    augment: Literal["none", "crop_flip"] = Field(
+        "none", description="training augmentation: crop_flip = zero-pad by crop_pad, random crop, horizontal flip"
+    )
+    crop_pad: int = Field(4, ge=0, description="crop_flip: padding on each side (CIFAR: 4)")
 
 
-def _is_image_file(path: Path) -> bool:
-    return path.is_file() and not path.name.startswith(".") and path.suffix.lower() in IMAGE_EXTENSIONS
+def _folder_store(root: str, p: ImageFolderParams) -> tuple[list[str], Any, torch.Tensor]:
+    """(class names, a lazy store of the tree's files, labels): nothing is decoded here."""
+    from fedsight.data.pipeline import FileImageStore
 
-
-def scan_image_folder(root: str | os.PathLike[str]) -> tuple[list[str], list[tuple[Path, int]]]:
-    """Class names (sorted sub-folder names) and ``(file, label)`` pairs of an ImageFolder tree.
-
-    Hidden entries (names starting with ``.``) and files without an image extension are skipped.
-    """
-    root = Path(root)
-    if not root.exists():
-        raise FileNotFoundError(f"image folder {str(root)!r} does not exist")
-    if not root.is_dir():
-        raise ValueError(f"image folder {str(root)!r} is not a directory")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        raise ValueError(f"image folder {str(root)!r} has no class sub-folders (expected <dir>/<class>/<images>)")
-    samples: list[tuple[Path, int]] = []
-    for label, name in enumerate(classes):
-        folder = root / name
-        files = sorted((p for p in folder.iterdir() if _is_image_file(p)), key=lambda p: p.name)
-        if not files:
-            raise ValueError(
-                f"class folder {str(folder)!r} contains no image files (extensions: {', '.join(IMAGE_EXTENSIONS)})"
-            )
-        samples.extend((f, label) for f in files)
-    return classes, samples
-
-
-def load_image(path: str | os.PathLike[str], image_size: int, channels: int) -> np.ndarray:
-    """One image file as uint8 ``[H, W]`` (channels=1) or ``[H, W, 3]``, resized bilinearly to a square.
-
-    Raises ``ValueError`` naming the file when PIL cannot read it.
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            im.load()
-            if im.mode == "I" or im.mode.startswith("I;16"):
-                # 16-bit greyscale (PIL mode I / I;16): map 0..65535 to 0..255; PIL's own conversion clips
-                arr = np.asarray(im, dtype=np.float64)
-                im = Image.fromarray(np.clip(np.round(arr / 257.0), 0, 255).astype(np.uint8), "L")
-            elif im.mode in ("P", "PA", "LA", "La", "RGBa"):
-                im = im.convert("RGBA")
-            im = im.convert("L" if channels == 1 else "RGB")
-            im = im.resize((image_size, image_size), Image.Resampling.BILINEAR)
-            return np.asarray(im, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"cannot read image file {str(path)!r}: {type(e).__name__}: {e}") from e
-
-
-def _load_folder(root: str, image_size: int, channels: int) -> tuple[list[str], np.ndarray, np.ndarray]:
     classes, samples = scan_image_folder(root)
-    shape = (len(samples), image_size, image_size) + (() if channels == 1 else (3,))
-    images = np.empty(shape, dtype=np.uint8)
-    for i, (path, _) in enumerate(samples):
-        images[i] = load_image(path, image_size, channels)
-    labels = np.fromiter((lab for _, lab in samples), dtype=np.int64, count=len(samples))
-    return classes, images, labels
+    for path, _ in samples:  # a file that is no image fails now, not in round 7 (a truncated one: when decoded)
+        check_image_header(path)
+    store = FileImageStore([path for path, _ in samples], p.image_size, p.channels, cache_bytes=int(p.cache_mb * 2**20))
+    return classes, store, torch.tensor([lab for _, lab in samples], dtype=torch.int64)
 
 
 @DATASETS.register("imagefolder", params=ImageFolderParams, help="torchvision-style <dir>/<class>/<image> folders")
 def load_imagefolder(params: ImageFolderParams, *, seed: int) -> DatasetSplits:
-    """ImageFolder tree(s); classes are the sorted sub-folder names of ``train_dir``."""
+    """ImageFolder tree(s), read lazily: images are decoded (and resized) when a batch needs them, by
+    ``workers`` prefetching workers, so memory does not grow with the number of files. Classes are the
+    sorted sub-folder names of ``train_dir``."""
     del seed
-    classes, x, y = _load_folder(params.train_dir, params.image_size, params.channels)
+    loader = LoaderSpec(params.workers, params.backend, params.augment, params.crop_pad)
+    classes, store, y = _folder_store(params.train_dir, params)
     if params.test_dir is None:
-        train, test = stratified_split(y, params.test_fraction, params.split_seed, f"image folder {params.train_dir!r}")
-        x_tr, y_tr, x_te, y_te = x[train], y[train], x[test], y[test]
-    else:
-        test_classes, x_te, y_te = _load_folder(params.test_dir, params.image_size, params.channels)
-        if test_classes != classes:
-            only_train = sorted(set(classes) - set(test_classes))
-            only_test = sorted(set(test_classes) - set(classes))
-            raise ValueError(
-                f"test_dir {params.test_dir!r} and train_dir {params.train_dir!r} have different classes; "
-                f"only in train_dir: {only_train}, only in test_dir: {only_test}"
-            )
-        x_tr, y_tr = x, y
-    return _to_splits(
-        _nhwc_uint8_to_nchw_float(x_tr), y_tr, _nhwc_uint8_to_nchw_float(x_te), y_te, len(classes), classes
-    )
+        train, test = stratified_split(y.numpy(), params.test_fraction, params.split_seed, f"image folder {params.train_dir!r}")
+        whole = StoredDataset(store, y, len(classes), classes, loader)
+        return DatasetSplits(train=whole.subset(train), test=whole.subset(test))
+    test_classes, test_store, y_te = _folder_store(params.test_dir, params)
+    if test_classes != classes:
+        only_train = sorted(set(classes) - set(test_classes))
+        only_test = sorted(set(test_classes) - set(classes))
+        raise ValueError(
+            f"test_dir {params.test_dir!r} and train_dir {params.train_dir!r} have different classes; "
+            f"only in train_dir: {only_train}, only in test_dir: {only_test}"
+        )
+    return DatasetSplits(train=StoredDataset(store, y, len(classes), classes, loader),
+                         test=StoredDataset(test_store, y_te, len(classes), classes, loader))
 
 
 # ------------------------------------------------------------------------------------------------- npz

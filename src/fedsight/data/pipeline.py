@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedsight.data.classification import load_image, scan_image_folder
+from fedsight.data.images import load_image, scan_image_folder
 from fedsight.data.prefetch import CacheInfo, Prefetcher, _identity, pin_tensors, shared_cache
 from fedsight.rng import np_rng
 

@@ -269,9 +269,11 @@ class Server:
         self._enter_stage(int(state.get("stage_index", 0)))
         self.global_model.load_state_dict(state["model"])
         self.recipe.server_optimizer.load_state_dict(state["server_optimizer"])
-        self.recipe.weighting.load_state_dict(state.get("weighting", {}))
-        self.recipe.aggregator.load_state_dict(state.get("aggregator", {}))
-        comp_states = state.get("components", {})
+        # parts' own state comes back as CPU tensors from disk: on the server's device it meets the
+        # clients' uploads (a run started on a CPU may resume on a GPU and vice versa)
+        self.recipe.weighting.load_state_dict(to_device(state.get("weighting", {}), self.device))
+        self.recipe.aggregator.load_state_dict(to_device(state.get("aggregator", {}), self.device))
+        comp_states = to_device(state.get("components", {}), self.device)
         for i, c in enumerate(self.recipe.components):
             c.load_state_dict(comp_states.get(f"{i}:{c.name}", {}))
         torch.set_rng_state(state["rng"]["torch"])

@@ -151,7 +151,7 @@ class CentralDP:
         if arrays is None:
             raise RuntimeError("Flower's DP wrapper released no aggregate")
         noised = record_to_tensors(ArrayRecord(arrays) if not isinstance(arrays, ArrayRecord) else arrays)
-        return {k: (noised[k].to(current[k].dtype) - current[k]) for k in keys}
+        return {k: (noised[k].to(current[k]) - current[k]) for k in keys}
 
     def privacy_spent(self) -> dict[str, float]:
         """Cumulative (epsilon, delta) of the releases so far (Flower's RDP accountant)."""

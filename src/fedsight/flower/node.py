@@ -169,8 +169,8 @@ class NodeTask(Task):
 def _local_splits(cfg: Any, data_dir: Path, class_names: list[str] | None):
     """(training pool, local test) of a classification node's own directory, as ``ArrayDataset``s
     with the run's number of classes."""
-    from ..data.base import ArrayDataset
-    from ..data.classification import NpzParams, ImageFolderParams, load_imagefolder, load_npz
+    from ..data.base import ArrayDataset, DatasetSplits
+    from ..data.classification import ImageFolderParams, NpzParams, load_imagefolder, load_npz
 
     if not data_dir.is_dir():
         raise FileNotFoundError(f"data-dir {str(data_dir)!r} does not exist")
@@ -190,6 +190,8 @@ def _local_splits(cfg: Any, data_dir: Path, class_names: list[str] | None):
             ImageFolderParams(train_dir=str(data_dir / "train"), test_dir=str(test_dir) if test_dir.is_dir() else None, **params),
             seed=cfg.seed,
         )
+        # a node's own data is small: decode it into memory (the pool below is train + test)
+        splits = DatasetSplits(train=splits.train.materialize(), test=splits.test.materialize())
         local_names = splits.train.class_names
         names = class_names or local_names
         unknown = sorted(set(local_names) - set(names))

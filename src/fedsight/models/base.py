@@ -121,7 +121,9 @@ def detect_capabilities(model: nn.Module) -> frozenset[str]:
     if callable(getattr(model, "parameter_groups", None)):
         out.add("parameter_groups")
     head = getattr(model, "head", None)
-    if isinstance(head, nn.Linear) and getattr(model, "split_head", False):
+    # a head that wraps its linear classifier (Fed3R-RF's random-feature map + linear) still is one
+    linear = head if isinstance(head, nn.Linear) else getattr(head, "linear", None)
+    if isinstance(linear, nn.Linear) and getattr(model, "split_head", False):
         out.add("linear_head")
     norms = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
     if norms:

@@ -173,7 +173,7 @@ class ClosedFormClassifier(Component):
 
     def load_state_dict(self, state: dict) -> None:
         v = state.get("visited")
-        self.visited = v.numpy().astype(bool) if v is not None and v.numel() else None
+        self.visited = v.cpu().numpy().astype(bool) if v is not None and v.numel() else None
 
 
 class Fed3RParams(Params):
@@ -285,8 +285,10 @@ class FedNCM(ClosedFormClassifier):
         if self.sums is None:
             self.sums = torch.zeros(linear.out_features, linear.in_features, dtype=torch.float64)
             self.counts = torch.zeros(linear.out_features, dtype=torch.float64)
-        self.sums.index_add_(0, stats["classes"].long(), stats["b"].to(torch.float64))
-        self.counts.index_add_(0, stats["classes"].long(), stats["counts"].to(torch.float64))
+        dev = self.sums.device
+        classes = stats["classes"].long().to(dev)
+        self.sums.index_add_(0, classes, stats["b"].to(device=dev, dtype=torch.float64))
+        self.counts.index_add_(0, classes, stats["counts"].to(device=dev, dtype=torch.float64))
 
     @torch.no_grad()
     def write_head(self, linear: nn.Linear) -> None:

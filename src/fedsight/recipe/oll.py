@@ -52,7 +52,7 @@ class OLL(Component):
         head_linear(model)  # a model without a linear head fails here, before any round
 
     def client_start(self, ctx: ClientContext) -> None:
-        keep = local_classes(ctx.task, ctx.client_id)
+        keep = local_classes(ctx.task, ctx.client_id).to(model_device(ctx.model))
         linear = head_linear(ctx.model)
         saved = {"weight": linear.weight.detach()[~keep].clone()}
         if linear.bias is not None:

@@ -25,7 +25,7 @@ Conventions used throughout:
 - "final" is the value at the last round where the metric was logged in that run; "best" is the max
   (or min, for lower-is-better metrics) over all logged rounds, and absent for a metric with no
   direction, which is never bold in a comparison either.
-- Runs whose configs are equal apart from top-level "seed" and "run" form one group (usually several
+- Runs whose configs are equal apart from top-level "seed", "run" and "engine" form one group (usually several
   seeds of one experiment); tables show mean ± sample std (ddof=1) over the runs of a group.
 
 Modules: ``runs_view`` (loading runs, series, directions, grouping), ``fmt`` (formatting), ``plots``

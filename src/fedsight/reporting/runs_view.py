@@ -191,13 +191,15 @@ def _canonical(v: Any) -> Any:
 
 
 def _experiment_key(config: dict[str, Any]) -> str:
-    exp = {k: v for k, v in config.items() if k not in ("seed", "run")}
+    """What identifies an experiment: the config without "seed", "run" and "engine" (where and with how
+    many threads a run computed does not change what it computes)."""
+    exp = {k: v for k, v in config.items() if k not in ("seed", "run", "engine")}
     return json.dumps(_canonical(exp), sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
 class RunGroup:
-    """Runs of one experiment: configs equal apart from top-level "seed" and "run".
+    """Runs of one experiment: configs equal apart from top-level "seed", "run" and "engine".
 
     ``label`` is the ``run.name`` of the first run (plus ``[hash]`` of the config when two groups share
     a name); ``run_dirs`` and ``seeds`` are in the order the runs were given.
@@ -226,5 +228,5 @@ def _group(runs: Sequence[_Run]) -> list[tuple[RunGroup, list[_Run]]]:
 
 
 def group_runs(run_dirs: Iterable[StrPath]) -> list[RunGroup]:
-    """Group run directories by config minus top-level "seed" and "run", in order of first appearance."""
+    """Group run directories by config minus top-level "seed", "run" and "engine", in order of first appearance."""
     return [g for g, _ in _group(_load_all(run_dirs))]

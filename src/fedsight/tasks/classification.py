@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import ArrayDataset, DatasetSplits
+from ..data.base import ArrayDataset, DatasetSplits, StoredDataset
 from ..data.partition import ClientSplit
 from ..metrics import Mean, MetricSet, MetricState
 from ..models.base import ModelIO
@@ -24,7 +24,59 @@ def classification_metrics() -> MetricSet:
     return MetricSet([Mean("acc", True, "top-1 accuracy"), Mean("loss", False, "mean cross-entropy")], primary="acc")
 
 
+class SplitImages:
+    """One split's images, standardised with the training pool's per-channel statistics: a float tensor
+    in memory (``x``), or an image store (``store``) whose uint8 batches are decoded and standardised when
+    a batch is read."""
+
+    def __init__(self, data: ArrayDataset | StoredDataset, mean: torch.Tensor, std: torch.Tensor,
+                 index: np.ndarray | None = None):
+        self.mean, self.std = mean, std
+        self.device = torch.device("cpu")
+        self.x: torch.Tensor | None = None
+        self.store: Any = None
+        if isinstance(data, StoredDataset):
+            self.store = data.store if index is None else data.store.subset(index)
+        else:
+            x = data.x if index is None else data.x[torch.from_numpy(index)]
+            self.x = ((x - mean) / std).contiguous()
+
+    def __len__(self) -> int:
+        return len(self.x) if self.x is not None else len(self.store)
+
+    def standardize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[B, C, H, W]`` from the store -> standardised float32 on the task's device (the uint8
+        batch crosses to the GPU, a quarter of the float bytes; pinned batches copy asynchronously)."""
+        images = images.to(self.device, non_blocking=images.is_pinned())
+        return (images.to(torch.float32).div_(255.0) - self.mean) / self.std
+
+    def get(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.x is not None:
+            return self.x[idx]
+        return self.standardize(self.store.get(idx))
+
+    def span(self, start: int, stop: int) -> torch.Tensor:
+        if self.x is not None:
+            return self.x[start:stop]
+        return self.get(torch.arange(start, stop))
+
+    def to(self, device: torch.device) -> None:
+        """In memory: the images move. A store stays on the CPU (batches are decoded there); its batches
+        are standardised on ``device``."""
+        self.device = torch.device(device)
+        if self.x is not None:
+            self.x = self.x.to(device)
+        else:
+            self.mean, self.std = self.mean.to(device), self.std.to(device)
+
+
 class ClassificationTask(Task):
+    """Classification over images held in memory (digits, npz) or read from disk on demand (ImageFolder:
+    decoding prefetched by the dataset's ``workers``, optional ``crop_flip`` augmentation drawn per sample
+    from (seed, "augment", round, client, step, j), so batches are the same for any number of workers).
+    Augmentation applies to the clients' training passes (``train_batches``); ``train_batch`` and every
+    evaluation read the images as they are."""
+
     name = "classification"
     provides = PROVIDES
 
@@ -38,12 +90,12 @@ class ClassificationTask(Task):
         clients: list[ClientSplit],
         model_name: str,
         model_params: Params | None,
-        val: ArrayDataset | None = None,
+        val: ArrayDataset | StoredDataset | None = None,
         val_info: dict[str, Any] | None = None,
-        pretrain: ArrayDataset | None = None,
+        pretrain: ArrayDataset | StoredDataset | None = None,
         pretrain_info: dict[str, Any] | None = None,
     ):
-        """``val``: the server-held validation set V (``fedsight.data.validation``), served as the
+        """``val``: the server-held validation set V (``fedsight.data.server_split``), served as the
         evaluation split ``"val"``; it is standardised with the training pool's statistics.
         ``pretrain``: the server-held pre-training split (``fedsight.pretrain``), standardised the same
         way and served by ``pretrain_batches``."""
@@ -53,16 +105,21 @@ class ClassificationTask(Task):
         self.model_params = model_params
         self.metrics = classification_metrics()
         train, test = splits.train, splits.test
-        # per-channel standardisation with statistics of the training pool, applied once up front
-        mean = train.x.mean(dim=(0, 2, 3), keepdim=True)
-        std = train.x.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
+        # per-channel standardisation with statistics of the training pool
+        if isinstance(train, StoredDataset):
+            from ..data.pipeline import channel_stats
+
+            m, s = channel_stats(train.store)  # one streaming pass: memory does not grow with the pool
+            mean, std = m.view(1, -1, 1, 1), s.view(1, -1, 1, 1).clamp_min(1e-6)
+        else:
+            mean = train.x.mean(dim=(0, 2, 3), keepdim=True)
+            std = train.x.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
         self.mean, self.std = mean, std
         # the pool is stored client by client ([client 0 train, client 0 test, client 1 train, ...]) so a
         # client's data is a contiguous slice and a batch is a single gather
         order = np.concatenate([np.concatenate([c.train, c.test]) for c in clients]).astype(np.int64)
-        order_t = torch.from_numpy(order)
-        self.pool_x = ((train.x[order_t] - mean) / std).contiguous()
-        self.pool_y = train.y[order_t].contiguous()
+        self.pool = SplitImages(train, mean, std, order)
+        self.pool_y = train.y[torch.from_numpy(order)].contiguous()
         self._labels = self.pool_y.numpy().copy()  # CPU copy for partition statistics (pool_y may move)
         self._train_slices: list[slice] = []
         self._test_slices: list[slice] = []
@@ -71,15 +128,31 @@ class ClassificationTask(Task):
             self._train_slices.append(slice(start, start + len(c.train)))
             self._test_slices.append(slice(start + len(c.train), start + len(c.train) + len(c.test)))
             start += len(c.train) + len(c.test)
-        self.test_x = ((test.x - mean) / std).contiguous()
+        self.test = SplitImages(test, mean, std)
         self.test_y = test.y.contiguous()
-        self.val_x = ((val.x - mean) / std).contiguous() if val is not None else None
+        self.val = SplitImages(val, mean, std) if val is not None else None
         self.val_y = val.y.contiguous() if val is not None else None
         self.val_info = val_info
         # -- server-held pre-training split (fedsight.pretrain) --
-        self.pretrain_x = ((pretrain.x - mean) / std).contiguous() if pretrain is not None else None
+        self.pretrain = SplitImages(pretrain, mean, std) if pretrain is not None else None
         self.pretrain_y = pretrain.y.contiguous() if pretrain is not None else None
         self.pretrain_info = pretrain_info
+        # -- on-disk data: prefetching decoder and training augmentation --
+        spec = train.loader if isinstance(train, StoredDataset) else None
+        self.prefetcher = None
+        self.augment = None
+        if spec is not None:
+            from ..data.pipeline import Prefetcher, RandomCropFlip
+
+            self.prefetcher = Prefetcher(spec.workers, depth=max(2, 2 * spec.workers), backend=spec.backend,
+                                         pin_memory=True)
+            self.augment = RandomCropFlip(spec.crop_pad) if spec.augment == "crop_flip" else None
+
+    # in-memory views, as before on-disk data existed (None for on-disk data)
+    pool_x = property(lambda self: self.pool.x)
+    test_x = property(lambda self: self.test.x)
+    val_x = property(lambda self: self.val.x if self.val is not None else None)
+    pretrain_x = property(lambda self: self.pretrain.x if self.pretrain is not None else None)
 
     @property
     def num_clients(self) -> int:
@@ -98,8 +171,12 @@ class ClassificationTask(Task):
         return build(MODELS, self.model_name, self.model_params, io=self.model_io)
 
     def to(self, device: torch.device) -> "ClassificationTask":
-        """Move the (small, in-memory) pools to ``device`` once, so batches need no copy per step."""
-        for name in ("pool_x", "pool_y", "test_x", "test_y", "val_x", "val_y", "pretrain_x", "pretrain_y"):
+        """Move the in-memory images and the labels to ``device`` once, so batches need no copy per step
+        (on-disk images stay on the CPU and move per batch)."""
+        for images in (self.pool, self.test, self.val, self.pretrain):
+            if images is not None:
+                images.to(device)
+        for name in ("pool_y", "test_y", "val_y", "pretrain_y"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -144,7 +221,7 @@ class ClassificationTask(Task):
             starts.pop()
         for i, s in enumerate(starts):
             pos = perm[s : starts[i + 1] if i + 1 < len(starts) else n]
-            yield self.pretrain_x[pos], self.pretrain_y[pos]
+            yield self.pretrain.get(pos), self.pretrain_y[pos]
 
     def data_description(self) -> dict[str, Any]:
         """What ``RUN_DIR/partition.json`` records: per-client training label counts, class names and
@@ -158,31 +235,60 @@ class ClassificationTask(Task):
 
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         sl = self._train_slices[client]
-        return self.pool_x[sl][positions], self.pool_y[sl][positions]
+        if self.pool.x is not None:
+            return self.pool.x[sl][positions], self.pool_y[sl][positions]
+        idx = positions.cpu() + sl.start
+        return self.pool.get(idx), self.pool_y[idx.to(self.pool_y.device)]
+
+    def train_batches(
+        self, client: int, batches: Iterable[torch.Tensor], *, seed: int = 0, round: int = 0
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """On-disk data: the batches decoded (and augmented) ahead by the prefetcher, in order; sample j
+        of step s is augmented from the stream (seed, "augment", round, client, s, j)."""
+        if self.prefetcher is None:
+            yield from super().train_batches(client, batches, seed=seed, round=round)
+            return
+        from ..data.pipeline import BatchLoader
+
+        start = self._train_slices[client].start
+        jobs = [(pos.cpu().numpy() + start, ("augment", round, client, step)) for step, pos in enumerate(batches)]
+        loader = BatchLoader(self.pool.store, self.augment, seed)
+        for (idx, _), images in zip(jobs, self.prefetcher.map(loader, jobs)):
+            yield self.pool.standardize(images), self.pool_y[torch.from_numpy(idx).to(self.pool_y.device)]
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs, targets)
 
-    def _eval_split(self, split: str | int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eval_split(self, split: str | int) -> tuple[SplitImages, torch.Tensor, int]:
+        """(images, labels, offset of the split's first image in ``images``)."""
         if split == "test":
-            return self.test_x, self.test_y
+            return self.test, self.test_y, 0
         if split == "pretrain":
-            if self.pretrain_x is None:
+            if self.pretrain is None:
                 raise ValueError('this run has no server-held pre-training split; set pretrain.source = "samples"')
-            return self.pretrain_x, self.pretrain_y
+            return self.pretrain, self.pretrain_y, 0
         if split == "val":
-            if self.val_x is None:
+            if self.val is None:
                 raise ValueError(
                     'this run has no server-held validation set (split "val"); set [validation] source = "carve" or "dataset"'
                 )
-            return self.val_x, self.val_y
+            return self.val, self.val_y, 0
         sl = self._test_slices[int(split)]
-        return self.pool_x[sl], self.pool_y[sl]
+        return self.pool, self.pool_y[sl], sl.start
 
     def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        x, y = self._eval_split(split)
-        for s in range(0, len(y), batch_size):
-            yield x[s : s + batch_size], y[s : s + batch_size]
+        images, y, offset = self._eval_split(split)
+        spans = [(s, min(s + batch_size, len(y))) for s in range(0, len(y), batch_size)]
+        if images.x is not None or self.prefetcher is None:
+            for a, b in spans:
+                yield images.span(offset + a, offset + b), y[a:b]
+            return
+        from ..data.pipeline import BatchLoader
+
+        loader = BatchLoader(images.store)
+        jobs = [(np.arange(offset + a, offset + b), None) for a, b in spans]
+        for (a, b), raw in zip(spans, self.prefetcher.map(loader, jobs)):
+            yield images.standardize(raw), y[a:b]
 
     def update_metrics(self, state: MetricState, outputs: torch.Tensor, targets: torch.Tensor) -> None:
         acc, loss = self.metrics.metrics
@@ -202,11 +308,13 @@ def _external_validation(cfg: Any, splits: DatasetSplits) -> ArrayDataset:
     other = load_dataset(name, spec, seed=cfg.seed)
     part = other.train if v.split == "train" else other.test
     where = f"validation.dataset ({name})"
-    if tuple(part.x.shape[1:]) != tuple(splits.train.x.shape[1:]):
+    if tuple(part.shape) != tuple(splits.train.shape):
         raise ValueError(
-            f"{where}: images are {tuple(part.x.shape[1:])} (C, H, W) but the training data's are "
-            f"{tuple(splits.train.x.shape[1:])}; resize them to match (e.g. the loader's image_size)"
+            f"{where}: images are {tuple(part.shape)} (C, H, W) but the training data's are "
+            f"{tuple(splits.train.shape)}; resize them to match (e.g. the loader's image_size)"
         )
+    if isinstance(part, StoredDataset):
+        part = part.materialize()  # V is the server's: small, held in memory
     names = list(splits.train.class_names)
     used = [part.class_names[c] for c in np.unique(part.y.numpy())]
     unknown = [c for c in used if c not in names]

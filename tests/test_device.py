@@ -1,0 +1,168 @@
+"""Devices, threads and moving a run between devices.
+
+Tests marked ``cuda`` need a GPU and are skipped without one (CI has none); run them on a GPU machine
+with ``python -m pytest -m cuda``."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedsight.api import build_simulation, execute, load_run_config
+from fedsight.config import ConfigError, validate
+from fedsight.device import resolve_device
+
+from helpers import tiny
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def cuda(test):
+    """Marked ``cuda`` (select with ``-m cuda``) and skipped without a GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
+
+
+def models_close(a, b, atol):
+    ma, mb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert list(ma) == list(mb)
+    for k in ma:
+        torch.testing.assert_close(ma[k].double(), mb[k].double(), rtol=0, atol=atol, msg=k)
+
+
+# -- everywhere ----------------------------------------------------------------------------------------------
+
+
+def test_device_values_are_checked_at_config_time():
+    for bad in ("gpu", "cuda:x", "tpu", ""):
+        with pytest.raises(ConfigError, match="engine.device"):
+            validate(tiny(**{"engine.device": bad}))
+    with pytest.raises(ConfigError, match="engine.threads"):
+        validate(tiny(**{"engine.threads": 0}))
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
+def test_asking_for_cuda_without_it_fails_before_anything_is_written(tmp_path):
+    cfg = validate(tiny(**{"engine.device": "cuda"}))
+    with pytest.raises(ConfigError, match=r"engine.device = 'cuda' but CUDA is not available"):
+        execute(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_threads_default_to_one_and_each_session_is_recorded(tmp_path):
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        execute(validate(tiny(**{"server.rounds": 2})), tmp_path / "run", stop_after=1)
+        assert torch.get_num_threads() == 1  # engine.threads = "auto"
+        cfg = load_run_config(tmp_path / "run", {"threads": 2})
+        execute(cfg, tmp_path / "run")  # resume with another engine: the same experiment
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+    sessions = json.loads((tmp_path / "run" / "run.json").read_text())["sessions"]
+    assert [(s["device"], s["threads"]) for s in sessions] == [("cpu", 1), ("cpu", 2)]
+    assert all(s["torch"] == torch.__version__ for s in sessions)
+    # the run directory keeps the config it was started with
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["engine"]["threads"] == "auto"
+
+
+def test_resume_with_another_engine_is_the_same_run_but_another_experiment_is_refused(tmp_path):
+    execute(validate(tiny(**{"server.rounds": 2, "engine.threads": 1})), tmp_path / "run", stop_after=1)
+    out = execute(validate(tiny(**{"server.rounds": 2, "engine.device": "cpu"})), tmp_path / "run")
+    assert out.status == "complete"
+    with pytest.raises(ConfigError, match="different config"):
+        execute(validate(tiny(**{"server.rounds": 2, "train.lr": 0.3})), tmp_path / "run")
+
+
+def test_checkpoints_and_client_state_are_cpu_tensors(tmp_path):
+    execute(validate(tiny(**{"recipe.components": ["scaffold"], "server.rounds": 2})), tmp_path / "run")
+    files = list((tmp_path / "run").rglob("*.safetensors"))
+    assert any("client_state" in str(f) for f in files) and any("checkpoints" in str(f) for f in files)
+    for f in files:  # safetensors stores no device: loading gives CPU tensors wherever the run computed
+        assert all(t.device.type == "cpu" for t in load_file(str(f)).values())
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------------
+
+
+@cuda
+def test_a_gpu_run_resumes_on_the_cpu_and_back(tmp_path):
+    """A run started on the GPU and finished on the CPU ends where the uninterrupted GPU run does, to
+    float tolerance (kernels differ between devices); and the other way round."""
+    over = {"recipe.components": ["scaffold"], "model.norm": "batch", "server.rounds": 4, "eval.every": 2}
+    gpu = validate(tiny(**{**over, "engine.device": "cuda"}))
+    execute(gpu, tmp_path / "gpu")
+    execute(gpu, tmp_path / "g2c", stop_after=2)
+    execute(load_run_config(tmp_path / "g2c", {"device": "cpu"}), tmp_path / "g2c")
+    models_close(tmp_path / "gpu", tmp_path / "g2c", atol=1e-4)
+    cpu = validate(tiny(**{**over, "engine.device": "cpu"}))
+    execute(cpu, tmp_path / "c2g", stop_after=2)
+    execute(load_run_config(tmp_path / "c2g", {"device": "cuda"}), tmp_path / "c2g")
+    models_close(tmp_path / "gpu", tmp_path / "c2g", atol=1e-4)
+    devices = [s["device"] for s in json.loads((tmp_path / "g2c" / "run.json").read_text())["sessions"]]
+    assert devices[0].startswith("cuda") and devices[1] == "cpu"
+
+
+@cuda
+def test_gpu_and_cpu_runs_agree_and_deterministic_gpu_runs_repeat_bit_for_bit(tmp_path):
+    over = {"server.rounds": 3, "model.norm": "batch", "engine.deterministic": True}
+    execute(validate(tiny(**{**over, "engine.device": "cuda"})), tmp_path / "a")
+    execute(validate(tiny(**{**over, "engine.device": "cuda"})), tmp_path / "b")
+    execute(validate(tiny(**{**over, "engine.device": "cpu"})), tmp_path / "c")
+    models_close(tmp_path / "a", tmp_path / "b", atol=0)
+    models_close(tmp_path / "a", tmp_path / "c", atol=1e-4)
+
+
+@cuda
+def test_everything_lives_on_the_gpu(tmp_path):
+    sim = build_simulation(validate(tiny(**{"engine.device": "cuda", "recipe.components": ["scaffold"]})))
+    assert all(t.device.type == "cuda" for t in sim.global_model.state_dict().values())
+    assert all(t.device.type == "cuda" for t in sim.work_model.state_dict().values())
+    assert sim.task.pool_x.device.type == "cuda"  # small in-memory pools move once
+    sim.run()
+    sc = sim.recipe.components[0]
+    assert all(v.device.type == "cuda" for v in sc.c.values())
+
+
+@cuda
+@pytest.mark.parametrize("case", ["fedvg", "fed3r", "fedncm", "oll", "ditto", "pfedme", "fedbn", "elastic", "fednova",
+                                  "krum", "feddyn", "fedadam"])
+def test_recipe_parts_on_the_gpu_match_the_cpu(tmp_path, case):
+    over = {
+        "fedvg": {"recipe.weighting": "fedvg", "validation.source": "carve"},
+        "fed3r": {"recipe.components": ["fed3r"]}, "fedncm": {"recipe.components": ["fedncm"]},
+        "oll": {"recipe.components": ["oll"], "recipe.sharing": "local"}, "ditto": {"recipe.components": ["ditto"]},
+        "pfedme": {"recipe.components": ["pfedme"]}, "fedbn": {"recipe.sharing": "fedbn", "model.norm": "batch"},
+        "elastic": {"recipe.components": ["elastic"]}, "fednova": {"recipe.components": ["fednova"]},
+        "krum": {"recipe.aggregator": {"name": "krum", "byzantine": 0}},
+        "feddyn": {"recipe.components": ["feddyn"]}, "fedadam": {"server.optimizer": "fedadam"},
+    }[case]
+    base = {"server.rounds": 2, **over}
+    execute(validate(tiny(**{**base, "engine.device": "cuda"})), tmp_path / "gpu")
+    execute(validate(tiny(**{**base, "engine.device": "cpu"})), tmp_path / "cpu")
+    models_close(tmp_path / "gpu", tmp_path / "cpu", atol=1e-3)
+
+
+@cuda
+def test_on_disk_images_with_pinned_batches_on_the_gpu(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for k in range(2):
+        (tmp_path / "tree" / f"c{k}").mkdir(parents=True)
+        for i in range(10):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "tree" / f"c{k}" / f"{i}.png")
+    data = {"name": "imagefolder", "train_dir": str(tmp_path / "tree"), "image_size": 8, "augment": "crop_flip"}
+    raw = tiny(**{"data": data, "partition.num_clients": 3, "server.clients_per_round": 2, "engine.device": "cuda"})
+    execute(validate(raw), tmp_path / "img")
+    cpu = copy.deepcopy(raw)
+    cpu["engine"]["device"] = "cpu"
+    execute(validate(cpu), tmp_path / "img_cpu")
+    models_close(tmp_path / "img", tmp_path / "img_cpu", atol=1e-3)
