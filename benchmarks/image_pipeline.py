@@ -2,10 +2,10 @@
 
 (a) Writes two ImageFolder trees of random RGB PNGs (10 class folders; ``--images`` and ``--small`` files of
 ``--size`` x ``--size``) into a temporary folder, or into ``--data DIR`` where they are kept and reused.
-(b) For each tree, a fresh process scans it (``scan_image_folder``), builds a ``FileImageStore`` (no cache),
-reads every image once in batches of 64 through ``load_batch`` with ``RandomCropFlip`` and computes
-``channel_stats``; it reports its peak RSS. Memory must not grow with the number of files: the target for
-the large/small ratio is <= 1.2.
+(b) For each tree, a fresh process goes FedSight's own way: the ``imagefolder`` dataset (every file's header
+checked), the classification task (one streaming pass for the channel statistics), then one augmented
+training pass of every client (``train_batches``, 2 prefetching threads) and the test set; it reports its
+peak RSS. Memory must not grow with the number of files: the target for the large/small ratio is <= 1.2.
 (c) In a fresh process, a consumer trains a small CNN (forward + backward + SGD step, repeated so that the
 compute per batch roughly matches the decode time per batch) on augmented batches of the large tree, decoded
 inline (``Prefetcher(workers=0)``) or ahead on 2 threads (``Prefetcher(workers=2)``); it prints both rates in
@@ -70,8 +70,8 @@ MEMORY_CHILD = r"""
 import json, resource, sys, time
 import numpy as np, torch
 torch.set_num_threads(1)
-from fedsight.data.classification import scan_image_folder
-from fedsight.data.pipeline import FileImageStore, RandomCropFlip, channel_stats, load_batch
+from fedsight.api import build_task
+from fedsight.config import validate
 root, size = sys.argv[1], int(sys.argv[2])
 def current_rss_kb():
     with open("/proc/self/status") as f:
@@ -84,22 +84,28 @@ try:  # Linux: reset the high-water mark (and ru_maxrss) to the current RSS, so 
 except OSError:
     reset = False
 after_imports = current_rss_kb()
+# FedSight's own path: the imagefolder dataset (header check of every file), the classification task
+# (one streaming statistics pass), then one augmented training pass of every client and the test set
 t0 = time.perf_counter()
-classes, samples = scan_image_folder(root)
-labels = np.fromiter((lab for _, lab in samples), dtype=np.int64, count=len(samples))
-store = FileImageStore([p for p, _ in samples], size, 3)
-del samples
-aug, seen, checksum = RandomCropFlip(4), 0, 0
-for step, start in enumerate(range(0, len(store), 64)):
-    x = load_batch(store, np.arange(start, min(start + 64, len(store))), aug, ("augment", 0, 0, step), seed=0)
-    seen += len(x)
-    checksum += int(x[:, :, 0, 0].sum())
-t_read = time.perf_counter() - t0
+cfg = validate({"seed": 0, "model": {"name": "cnn"}, "server": {"rounds": 1},
+                "data": {"name": "imagefolder", "train_dir": root, "image_size": size, "test_fraction": 0.1,
+                         "augment": "crop_flip", "workers": 2},
+                "partition": {"name": "iid", "num_clients": 10, "local_test_fraction": 0.0}})
+task = build_task(cfg)
+t_build = time.perf_counter() - t0
 t1 = time.perf_counter()
-mean, std = channel_stats(store, batch_size=256)
-t_stats = time.perf_counter() - t1
-print(json.dumps({"n": len(store), "seen": seen, "read_s": t_read, "stats_s": t_stats, "mean": mean.tolist(),
-                  "std": std.tolist(), "import_peak_kb": import_peak, "after_imports_kb": after_imports, "reset": reset,
+seen = 0
+for c in range(task.num_clients):
+    n = task.num_train_examples(c)
+    batches = [torch.arange(s, min(s + 64, n)) for s in range(0, n, 64)]
+    for x, y in task.train_batches(c, batches, seed=0, round=1):
+        seen += len(x)
+for x, y in task.eval_batches("test", 256):
+    seen += len(x)
+t_read = time.perf_counter() - t1
+print(json.dumps({"n": len(task.splits.train) + len(task.splits.test), "seen": seen, "read_s": t_read,
+                  "stats_s": t_build, "mean": task.mean.flatten().tolist(), "std": task.std.flatten().tolist(),
+                  "import_peak_kb": import_peak, "after_imports_kb": after_imports, "reset": reset,
                   "hwm_kb": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]),
                   "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
@@ -196,12 +202,12 @@ def main() -> None:
         thr = run_child(THROUGHPUT_CHILD, trees[args.images], args.size, args.batches, args.repeats, args.workers)
 
     reset = all(r["reset"] for r in mem.values())
-    print("\n(b) one pass over every file (load_batch + RandomCropFlip, batches of 64) and channel_stats, "
-          "fresh process per tree")
+    print("\n(b) imagefolder dataset + classification task (statistics pass), then every client's augmented "
+          "training pass and the test set, fresh process per tree")
     print("    peak RSS (ru_maxrss) of the pipeline phase" + (" (high-water mark reset after the imports)" if reset else
           " (could not reset the high-water mark: includes the imports)") + "; process peak includes the imports")
-    print(f"{'images':>8} {'RSS after imports':>18} {'pipeline peak':>14} {'process peak':>13} {'read s':>7} "
-          f"{'stats s':>8} {'eager f32 tensor':>17}")
+    print(f"{'images':>8} {'RSS after imports':>18} {'pipeline peak':>14} {'process peak':>13} {'pass s':>7} "
+          f"{'build s':>8} {'eager f32 tensor':>17}")
     for n, r in mem.items():
         assert r["seen"] == n == r["n"], r
         r["process_peak_kb"] = max(r["import_peak_kb"], r["peak_rss_kb"])

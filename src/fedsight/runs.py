@@ -72,20 +72,24 @@ def _run_file(run_dir: StrPath, name: str) -> tuple[Path, str]:
         raise FileNotFoundError(f"{path}: no such file (is {Path(run_dir)} a FedSight run directory?)") from None
 
 
+def _json_object(path: Path, text: str) -> dict[str, Any]:
+    """``text`` (the content of ``path``) parsed as a JSON object; a ValueError naming the file otherwise."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def read_config(run_dir: StrPath) -> dict[str, Any]:
     """The resolved config of a run: the parsed ``RUN_DIR/config.json``.
 
     Raises ``FileNotFoundError`` or ``ValueError`` naming the file when it is missing, is not valid
     JSON, or is not a JSON object.
     """
-    path, text = _run_file(run_dir, CONFIG_FILE)
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
+    return _json_object(*_run_file(run_dir, CONFIG_FILE))
 
 
 def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
@@ -119,11 +123,8 @@ def read_run_meta(run_dir: StrPath) -> dict[str, Any] | None:
     path = Path(run_dir) / RUN_META_FILE
     if not path.is_file():
         return None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("metrics", {}), dict):
+    meta = _json_object(path, path.read_text(encoding="utf-8"))
+    if not isinstance(meta.get("metrics", {}), dict):
         raise ValueError(f"{path}: expected a JSON object with a 'metrics' table")
     return meta
 
@@ -131,15 +132,7 @@ def read_run_meta(run_dir: StrPath) -> dict[str, Any] | None:
 def read_status(run_dir: StrPath) -> dict[str, Any]:
     """``RUN_DIR/status.json`` ({} before the first round)."""
     path = Path(run_dir) / STATUS_FILE
-    if not path.is_file():
-        return {}
-    try:
-        status = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-    if not isinstance(status, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(status).__name__}")
-    return status
+    return _json_object(path, path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 # -- nested state <-> (JSON, flat tensors) ----------------------------------------------------------

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from fedsight.data.classification import load_image
+from fedsight.data.images import load_image
 from fedsight.data.pipeline import (
     BatchLoader,
     FileImageStore,

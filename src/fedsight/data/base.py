@@ -10,8 +10,29 @@ import numpy as np
 import torch
 
 
+class _Labelled:
+    """What both dataset kinds share: integer labels ``y`` [N] and class names (default "0", "1", ...)."""
+
+    y: torch.Tensor
+    num_classes: int
+    class_names: list[str]
+
+    def _check_labels(self, n: int) -> None:
+        if self.y.ndim != 1 or len(self.y) != n:
+            raise ValueError(f"labels must be [N] with N={n}, got shape {tuple(self.y.shape)}")
+        if not self.class_names:
+            self.class_names = [str(c) for c in range(self.num_classes)]
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self.y.numpy()
+
+
 @dataclass
-class ArrayDataset:
+class ArrayDataset(_Labelled):
     """Images and integer labels held as tensors.
 
     ``x`` is float32 ``[N, C, H, W]`` scaled to [0, 1] (before any normalisation), ``y`` int64 ``[N]``.
@@ -25,17 +46,7 @@ class ArrayDataset:
     def __post_init__(self) -> None:
         if self.x.ndim != 4:
             raise ValueError(f"images must be [N, C, H, W], got shape {tuple(self.x.shape)}")
-        if self.y.ndim != 1 or len(self.y) != len(self.x):
-            raise ValueError(f"labels must be [N] with N={len(self.x)}, got shape {tuple(self.y.shape)}")
-        if not self.class_names:
-            self.class_names = [str(c) for c in range(self.num_classes)]
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    @property
-    def labels(self) -> np.ndarray:
-        return self.y.numpy()
+        self._check_labels(len(self.x))
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -63,7 +74,7 @@ class LoaderSpec:
 
 
 @dataclass
-class StoredDataset:
+class StoredDataset(_Labelled):
     """Images decoded on demand from an image store (``fedsight.data.pipeline.ImageStore``: uint8
     ``[C, H, W]``, all the same size) and integer labels held in memory. ``subset`` is a lazy view."""
 
@@ -74,19 +85,9 @@ class StoredDataset:
     loader: LoaderSpec = field(default_factory=LoaderSpec)
 
     def __post_init__(self) -> None:
-        if self.y.ndim != 1 or len(self.y) != len(self.store):
-            raise ValueError(f"labels must be [N] with N={len(self.store)}, got shape {tuple(self.y.shape)}")
+        self._check_labels(len(self.store))
         if self.store.shape is None:
             raise ValueError("a StoredDataset needs images of one size (set the loader's image_size)")
-        if not self.class_names:
-            self.class_names = [str(c) for c in range(self.num_classes)]
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    @property
-    def labels(self) -> np.ndarray:
-        return self.y.numpy()
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -8,7 +8,6 @@ int64 ``[N]``. Where a loader has to cut a test set out of the training data it 
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +17,7 @@ import torch
 from pydantic import Field
 
 from fedsight.data.base import ArrayDataset, DatasetSplits, LoaderSpec, StoredDataset
-from fedsight.data.images import check_image_header, load_image, scan_image_folder
+from fedsight.data.images import check_image_header, scan_image_folder
 from fedsight.registry import DATASETS, Params
 
 # --------------------------------------------------------------------------------------------- helpers

@@ -43,8 +43,9 @@ def scan_image_folder(root: str | os.PathLike[str]) -> tuple[list[str], list[tup
     return classes, samples
 
 
-def load_image(path: str | os.PathLike[str], image_size: int, channels: int) -> np.ndarray:
-    """One image file as uint8 ``[H, W]`` (channels=1) or ``[H, W, 3]``, resized bilinearly to a square.
+def load_image(path: str | os.PathLike[str], image_size: int | None, channels: int) -> np.ndarray:
+    """One image file as uint8 ``[H, W]`` (channels=1) or ``[H, W, 3]``, resized bilinearly to
+    ``image_size`` x ``image_size`` (``None``: its native size).
 
     Raises ``ValueError`` naming the file when PIL cannot read it.
     """
@@ -60,7 +61,8 @@ def load_image(path: str | os.PathLike[str], image_size: int, channels: int) -> 
             elif im.mode in ("P", "PA", "LA", "La", "RGBa"):
                 im = im.convert("RGBA")
             im = im.convert("L" if channels == 1 else "RGB")
-            im = im.resize((image_size, image_size), Image.Resampling.BILINEAR)
+            if image_size is not None:
+                im = im.resize((image_size, image_size), Image.Resampling.BILINEAR)
             return np.asarray(im, dtype=np.uint8).copy()
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot read image file {str(path)!r}: {type(e).__name__}: {e}") from e

@@ -154,24 +154,6 @@ class SubsetStore(ImageStore):
         return SubsetStore, (self.base, self.indices)
 
 
-def _load_native(path: str | os.PathLike[str], channels: int) -> np.ndarray:
-    """``load_image`` without the resize: same mode handling and errors, native size."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            im.load()
-            if im.mode == "I" or im.mode.startswith("I;16"):
-                arr = np.asarray(im, dtype=np.float64)
-                im = Image.fromarray(np.clip(np.round(arr / 257.0), 0, 255).astype(np.uint8), "L")
-            elif im.mode in ("P", "PA", "LA", "La", "RGBa"):
-                im = im.convert("RGBA")
-            im = im.convert("L" if channels == 1 else "RGB")
-            return np.asarray(im, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"cannot read image file {str(path)!r}: {type(e).__name__}: {e}") from e
-
-
 class FileImageStore(ImageStore):
     """Image files decoded on demand with :func:`load_image` (``image_size=None``: native size, no resize).
 
@@ -245,11 +227,7 @@ class FileImageStore(ImageStore):
             hit = self._cache.get(raw)
             if hit is not None:
                 return hit
-        p = os.fsdecode(raw)
-        if self.image_size is None:
-            arr = _load_native(p, self.channels)
-        else:
-            arr = load_image(p, self.image_size, self.channels)
+        arr = load_image(os.fsdecode(raw), self.image_size, self.channels)
         if self._cache is not None:
             self._cache.put(raw, arr)
         return arr
