@@ -11,6 +11,7 @@ BUILTIN = (
     "fedsight.data.classification",
     "fedsight.data.partition",
     "fedsight.data.video",
+    "fedsight.data.video_synth",
     "fedsight.models",
     "fedsight.tasks.classification",
     "fedsight.tasks.video_sr",

@@ -10,7 +10,9 @@ import torch
 from PIL import Image
 
 from fedsight.data.partition import make_client_splits
-from fedsight.data.video import REDS4, render_clip, CameraPath, load_photo
+from fedsight.data.photos import load_photo
+from fedsight.data.video import REDS4
+from fedsight.data.video_synth import CameraPath, render_clip
 from fedsight.functional.resize import bicubic_degrade
 from fedsight.registry import DATASETS, build
 
