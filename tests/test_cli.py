@@ -87,6 +87,20 @@ def test_list_shows_registered_parts():
         assert name in res.output, name
 
 
+def test_list_shows_metrics_and_capabilities(monkeypatch):
+    """What a task measures (with directions), what it and each model provide, what each part needs."""
+    monkeypatch.setenv("COLUMNS", "400")  # one line per entry
+    res = runner.invoke(app, ["list", "task"])
+    line = next(x for x in res.output.splitlines() if "video_sr" in x)
+    assert "psnr ↑" in line and "loss ↓" in line and "primary psnr" in line and "provides: image_outputs" in line
+    res = runner.invoke(app, ["list", "component"])
+    line = next(x for x in res.output.splitlines() if x.strip("│ ").startswith("oll"))
+    assert "needs: class_labels, linear_head" in line
+    res = runner.invoke(app, ["list", "model"])
+    line = next(x for x in res.output.splitlines() if x.strip("│ ").startswith("resnet8"))
+    assert "provides: linear_head, norm_layers, norm_stats, parameter_groups" in line  # default norm: batch
+
+
 def test_partition_prints_stats_and_writes_heatmap(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = write_cfg(tmp_path / "c.toml", tiny())

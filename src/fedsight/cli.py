@@ -193,9 +193,34 @@ def list_(
             params = ", ".join(
                 f"{k}={'required' if f.is_required() else repr(f.default)}" for k, f in e.params.model_fields.items()
             )
-            family = f" [{e.task_family}]" if reg in (R.DATASETS, R.MODELS) else ""
-            table.add_row(e.name, e.help + family, params or "-")
+            table.add_row(e.name, escape(e.help + _declarations(reg, e)), escape(params) or "-")
         console.print(table)
+
+
+def _declarations(reg: Any, e: Any) -> str:
+    """What ``fedsight list`` adds to an entry's description: its task family, its metrics (tasks), what
+    it provides (tasks; models with default parameters) and what it needs (recipe parts)."""
+    from . import registry as R
+    from .capabilities import resolve
+
+    family = f" [{e.task_family}]" if reg in (R.DATASETS, R.MODELS) else ""
+    out = []
+    if reg is R.TASKS and "spec" in e.meta:
+        spec = e.meta["spec"](e.params())
+        arrows = {True: " ↑", False: " ↓", None: ""}
+        metrics = ", ".join(f"{m.key}{arrows[m.higher_is_better]}" for m in spec.metrics)
+        out.append(f"metrics: {metrics}; primary {spec.primary}; provides: {', '.join(sorted(spec.provides))}")
+    try:
+        default = e.params()
+    except Exception:  # required parameters: no default instance to resolve a function of params with
+        default = None
+    if reg is R.MODELS and e.provides is not None and default is not None:
+        out.append(f"provides: {', '.join(sorted(resolve(e.provides, default)))}")
+    if e.requires is not None and default is not None:
+        needs = resolve(e.requires, default)
+        if needs:
+            out.append(f"needs: {', '.join(sorted(needs))}")
+    return family + ("; " + "; ".join(out) if out else "")
 
 
 @app.command()
