@@ -32,27 +32,27 @@ from torch import nn
 from .errors import ConfigError
 
 
-def resolve_device(spec: str = "auto") -> torch.device:
+def resolve_device(spec: str = "auto", key: str = "engine.device") -> torch.device:
     """The ``torch.device`` of an ``engine.device`` value; a CUDA device that is not there is a
-    ``ConfigError`` naming the key."""
+    ``ConfigError`` naming the setting (``key``)."""
     spec = (spec or "auto").strip()
     if spec == "auto":
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
         dev = torch.device(spec)
     except (RuntimeError, ValueError):
-        raise ConfigError(f'engine.device = {spec!r}: expected "auto", "cpu", "cuda" or "cuda:N"') from None
+        raise ConfigError(f'{key} = {spec!r}: expected "auto", "cpu", "cuda" or "cuda:N"') from None
     if dev.type == "cpu":
         return dev
     if dev.type != "cuda":
-        raise ConfigError(f'engine.device = {spec!r}: expected "auto", "cpu", "cuda" or "cuda:N"')
+        raise ConfigError(f'{key} = {spec!r}: expected "auto", "cpu", "cuda" or "cuda:N"')
     if not torch.cuda.is_available():
         raise ConfigError(
-            f"engine.device = {spec!r} but CUDA is not available here (torch {torch.__version__}"
+            f"{key} = {spec!r} but CUDA is not available here (torch {torch.__version__}"
             f"{', a build without CUDA' if torch.version.cuda is None else ', no GPU visible'}); use \"auto\" or \"cpu\""
         )
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"engine.device = {spec!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+        raise ConfigError(f"{key} = {spec!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     return dev
 
 

@@ -65,7 +65,10 @@ def _runtime(config_text: str, node_items: tuple, state_dir: Path, class_names: 
     node_config = dict(node_items)
     configure_threads(cfg.engine.threads)
     # the node decides where it trains: node config "device", else the run's engine.device
-    device = resolve_device(str(node_config.get("device", cfg.engine.device)))
+    if "device" in node_config:
+        device = resolve_device(str(node_config["device"]), "node config device")
+    else:
+        device = resolve_device(cfg.engine.device)
     task = build_node_task(cfg, node_config, list(class_names) if class_names else None).to(device)
     model_cost = ModelCost(forward=float(cost[0]), head=float(cost[1])) if cost else None
     return ClientRuntime(task, build_stages(cfg, task), cfg.seed, ClientStateStore(state_dir), device, model_cost,
