@@ -53,13 +53,15 @@ def count_flops(fn, *args) -> float:
 
 
 def model_cost(model: nn.Module, example: torch.Tensor) -> ModelCost:
-    """Measure ``model``'s per-example forward cost on one example (batch of 1)."""
+    """Measure ``model``'s per-example forward cost on one example (batch of 1). The head's share is
+    measured for models whose forward is ``head(features(x))`` (``FedModel.split_head``); for others
+    (a VSR model's global skip) the whole forward counts as one part."""
     was = model.training
     model.eval()
     try:
         total = count_flops(model, example)
         head = 0.0
-        if hasattr(model, "head") and hasattr(model, "features"):
+        if getattr(model, "split_head", False) and hasattr(model, "head"):
             with torch.no_grad():
                 z = model.features(example)
             head = count_flops(model.head, z)
