@@ -53,8 +53,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--checkpoint", action="store_true", help="include the per-round checkpoint in the engine time")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    spec = load(ROOT / "examples" / "quickstart.toml", ["eval.local=false"])[0]
+    spec = load(ROOT / "examples" / "quickstart.toml", ["eval.local=false", f"engine.threads={args.threads}"])[0]
     cfg = spec.config
     sim = build_simulation(cfg)
     task = sim.task

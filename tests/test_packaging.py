@@ -43,6 +43,10 @@ def test_runtime_requirements_are_ranges_that_ci_pins_satisfy():
     assert Requirement("python" + PROJECT["requires-python"]).specifier.contains("3.13")
 
 
+#: another interpreter must not see this one's PYTHONPATH / PYTHONHOME (Ray, for one, adds to them)
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON") and k != "VIRTUAL_ENV"}
+
+
 def interpreter(minor: str) -> str | None:
     """A working ``python3.<minor>`` here: on PATH, or one that pyenv manages."""
     candidates = [shutil.which(f"python3.{minor}")]
@@ -50,7 +54,7 @@ def interpreter(minor: str) -> str | None:
         root = subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip()
         candidates += sorted(glob.glob(os.path.join(root, "versions", f"3.{minor}.*", "bin", f"python3.{minor}")))
     for c in candidates:
-        if c and subprocess.run([c, "--version"], capture_output=True).returncode == 0:
+        if c and subprocess.run([c, "--version"], capture_output=True, env=CLEAN_ENV).returncode == 0:
             return c
     return None
 
@@ -65,14 +69,14 @@ def test_the_wheel_installs_into_a_fresh_virtualenv(tmp_path, minor):
                             str(ROOT)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     wheel = next(dist.glob("fedsight-*.whl"))
-    subprocess.run([python, "-m", "venv", str(tmp_path / "venv")], check=True)
+    subprocess.run([python, "-m", "venv", str(tmp_path / "venv")], check=True, env=CLEAN_ENV)
     venv_python = str(tmp_path / "venv" / "bin" / "python")
     # no index: the dependencies are not installed (torch alone is gigabytes); pip checks requires-python
     installed = subprocess.run([venv_python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, env=CLEAN_ENV)
     assert installed.returncode == 0, installed.stderr
     meta = subprocess.run([venv_python, "-c", "import importlib.metadata as m; d = m.distribution('fedsight'); "
                            "print(d.version); print(d.metadata['Requires-Python']); print(*d.requires, sep='\\n')"],
-                          capture_output=True, text=True, check=True).stdout.splitlines()
+                          capture_output=True, text=True, check=True, env=CLEAN_ENV).stdout.splitlines()
     assert meta[0] == PROJECT["version"] and meta[1] == ">=3.11"
     assert any(r.startswith("torch") and "==" not in r for r in meta[2:])
