@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from fedsight.data import ClientSplit, make_client_splits, partition_counts, partition_summary
+from fedsight.data.partition import partition
 from fedsight.reporting import plot_partition_heatmap
 from fedsight.registry import PARTITIONERS, build
 from fedsight.rng import np_rng
@@ -22,6 +23,9 @@ from fedsight.rng import np_rng
 # Parameters that make each partitioner usable; partitioners added later run with their defaults.
 PARAMS: dict[str, dict] = {"dirichlet": {"alpha": 0.5}}
 ALL = PARTITIONERS.names()
+# the dataset's own split is the same for every seed; the class-imbalance split is when whole classes fill clients
+# exactly (its use of the seed is checked below)
+SEED_FREE = {"predefined", "class_imbalance"}
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -29,9 +33,30 @@ def params_for(name: str) -> dict:
     return dict(PARAMS.get(name, {}))
 
 
+def attributes_for(name: str, labels: np.ndarray, num_clients: int) -> dict[str, np.ndarray]:
+    """Per-example attributes for partitioners that declare ``needs``: each example shows its own label's
+    class plus, for every third example, the next class; a predefined split deals examples round-robin."""
+    labels = np.asarray(labels)
+    out: dict[str, np.ndarray] = {}
+    for need in PARTITIONERS.get(name).meta.get("needs", ()):
+        if need == "class_presence":
+            c = int(labels.max()) + 2 if labels.size and labels.ndim == 1 else 1
+            presence = np.zeros((len(labels), c), dtype=bool)
+            if labels.ndim == 1:
+                presence[np.arange(len(labels)), labels] = True
+                presence[np.arange(0, len(labels), 3), labels[::3] + 1] = True
+            out[need] = presence
+        elif need == "client_of":
+            out[need] = np.arange(len(labels)) % num_clients
+        else:
+            raise AssertionError(f"no test attribute for {need!r}: teach attributes_for about it")
+    return out
+
+
 def run(name: str, labels: np.ndarray, num_clients: int, seed: int, **overrides) -> list[np.ndarray]:
     params = {**params_for(name), **overrides}
-    return build(PARTITIONERS, name, params, labels=labels, num_clients=num_clients, rng=np.random.default_rng(seed))
+    return build(PARTITIONERS, name, params, labels=labels, num_clients=num_clients, rng=np.random.default_rng(seed),
+                 **attributes_for(name, labels, num_clients))
 
 
 @st.composite
@@ -82,7 +107,7 @@ def test_exact_cover_and_determinism(name: str, case, seed: int) -> None:
     assert_exact_cover(parts, len(labels), num_clients)
     assert all(len(p) >= 1 for p in parts)
     assert same(parts, run(name, labels, num_clients, seed))
-    if num_clients >= 2:
+    if num_clients >= 2 and name not in SEED_FREE:
         assert any(not same(parts, run(name, labels, num_clients, seed + k)) for k in range(1, 6))
 
 
@@ -277,6 +302,87 @@ def test_quantity_keeps_label_proportions_while_sizes_vary() -> None:
     assert np.median(ratios) > 3  # unlike iid (ratio ~1)
 
 
+# ------------------------------------------------------------------------------ class imbalance / predefined
+
+
+@st.composite
+def presence_cases(draw) -> tuple[np.ndarray, int]:
+    """Random per-image class presence, including images with no class at all (fully ignored label maps)."""
+    num_clients = draw(st.integers(1, 6))
+    n = draw(st.integers(num_clients, 60))
+    c = draw(st.integers(1, 6))
+    density = draw(st.floats(0.0, 0.9))
+    seed = draw(st.integers(0, 2**16))
+    return np.random.default_rng(seed).random((n, c)) < density, num_clients
+
+
+@SETTINGS
+@given(case=presence_cases(), seed=st.integers(0, 2**32 - 1))
+def test_class_imbalance_terminates_covers_and_sizes_are_equal(case, seed: int) -> None:
+    presence, k = case
+    labels = np.zeros(len(presence), dtype=np.int64)
+    parts = build(PARTITIONERS, "class_imbalance", {}, labels=labels, num_clients=k, rng=np.random.default_rng(seed),
+                  class_presence=presence)
+    assert_exact_cover(parts, len(presence), k)
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == len(presence)
+
+
+def test_class_imbalance_fills_the_first_client_from_the_rarest_class() -> None:
+    # 40 images; class 2 in 3 images, class 1 in 9 (2 of them with class 2), class 0 in all. 4 clients of 10
+    # images: client 0 takes the 3 images with class 2 (rarest), then the 7 images left with class 1 (rarest
+    # among the remaining: 7 < 37). The other clients are left with class 0 only.
+    presence = np.zeros((40, 3), dtype=bool)
+    presence[:, 0] = True
+    presence[[5, 17, 33], 2] = True
+    with_1 = [1, 5, 8, 12, 17, 21, 26, 30, 39]  # 5 and 17 also hold class 2
+    presence[with_1, 1] = True
+    parts = build(PARTITIONERS, "class_imbalance", {}, labels=np.zeros(40, dtype=np.int64), num_clients=4,
+                  rng=np.random.default_rng(0), class_presence=presence)
+    first = set(parts[0].tolist())
+    assert {5, 17, 33} | set(with_1) <= first and len(first) == 10
+    for p in parts[1:]:
+        assert not presence[p, 1:].any()
+    # the seed picks which images of a class pool are taken when the pool is larger than needed
+    draws = {tuple(build(PARTITIONERS, "class_imbalance", {}, labels=np.zeros(40, dtype=np.int64), num_clients=4,
+                         rng=np.random.default_rng(s), class_presence=presence)[1]) for s in range(6)}
+    assert len(draws) > 1
+
+
+def test_class_imbalance_is_more_skewed_than_iid() -> None:
+    rng = np.random.default_rng(3)
+    presence = rng.random((400, 8)) < np.linspace(0.05, 0.9, 8)  # rare to common classes
+    labels = np.zeros(400, dtype=np.int64)
+    ci = build(PARTITIONERS, "class_imbalance", {}, labels=labels, num_clients=8, rng=np.random.default_rng(0),
+               class_presence=presence)
+    iid = build(PARTITIONERS, "iid", {}, labels=labels, num_clients=8, rng=np.random.default_rng(0))
+
+    def spread(parts):  # how unevenly the rarest class is spread over clients
+        held = np.array([presence[p, 0].sum() for p in parts])
+        return held.max() / max(held.mean(), 1e-9)
+
+    assert spread(ci) > 2 * spread(iid)
+
+
+def test_predefined_uses_the_datasets_split_and_checks_the_client_count() -> None:
+    client_of = np.array([2, 0, 1, 1, 0, 2, 2])
+    parts = partition(np.zeros(7, dtype=np.int64), num_clients=3, partitioner="predefined", seed=5,
+                      attributes={"client_of": client_of})
+    assert [p.tolist() for p in parts] == [[1, 4], [2, 3], [0, 5, 6]]
+    with pytest.raises(ValueError, match="3 clients but partition.num_clients = 4"):
+        partition(np.zeros(7, dtype=np.int64), num_clients=4, partitioner="predefined", seed=5,
+                  attributes={"client_of": client_of})
+    with pytest.raises(ValueError, match=r"no images for client\(s\) \[1\]"):
+        partition(np.zeros(4, dtype=np.int64), num_clients=3, partitioner="predefined", seed=5,
+                  attributes={"client_of": np.array([0, 2, 2, 0])})
+
+
+@pytest.mark.parametrize("name", ["predefined", "class_imbalance"])
+def test_partitioner_missing_its_attributes_is_a_clear_error(name: str) -> None:
+    with pytest.raises(ValueError, match=f"partitioner '{name}' needs per-example"):
+        partition(np.zeros(10, dtype=np.int64), num_clients=2, partitioner=name, seed=0)
+
+
 # ------------------------------------------------------------------------------- make_client_splits
 
 
@@ -285,13 +391,12 @@ def test_quantity_keeps_label_proportions_while_sizes_vary() -> None:
 @given(case=feasible_cases(), seed=st.integers(0, 2**32 - 1), frac=st.sampled_from([0.0, 0.1, 0.2, 0.25, 0.5]))
 def test_client_splits_properties(name: str, case, seed: int, frac: float) -> None:
     labels, num_clients = case
-    splits = make_client_splits(
-        labels, num_clients=num_clients, partitioner=name, params=params_for(name), seed=seed, local_test_fraction=frac
-    )
+    attrs = attributes_for(name, labels, num_clients)
+    splits = make_client_splits(labels, num_clients=num_clients, partitioner=name, params=params_for(name), seed=seed,
+                                local_test_fraction=frac, attributes=attrs)
     # the union of a client's train and test is the partition drawn from the documented stream
-    parts = build(
-        PARTITIONERS, name, params_for(name), labels=labels, num_clients=num_clients, rng=np_rng(seed, "partition")
-    )
+    parts = build(PARTITIONERS, name, params_for(name), labels=labels, num_clients=num_clients,
+                  rng=np_rng(seed, "partition"), **attrs)
     assert len(splits) == num_clients
     for s, part in zip(splits, parts):
         assert isinstance(s, ClientSplit)
@@ -311,9 +416,8 @@ def test_client_splits_properties(name: str, case, seed: int, frac: float) -> No
                 if n_c >= 2:
                     assert abs(t_c - frac * n_c) < 1
                     assert t_c <= n_c - 1
-    again = make_client_splits(
-        labels, num_clients=num_clients, partitioner=name, params=params_for(name), seed=seed, local_test_fraction=frac
-    )
+    again = make_client_splits(labels, num_clients=num_clients, partitioner=name, params=params_for(name), seed=seed,
+                               local_test_fraction=frac, attributes=attrs)
     assert all(np.array_equal(a.train, b.train) and np.array_equal(a.test, b.test) for a, b in zip(splits, again))
 
 

@@ -6,18 +6,24 @@ Every partitioner is registered in :data:`fedsight.registry.PARTITIONERS` as
 array per client such that every sample index ``0..N-1`` belongs to exactly one client. All randomness
 comes from ``rng``; :func:`make_client_splits` derives it from the run seed, so a partition is a
 deterministic function of (labels, partitioner spec, seed).
+
+``labels`` are the pool's partition keys (class labels, or a segmentation image's domain). A partitioner
+that needs more per-example information declares it in its registry entry (``needs``: names of
+``attributes`` arrays the task passes, e.g. ``class_presence`` [N, C] for the class-imbalance split,
+``client_of`` [N] for a dataset's predefined split) and receives them as keyword arguments.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Literal, Sequence
 
 import numpy as np
 from pydantic import Field
 
-from fedsight.registry import PARTITIONERS, Params, build
+from fedsight.registry import PARTITIONERS, NoParams, Params, build
 from fedsight.rng import np_rng
 
 __all__ = [
@@ -269,6 +275,75 @@ def quantity(params: QuantityParams, *, labels: np.ndarray, num_clients: int, rn
     return _finish(_split_by_sizes(rng.permutation(n), sizes))
 
 
+class ClassImbalanceParams(Params):
+    pass
+
+
+@PARTITIONERS.register(
+    "class_imbalance", params=ClassImbalanceParams, needs=("class_presence",),
+    help="FedDrive's class-imbalance split (thesis Alg. 8): each client filled from the rarest remaining class",
+)
+def class_imbalance(
+    params: ClassImbalanceParams, *, labels: np.ndarray, num_clients: int, rng: np.random.Generator,
+    class_presence: np.ndarray,
+) -> list[np.ndarray]:
+    """Thesis Algorithm 8 (FedDrive v2): client k receives S_k images; while it has fewer, it takes
+    ``min(S_k - n_k, |D^c*|)`` random images of the rarest class c* among the images not yet assigned,
+    and those images leave every class pool. S_k are near-equal sizes (within one image of n / K; the
+    thesis does not say how S is chosen).
+
+    Fix (documented in the seed digest): the thesis computes c* once per client, before the loop; when
+    D^c* empties before S_k is reached, the loop never ends. Here c* is recomputed inside the loop over
+    the classes with images left, so every iteration assigns at least one image and the loop ends; images
+    with no class at all (fully ignored label maps) are taken last, uniformly.
+    """
+    labels = _check_inputs(labels, num_clients, "class_imbalance")
+    presence = np.asarray(class_presence, dtype=bool)
+    n = len(labels)
+    if presence.ndim != 2 or presence.shape[0] != n:
+        raise ValueError(f"class_imbalance: class_presence must be [N={n}, C], got shape {presence.shape}")
+    sizes = largest_remainder(np.ones(num_clients), n)
+    free = np.ones(n, dtype=bool)
+    parts: list[list[int]] = []
+    for k in range(num_clients):
+        mine: list[int] = []
+        while len(mine) < sizes[k]:
+            counts = presence[free].sum(0)
+            present = np.flatnonzero(counts > 0)
+            if len(present):
+                c = int(present[np.argmin(counts[present])])  # the rarest class with images left (ties: lowest id)
+                pool = np.flatnonzero(free & presence[:, c])
+            else:
+                pool = np.flatnonzero(free)
+            take = rng.choice(pool, size=min(int(sizes[k]) - len(mine), len(pool)), replace=False)
+            free[take] = False
+            mine.extend(int(t) for t in take)
+        parts.append(mine)
+    return _finish(parts)
+
+
+@PARTITIONERS.register(
+    "predefined", params=NoParams, needs=("client_of",),
+    help="the dataset's own client split (FedDrive's split files); partition.num_clients must match it",
+)
+def predefined(params: Params, *, labels: np.ndarray, num_clients: int, rng: np.random.Generator,
+               client_of: np.ndarray) -> list[np.ndarray]:
+    """Client k holds the images with ``client_of == k`` (as the dataset lists them)."""
+    labels = _check_inputs(labels, num_clients, "predefined")
+    client_of = np.asarray(client_of, dtype=np.int64)
+    if client_of.shape != labels.shape or (len(client_of) and client_of.min() < 0):
+        raise ValueError(f"predefined: client_of must be [N={len(labels)}] non-negative client ids, got shape {client_of.shape}")
+    found = int(client_of.max()) + 1
+    if found != num_clients:
+        raise ValueError(f"predefined: the dataset's split has {found} clients but partition.num_clients = {num_clients}; "
+                         f"set it to {found}")
+    parts = [np.flatnonzero(client_of == k) for k in range(num_clients)]
+    empty = [k for k, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"predefined: the dataset's split lists no images for client(s) {empty}")
+    return parts
+
+
 # ------------------------------------------------------------------------------------ client splits
 
 
@@ -295,11 +370,20 @@ def partition(
     partitioner: str,
     params: dict[str, Any] | Params | None = None,
     seed: int,
+    attributes: Mapping[str, np.ndarray] | None = None,
 ) -> list[np.ndarray]:
-    """Run a registered partitioner with the ``("partition",)`` stream of ``seed`` and check its output."""
+    """Run a registered partitioner with the ``("partition",)`` stream of ``seed`` and check its output;
+    ``attributes``: per-example arrays a partitioner may need (its entry's ``needs``)."""
     labels = np.asarray(labels)
     _check_inputs(labels, num_clients, partitioner)
-    parts = build(PARTITIONERS, partitioner, params, labels=labels, num_clients=num_clients, rng=np_rng(seed, "partition"))
+    needs = PARTITIONERS.get(partitioner).meta.get("needs", ())
+    missing = [n for n in needs if n not in (attributes or {})]
+    if missing:
+        raise ValueError(f"partitioner {partitioner!r} needs per-example {', '.join(missing)}, which this task's data "
+                         "does not provide")
+    extra = {n: np.asarray(attributes[n]) for n in needs}  # type: ignore[index]
+    parts = build(PARTITIONERS, partitioner, params, labels=labels, num_clients=num_clients,
+                  rng=np_rng(seed, "partition"), **extra)
     check_partition(parts, len(labels), num_clients, f"partitioner {partitioner!r}")
     return _finish(parts)
 
@@ -334,7 +418,7 @@ def _local_test_counts(local_labels: np.ndarray, fraction: float) -> tuple[list[
     return strata, take
 
 
-def partition_from_config(labels: np.ndarray, cfg: Any) -> list["ClientSplit"]:
+def partition_from_config(labels: np.ndarray, cfg: Any, attributes: Mapping[str, np.ndarray] | None = None) -> list["ClientSplit"]:
     """``make_client_splits`` for a validated config's ``partition`` section and seed."""
     part = cfg.partition
     params = {k: v for k, v in part.model_dump().items() if k not in ("name", "num_clients", "local_test_fraction")}
@@ -345,6 +429,7 @@ def partition_from_config(labels: np.ndarray, cfg: Any) -> list["ClientSplit"]:
         params=params,
         seed=cfg.seed,
         local_test_fraction=part.local_test_fraction,
+        attributes=attributes,
     )
 
 
@@ -356,6 +441,7 @@ def make_client_splits(
     params: dict[str, Any] | Params | None = None,
     seed: int,
     local_test_fraction: float,
+    attributes: Mapping[str, np.ndarray] | None = None,
 ) -> list[ClientSplit]:
     """Partition the training pool over clients, then split each client's samples into local train and test.
 
@@ -366,7 +452,8 @@ def make_client_splits(
     if not 0.0 <= local_test_fraction < 1.0:
         raise ValueError(f"local_test_fraction must be in [0, 1), got {local_test_fraction}")
     labels = np.asarray(labels)
-    parts = partition(labels, num_clients=num_clients, partitioner=partitioner, params=params, seed=seed)
+    parts = partition(labels, num_clients=num_clients, partitioner=partitioner, params=params, seed=seed,
+                      attributes=attributes)
     splits: list[ClientSplit] = []
     for cid, idx in enumerate(parts):
         if len(idx) == 0:
