@@ -43,14 +43,32 @@ def scan_image_folder(root: str | os.PathLike[str]) -> tuple[list[str], list[tup
     return classes, samples
 
 
-def load_image(path: str | os.PathLike[str], image_size: int | None, channels: int) -> np.ndarray:
+def image_hw(image_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """``(height, width)`` of an ``image_size``: an int (square), a ``(height, width)`` pair, or None (native
+    size). Raises ``ValueError`` for sizes below 1 or pairs of another length."""
+    if image_size is None:
+        return None
+    if isinstance(image_size, (tuple, list)):
+        if len(image_size) != 2 or any(int(v) < 1 for v in image_size):
+            raise ValueError(
+                f"image_size must be an int >= 1, a (height, width) pair of ints >= 1 or None, got {image_size}"
+            )
+        return int(image_size[0]), int(image_size[1])
+    if int(image_size) < 1:
+        raise ValueError(f"image_size must be >= 1 or None, got {image_size}")
+    return int(image_size), int(image_size)
+
+
+def load_image(path: str | os.PathLike[str], image_size: int | tuple[int, int] | None, channels: int) -> np.ndarray:
     """One image file as uint8 ``[H, W]`` (channels=1) or ``[H, W, 3]``, resized bilinearly to
-    ``image_size`` x ``image_size`` (``None``: its native size).
+    ``image_size`` x ``image_size`` (an int), to ``(height, width)`` (a pair), or not at all (``None``: its
+    native size).
 
     Raises ``ValueError`` naming the file when PIL cannot read it.
     """
     from PIL import Image, UnidentifiedImageError
 
+    hw = image_hw(image_size)
     try:
         with Image.open(path) as im:
             im.load()
@@ -61,8 +79,8 @@ def load_image(path: str | os.PathLike[str], image_size: int | None, channels: i
             elif im.mode in ("P", "PA", "LA", "La", "RGBa"):
                 im = im.convert("RGBA")
             im = im.convert("L" if channels == 1 else "RGB")
-            if image_size is not None:
-                im = im.resize((image_size, image_size), Image.Resampling.BILINEAR)
+            if hw is not None:
+                im = im.resize((hw[1], hw[0]), Image.Resampling.BILINEAR)
             return np.asarray(im, dtype=np.uint8).copy()
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot read image file {str(path)!r}: {type(e).__name__}: {e}") from e

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedsight.data.images import load_image, scan_image_folder
+from fedsight.data.images import image_hw, load_image, scan_image_folder
 from fedsight.data.prefetch import CacheInfo, Prefetcher, _identity, pin_tensors, shared_cache
 from fedsight.rng import np_rng
 
@@ -155,7 +155,8 @@ class SubsetStore(ImageStore):
 
 
 class FileImageStore(ImageStore):
-    """Image files decoded on demand with :func:`load_image` (``image_size=None``: native size, no resize).
+    """Image files decoded on demand with :func:`load_image` (``image_size=None``: native size, no resize; an
+    int: square; a ``(height, width)`` pair: that size).
 
     Paths are kept as one byte string plus an offset array (about the path length per file). ``cache_bytes > 0``
     keeps decoded images in a thread-safe LRU cache bounded by that many bytes (an image larger than the bound
@@ -163,12 +164,15 @@ class FileImageStore(ImageStore):
     """
 
     def __init__(
-        self, paths: Sequence[str | os.PathLike[str]], image_size: int | None, channels: int, cache_bytes: int = 0
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        image_size: int | tuple[int, int] | None,
+        channels: int,
+        cache_bytes: int = 0,
     ) -> None:
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels}")
-        if image_size is not None and int(image_size) < 1:
-            raise ValueError(f"image_size must be >= 1 or None, got {image_size}")
+        image_hw(image_size)  # ValueError for a size below 1
         if cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
         encoded = [os.fsencode(p) for p in paths]
@@ -177,9 +181,12 @@ class FileImageStore(ImageStore):
         uid = f"{os.getpid()}-{next(_STORE_IDS)}"
         self._setup(b"".join(encoded), offsets, image_size, channels, int(cache_bytes), uid)
 
-    def _setup(self, blob: bytes, offsets: np.ndarray, size: int | None, channels: int, cache: int, uid: str) -> None:
+    def _setup(
+        self, blob: bytes, offsets: np.ndarray, size: int | tuple[int, int] | None, channels: int, cache: int, uid: str
+    ) -> None:
         self._blob, self._offsets = blob, offsets
-        self.image_size = None if size is None else int(size)
+        #: None, an int (square) or a (height, width) tuple, as given
+        self.image_size = image_hw(size) if isinstance(size, (tuple, list)) else None if size is None else int(size)
         self.channels, self.cache_bytes, self._uid = int(channels), cache, uid
         self._cache = shared_cache(uid, cache) if cache > 0 else None
         self._shape: tuple[int, int, int] | None | bool = False  # False: not computed yet
@@ -202,8 +209,9 @@ class FileImageStore(ImageStore):
 
     @property
     def shape(self) -> tuple[int, int, int] | None:
-        if self.image_size is not None:
-            return self.channels, self.image_size, self.image_size
+        hw = image_hw(self.image_size)
+        if hw is not None:
+            return self.channels, *hw
         if self._shape is False:  # native sizes: read every file's header once (no decoding)
             from PIL import Image
 

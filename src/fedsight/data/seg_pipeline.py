@@ -1,0 +1,198 @@
+"""Training batches for semantic segmentation: joint image/label augmentation and style augmentation.
+
+Every random choice for sample ``j`` of step ``s`` of client ``k`` in round ``r`` comes from the stream
+``np_rng(seed, "augment", r, k, s, j)``, in this order: the scale factor, the crop position, the flip, then
+(with a style bank) whether to restyle, which bank entry and (CFSI) lambda. So batches are the same with
+any number of prefetching workers, threads or processes (``fedsight.data.prefetch.Prefetcher``).
+
+Geometry (FedDrive's protocol, thesis Sec. 5.2.3): the image is scaled by ``s ~ U(scale)`` (bilinear; the
+label map nearest-neighbour), padded to at least the crop size (image with zeros, label with ``IGNORE``),
+cropped at a uniformly random position to ``crop`` = (height, width), and flipped horizontally with
+probability 1/2. Style (``StyleBank``) then acts on the crop, so every style descriptor has the crop's
+frequency grid.
+
+``StyleBank``: the entries other clients shared before training, one per image of the bank's clients
+(FedDrive: half of the clients): amplitude windows (``fedsight.functional.style.amplitude_window`` of the
+image resized to the crop size) for FDA and CFSI, or LAB (mean, std) pairs. A client restyles an image with
+probability ``prob`` from an entry drawn uniformly from the bank, never from its own entries for FDA and CFSI
+(``A \\ A^k``, CFSI's definition); LAB draws from the whole bank, its own entries included, as FedDrive's
+code does (the thesis is silent). CFSI mixes with ``lambda ~ U(0, 1)`` (FedDG's continuous interpolation),
+FDA swaps the window (``lambda = 1``, the original FDA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..functional.style import amplitude_window, fda, lab_stats, lab_transfer, to_uint8
+from ..rng import np_rng
+from .segmentation import IGNORE
+
+
+def resize_pair(image: torch.Tensor, label: torch.Tensor, size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 image ``[3, H, W]`` (bilinear) and label map ``[H, W]`` (nearest) at ``size`` = (h, w)."""
+    if tuple(image.shape[-2:]) == tuple(size):
+        return image, label
+    img = F.interpolate(image.unsqueeze(0).to(torch.float32), size=size, mode="bilinear", align_corners=False)
+    lab = F.interpolate(label[None, None].to(torch.float32), size=size, mode="nearest")
+    return to_uint8(img[0]), lab[0, 0].to(torch.uint8)
+
+
+def augment_pair(
+    image: torch.Tensor, label: torch.Tensor, crop: tuple[int, int], scale: tuple[float, float], flip: bool,
+    rng: np.random.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random scale, pad, crop and horizontal flip of an image ``[3, H, W]`` and its label map, jointly."""
+    h, w = image.shape[-2:]
+    s = float(rng.uniform(scale[0], scale[1]))
+    image, label = resize_pair(image, label, (max(1, round(h * s)), max(1, round(w * s))))
+    ch, cw = crop
+    h, w = image.shape[-2:]
+    if h < ch or w < cw:
+        ph, pw = max(0, ch - h), max(0, cw - w)
+        image = F.pad(image, (0, pw, 0, ph), value=0)
+        label = F.pad(label, (0, pw, 0, ph), value=IGNORE)
+        h, w = image.shape[-2:]
+    top, left = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
+    image, label = image[:, top : top + ch, left : left + cw], label[top : top + ch, left : left + cw]
+    if flip and rng.random() < 0.5:
+        image, label = image.flip(-1), label.flip(-1)
+    return image.contiguous(), label.contiguous()
+
+
+@dataclass
+class StyleBank:
+    """Style entries shared before training (see the module docstring): ``entries`` [M, ...] float32,
+    the client each came from (``owners`` [M]), the method ("fda", "cfsi" or "lab") and its parameters."""
+
+    kind: str
+    entries: torch.Tensor
+    owners: np.ndarray
+    beta: float = 0.1
+    prob: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind)
+
+    def nbytes(self) -> int:
+        return int(self.entries.numel() * self.entries.element_size())
+
+    def client_bytes(self, client: int) -> int:
+        """What ``client`` shared (its own entries)."""
+        return int((self.owners == client).sum()) * int(self.entries[0].numel() * self.entries.element_size())
+
+    def apply(self, image: torch.Tensor, client: int, rng: np.random.Generator) -> torch.Tensor:
+        """``image`` uint8 ``[3, h, w]`` restyled with probability ``prob`` (draws: restyle?, entry, and for
+        CFSI lambda)."""
+        if rng.random() >= self.prob:
+            return image
+        amplitude = self.kind in AMPLITUDE_KINDS
+        allowed = np.flatnonzero(self.owners != client) if amplitude else np.arange(len(self.owners))
+        if len(allowed) == 0:
+            return image
+        entry = self.entries[int(allowed[int(rng.integers(0, len(allowed)))])]
+        if amplitude:
+            lam = float(rng.uniform(0.0, 1.0)) if self.kind == "cfsi" else 1.0
+            return to_uint8(fda(image.to(torch.float32), entry, self.beta, lam))
+        return to_uint8(lab_transfer(image, entry.to(torch.float64)))
+
+
+#: style kinds whose entries are low-frequency amplitude windows
+AMPLITUDE_KINDS = ("fda", "cfsi")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in (*AMPLITUDE_KINDS, "lab"):
+        raise ValueError(f"style kind must be 'fda', 'cfsi' or 'lab', got {kind!r}")
+
+
+def style_entry(kind: str, image: torch.Tensor, crop: tuple[int, int], beta: float) -> torch.Tensor:
+    """A client's style entry for one image (resized to the crop size first, so every CFSI window has the
+    crop's frequency grid)."""
+    _check_kind(kind)
+    img = F.interpolate(image.unsqueeze(0).to(torch.float32), size=crop, mode="bilinear", align_corners=False)[0]
+    if kind in AMPLITUDE_KINDS:
+        return amplitude_window(img, beta).to(torch.float32)
+    return lab_stats(img.clamp(0, 255)).to(torch.float32)
+
+
+class SegBatchLoader:
+    """Picklable ``(indices, key, client) -> (images uint8 [B, 3, h, w], labels uint8 [B, h, w])`` over an
+    image store and a label store, augmented (geometry, then style) from per-sample streams."""
+
+    def __init__(self, images: Any, labels: Any, crop: tuple[int, int], scale: tuple[float, float], flip: bool,
+                 seed: int, style: StyleBank | None = None):
+        self.images, self.labels, self.crop, self.scale, self.flip = images, labels, tuple(crop), tuple(scale), flip
+        self.seed, self.style = int(seed), style
+
+    def __call__(self, job: tuple[Sequence[int], tuple, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        indices, key, client = job
+        xs, ys = [], []
+        for j, i in enumerate(indices):
+            rng = np_rng(self.seed, *key, j)
+            img, lab = augment_pair(self.images.get_one(int(i)), self.labels.get_one(int(i)), self.crop, self.scale,
+                                    self.flip, rng)
+            if self.style is not None:
+                img = self.style.apply(img, client, rng)
+            xs.append(img)
+            ys.append(lab)
+        return torch.stack(xs), torch.stack(ys)
+
+
+class SegEvalLoader:
+    """Picklable ``indices -> (images uint8 [B, 3, H, W], labels uint8 [B, H, W])`` of whole images (the
+    indices' images must share one size)."""
+
+    def __init__(self, images: Any, labels: Any):
+        self.images, self.labels = images, labels
+
+    def __call__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = [self.images.get_one(int(i)) for i in indices]
+        ys = [self.labels.get_one(int(i)) for i in indices]
+        return torch.stack(xs), torch.stack(ys)
+
+
+def class_pixel_counts(labels: Any, num_classes: int, prefetcher: Any = None, chunk: int = 16) -> np.ndarray:
+    """``[N, C]`` int64 pixel counts of every class in every label map (``IGNORE`` not counted): what
+    class-imbalance splits and the per-client class plots use. One pass over the label maps."""
+    n = len(labels)
+    chunks = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
+
+    def count(idx: list[int]) -> np.ndarray:
+        out = np.zeros((len(idx), num_classes), dtype=np.int64)
+        for r, i in enumerate(idx):
+            lab = labels.get_one(i).reshape(-1).to(torch.int64)
+            lab = lab[lab != IGNORE]
+            if lab.numel() and int(lab.max()) >= num_classes:
+                raise ValueError(f"label map {i} holds class id {int(lab.max())} >= {num_classes} classes")
+            out[r] = torch.bincount(lab, minlength=num_classes).numpy()
+        return out
+
+    parts = list(prefetcher.map(count, chunks)) if prefetcher is not None else [count(c) for c in chunks]
+    return np.concatenate(parts) if parts else np.zeros((0, num_classes), dtype=np.int64)
+
+
+def build_style_bank(kind: str, images: Any, owners: np.ndarray, crop: tuple[int, int], beta: float, prob: float,
+                     prefetcher: Any = None) -> StyleBank:
+    """The bank of ``kind`` ("fda", "cfsi" or "lab") over ``images`` (a store of the bank clients' images) whose
+    clients are ``owners``."""
+    n = len(images)
+    one = lambda i: style_entry(kind, images.get_one(i), crop, beta)  # noqa: E731
+    entries = list(prefetcher.map(one, range(n))) if prefetcher is not None else [one(i) for i in range(n)]
+    if not entries:
+        raise ValueError("the style bank is empty: no client shares images")
+    return StyleBank(kind, torch.stack(entries), np.asarray(owners, dtype=np.int64), beta, prob)
+
+
+def bank_clients(num_clients: int, fraction: float, seed: int) -> np.ndarray:
+    """The sorted clients whose images populate the bank: ``ceil(fraction K)`` of them, drawn from the
+    stream (seed, "style-bank") (FedDrive: half of the clients)."""
+    k = max(1, math.ceil(round(fraction * num_clients, 9)))  # 0.28 x 25 is 7.000000000000001 in floating point
+    return np.sort(np_rng(seed, "style-bank").permutation(num_clients)[:k])

@@ -1,0 +1,113 @@
+"""Style translation by image statistics: FDA's amplitude swap, CFSI's interpolation, LAB's moment matching.
+
+All functions are pure, work on float images ``[C, H, W]`` (or batches ``[B, C, H, W]``) on the 0..255 scale,
+keep device and dtype, and leave clipping and the cast back to 8 bits to the caller (``to_uint8``: clip
+first, then round; FedDrive's CFSI cast without clipping, so values above 255 wrapped around).
+
+**FDA** (Yang & Soatto 2020; thesis eqs. 5.11-5.15). Per channel, the 2-D DFT of the image to be restyled
+is split into amplitude ``A`` and phase ``Phi``; the amplitude's low-frequency window ``M_beta`` (eq. 5.14)
+becomes ``lambda * A_style + (1 - lambda) * A_content``; the phase and the high band are kept; the inverse
+DFT gives the content in the style's low-frequency appearance (eq. 5.15 with the thesis's note applied:
+phase from the image being augmented, amplitude from the style). ``lambda = 1`` is the original FDA swap.
+The window is centred on the DC term and symmetric about it, ``2 floor(beta N / 2) + 1`` frequencies along
+a side of N, and empty when ``floor(beta N) = 0`` (so ``beta = 0`` changes nothing). Symmetry matters: the
+spectrum of a real image is Hermitian, and an asymmetric window (eq. 5.14 read as a plain
+``floor(beta N)`` crop of an even-sized spectrum) would change frequencies outside the window when the
+result is taken back to real pixels. FDA's code uses the same ``2b + 1`` window; FedDrive's CFSI window of
+half-size ``floor(0.05 N)`` is ``beta = 0.1`` here.
+
+**CFSI** (Liu et al. 2021, FedDG): the same with ``lambda ~ U(0, 1)`` per image and the style window drawn
+from a bank of *other* clients' windows (``fedsight.recipe``/task code draws; here only the math). A
+client shares its images' amplitude *windows* (``amplitude_window``), never whole spectra: a window of a
+512 x 1024 image at beta 0.05 is 3 x 25 x 51 floats instead of 3 x 512 x 1024.
+
+**LAB** (Reinhard et al. 2001; thesis eq. 5.16): in CIE-Lab (kornia's conversion from linear RGB in [0, 1]),
+every channel is standardised with the image's own mean and std and rescaled to a target's:
+``x_hat = (sigma_T / sigma_S) (x - mu_S) + mu_T``. A constant channel (``sigma_S = 0``) is shifted to
+``mu_T`` instead of divided by zero (FedDrive's code had no guard).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _side(n: int, beta: float) -> slice:
+    """The window's range along a side of ``n`` shifted frequencies (DC at ``n // 2``): ``2 floor(beta n / 2)
+    + 1`` frequencies symmetric about DC, none when ``floor(beta n) = 0``."""
+    if int(beta * n) == 0:
+        return slice(n // 2, n // 2)
+    b = int(beta * n / 2)
+    return slice(n // 2 - b, n // 2 + b + 1)
+
+
+def _window(h: int, w: int, beta: float) -> tuple[slice, slice]:
+    """Rows and columns of the low-frequency window of an ``fftshift``-ed ``h x w`` spectrum."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    return _side(h, beta), _side(w, beta)
+
+
+def spectrum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amplitude, phase) of the centred 2-D DFT over the last two dimensions (eqs. 5.11-5.13)."""
+    f = torch.fft.fftshift(torch.fft.fft2(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)),
+                           dim=(-2, -1))
+    return f.abs(), f.angle()
+
+
+def amplitude_window(x: torch.Tensor, beta: float) -> torch.Tensor:
+    """The low-frequency amplitude window of ``x`` ``[..., C, H, W]`` (``[..., C, 2 floor(beta H / 2) + 1,
+    2 floor(beta W / 2) + 1]``): an image's style descriptor, what CFSI clients share."""
+    amp, _ = spectrum(x)
+    ys, xs = _window(x.shape[-2], x.shape[-1], beta)
+    return amp[..., ys, xs].contiguous()
+
+
+def fda(content: torch.Tensor, style_window: torch.Tensor, beta: float, lam: float = 1.0) -> torch.Tensor:
+    """``content`` ``[..., C, H, W]`` with its low-frequency amplitude window moved to
+    ``lam * style_window + (1 - lam) * own window`` (eq. 5.15); phase and high band kept."""
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lambda must be in [0, 1], got {lam}")
+    h, w = content.shape[-2:]
+    ys, xs = _window(h, w, beta)
+    if ys.stop == ys.start or xs.stop == xs.start or lam == 0.0:
+        return content.clone()
+    want = (ys.stop - ys.start, xs.stop - xs.start)
+    if tuple(style_window.shape[-2:]) != want:
+        raise ValueError(f"style window is {tuple(style_window.shape[-2:])}, but beta={beta} on {h}x{w} needs {want}")
+    amp, phase = spectrum(content)
+    amp = amp.clone()
+    amp[..., ys, xs] = lam * style_window.to(amp) + (1.0 - lam) * amp[..., ys, xs]
+    f = torch.polar(amp, phase)
+    out = torch.fft.ifft2(torch.fft.ifftshift(f, dim=(-2, -1))).real
+    return out.to(content.dtype if content.is_floating_point() else torch.float32)
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """Clip to [0, 255], then round to uint8 (never wrap)."""
+    return x.clamp(0.0, 255.0).round().to(torch.uint8)
+
+
+def lab_stats(x: torch.Tensor) -> torch.Tensor:
+    """Per-channel (mean, std) of an RGB image ``[3, H, W]`` (0..255) in CIE-Lab: ``[2, 3]`` float64
+    (what a LAB client shares per image)."""
+    from kornia.color import rgb_to_lab
+
+    lab = rgb_to_lab((x.to(torch.float32) / 255.0).unsqueeze(0))[0].to(torch.float64)
+    flat = lab.reshape(3, -1)
+    return torch.stack([flat.mean(1), flat.std(1, correction=0)])
+
+
+def lab_transfer(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """RGB ``[3, H, W]`` (0..255) with its Lab channels moved to the target (mean, std) ``[2, 3]``
+    (eq. 5.16); back in RGB on the 0..255 scale (not clipped)."""
+    from kornia.color import lab_to_rgb, rgb_to_lab
+
+    lab = rgb_to_lab((x.to(torch.float32) / 255.0).unsqueeze(0))[0].to(torch.float64)
+    flat = lab.reshape(3, -1)
+    mu, sigma = flat.mean(1, keepdim=True), flat.std(1, correction=0, keepdim=True)
+    mu_t, sigma_t = target[0].to(lab).unsqueeze(1), target[1].to(lab).unsqueeze(1)
+    scale = torch.where(sigma > 0, sigma_t / sigma.clamp_min(1e-12), torch.zeros_like(sigma))
+    out = (flat - mu) * scale + mu_t
+    rgb = lab_to_rgb(out.reshape(lab.shape).to(torch.float32).unsqueeze(0), clip=False)[0]
+    return rgb * 255.0
