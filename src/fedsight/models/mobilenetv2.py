@@ -37,16 +37,20 @@ class MobileNetV2Params(Params):
     cifar_stem: bool = True
 
 
-def _conv_norm_act(cin: int, cout: int, k: int, stride: int, norm: str, g: int, groups: int = 1) -> nn.Sequential:
+def _conv_norm_act(
+    cin: int, cout: int, k: int, stride: int, norm: str, g: int, groups: int = 1, dilation: int = 1
+) -> nn.Sequential:
     return nn.Sequential(
-        nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, groups=groups, bias=False),
+        nn.Conv2d(cin, cout, k, stride=stride, padding=dilation * (k // 2), dilation=dilation, groups=groups, bias=False),
         norm_layer(norm, cout, g),
         nn.ReLU6(inplace=True),
     )
 
 
 class InvertedResidual(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int, expand: int, norm: str, g: int):
+    """``dilation`` (default 1) dilates the depthwise 3x3 convolution (DeepLab's atrous backbone)."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int, norm: str, g: int, dilation: int = 1):
         super().__init__()
         hidden = round(cin * expand)
         self.use_residual = stride == 1 and cin == cout
@@ -54,7 +58,7 @@ class InvertedResidual(nn.Module):
         if expand != 1:
             layers.append(_conv_norm_act(cin, hidden, 1, 1, norm, g))
         layers += [
-            _conv_norm_act(hidden, hidden, 3, stride, norm, g, groups=hidden),  # depthwise
+            _conv_norm_act(hidden, hidden, 3, stride, norm, g, groups=hidden, dilation=dilation),  # depthwise
             nn.Conv2d(hidden, cout, 1, bias=False),  # linear bottleneck
             norm_layer(norm, cout, g),
         ]

@@ -1,0 +1,314 @@
+"""BiSeNetV2 (Yu et al., "BiSeNet V2: Bilateral Network with Guided Aggregation for Real-time Semantic
+Segmentation", IJCV 2021), in plain PyTorch, following the CoinCheung/BiSeNet reference implementation
+(which FedDrive uses) where the paper leaves details open.
+
+Architecture (channels at ``width=1``; every conv is conv -> norm -> ReLU unless stated):
+
+* **Detail branch** (spatial path, 1/8): S1 ``3x3/2 64, 3x3 64``; S2 ``3x3/2 64, 3x3 64, 3x3 64``;
+  S3 ``3x3/2 128, 3x3 128, 3x3 128``.
+* **Semantic branch** (1/32): stem block (``3x3/2 16``, then ``[1x1 8, 3x3/2 16]`` beside a 3x3/2
+  max-pool, concatenated, ``3x3 16``; 1/4); stage 3 ``GE/2 32, GE 32`` (1/8); stage 4 ``GE/2 64, GE 64``
+  (1/16); stage 5 ``GE/2 128, GE 128 x3`` (1/32) and the context embedding block (global average pool
+  -> norm -> ``1x1 128`` -> added to the input -> ``3x3 128``). A gather-and-expansion layer ``GE`` (expansion
+  6) is ``3x3 C_in``, depthwise ``3x3`` expanding to ``6 C_in`` (with ReLU), ``1x1 C_out`` (norm, no ReLU),
+  added to the input, ReLU; the stride-2 ``GE/2`` has two depthwise convs (``3x3/2`` expanding, then
+  ``3x3``) and a shortcut ``depthwise 3x3/2 + norm, 1x1 C_out + norm``.
+* **Bilateral guided aggregation** (BGA): detail ``d`` (1/8) and semantic ``s`` (1/32):
+  ``d1 = dw3x3+norm, 1x1`` and ``d2 = 3x3/2+norm, avgpool 3x3/2`` of ``d``; ``s1 = 3x3+norm`` and
+  ``s2 = dw3x3+norm, 1x1`` of ``s``; out = ``3x3 128`` of ``d1 * sigmoid(up(s1)) + up(d2 * sigmoid(s2))``
+  (``up``: bilinear to the detail map's size, so any input size works).
+* **Segmentation head**: ``3x3 head_channels`` (1024 in the reference main head), dropout, ``1x1 C`` (with
+  bias), bilinear upsampling to the input size.
+* **Auxiliary heads** (the paper's "booster" training strategy): the same head with ``aux_channels``
+  (128) on the semantic stem (1/4) and stages 3, 4 and 5 (before the context embedding), used only in
+  training. They are part of the ``head`` parameter group (``head.aux.*``).
+
+``width`` scales every backbone channel count, rounded to a multiple of 8 (at least 8), so the
+depthwise/grouped convolutions (groups = input channels, outputs = 6x inputs) stay valid;
+``head_channels``/``aux_channels`` are absolute. As in the reference, convolutions are Kaiming-normal
+(fan_out) and the last norm of every GE layer's residual branch starts at zero (``zero_init_residual``).
+
+**Output contract.** ``forward(x)`` on ``[B, 3, H, W]`` returns class logits ``[B, C, H, W]`` at the input
+resolution (bilinear, ``align_corners=False``) for any H, W. In training mode (``self.training``) with
+auxiliary heads it returns the tuple ``(main, aux_stem, aux_s3, aux_s4, aux_s5)`` of five such logits (the
+booster loss sums a loss over all five); in eval mode (or with ``aux_heads=False``) only ``main``. Like
+the reference, the context embedding block's BatchNorm on the pooled ``[B, C, 1, 1]`` vector needs a
+batch of at least 2 in training mode. ``features(x)`` is the aggregated BGA map (1/8, the head's input);
+``feature_maps(x)`` the semantic branch's pyramid: stem (1/4), stage 3 (1/8), stage 4 (1/16) and stage 5
+after context embedding (1/32); strides are ``ceil`` divisions (every stride-2 layer maps n to ceil(n/2)).
+
+Parameters at ``width=1``, 19 classes: detail 519,232 + semantic 1,159,504 + BGA 478,720 + main head
+1,201,171 = 3,358,627 (the reference's inference model, published as ~3.4M), plus 287,308 for the four
+auxiliary heads (3,645,935 in all).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from fedsight.models.base import FedModel, ModelIO, norm_capabilities, state_keys
+from fedsight.models.layers import init_weights, norm_layer
+from fedsight.registry import MODELS, Params
+
+__all__ = ["BiSeNetV2", "BiSeNetV2Params", "BilateralGuidedAggregation", "ContextEmbedding", "GatherExpand"]
+
+#: channels at width 1
+DETAIL = (64, 64, 128)
+STEM, STEM_MID = 16, 8
+SEMANTIC = (32, 64, 128)
+#: GE layers per semantic stage (the first is the stride-2 variant)
+SEMANTIC_DEPTH = (2, 2, 4)
+EXPANSION = 6
+
+
+def scaled(channels: int, width: float, divisor: int = 8) -> int:
+    """``channels * width`` rounded to the nearest multiple of ``divisor`` (at least ``divisor``), never
+    more than 10% below the exact value."""
+    v = channels * width
+    out = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return out + divisor if out < 0.9 * v else out
+
+
+class BiSeNetV2Params(Params):
+    width: float = Field(1.0, gt=0, description="backbone channel multiplier (0.25 for tests and CPU demos)")
+    head_channels: int = Field(1024, ge=1, description="hidden channels of the main segmentation head (reference: 1024)")
+    aux_channels: int = Field(128, ge=1, description="hidden channels of each auxiliary head (reference: 128)")
+    aux_heads: bool = Field(True, description="the four auxiliary (booster) heads used in training")
+    dropout: float = Field(0.1, ge=0, lt=1, description="dropout before each head's classifier")
+    norm: Literal["batch", "group"] = "batch"
+    group_norm_groups: int = Field(2, gt=0)
+    zero_init_residual: bool = Field(True, description="start the last norm of each GE residual branch at zero")
+
+
+def conv_norm_act(cin: int, cout: int, k: int, stride: int, norm: str, g: int, groups: int = 1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, groups=groups, bias=False),
+        norm_layer(norm, cout, g),
+        nn.ReLU(inplace=True),
+    )
+
+
+def conv_norm(cin: int, cout: int, k: int, stride: int, norm: str, g: int, groups: int = 1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, groups=groups, bias=False), norm_layer(norm, cout, g)
+    )
+
+
+class DetailBranch(nn.Module):
+    def __init__(self, in_channels: int, ch: tuple[int, int, int], norm: str, g: int):
+        super().__init__()
+        c1, c2, c3 = ch
+        self.S1 = nn.Sequential(conv_norm_act(in_channels, c1, 3, 2, norm, g), conv_norm_act(c1, c1, 3, 1, norm, g))
+        self.S2 = nn.Sequential(
+            conv_norm_act(c1, c2, 3, 2, norm, g), conv_norm_act(c2, c2, 3, 1, norm, g), conv_norm_act(c2, c2, 3, 1, norm, g)
+        )
+        self.S3 = nn.Sequential(
+            conv_norm_act(c2, c3, 3, 2, norm, g), conv_norm_act(c3, c3, 3, 1, norm, g), conv_norm_act(c3, c3, 3, 1, norm, g)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.S3(self.S2(self.S1(x)))
+
+
+class StemBlock(nn.Module):
+    def __init__(self, in_channels: int, c: int, mid: int, norm: str, g: int):
+        super().__init__()
+        self.conv = conv_norm_act(in_channels, c, 3, 2, norm, g)
+        self.left = nn.Sequential(conv_norm_act(c, mid, 1, 1, norm, g), conv_norm_act(mid, c, 3, 2, norm, g))
+        self.right = nn.MaxPool2d(3, stride=2, padding=1)
+        self.fuse = conv_norm_act(2 * c, c, 3, 1, norm, g)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        return self.fuse(torch.cat([self.left(x), self.right(x)], dim=1))
+
+
+class GatherExpand(nn.Module):
+    """Gather-and-expansion layer; ``stride=2`` is the downsampling variant with a shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: str, g: int, expand: int = EXPANSION):
+        super().__init__()
+        mid = cin * expand
+        self.stride = stride
+        self.conv1 = conv_norm_act(cin, cin, 3, 1, norm, g)
+        if stride == 1:
+            if cin != cout:
+                raise ValueError("a stride-1 GE layer keeps its channel count")
+            self.dwconv = conv_norm_act(cin, mid, 3, 1, norm, g, groups=cin)
+        else:
+            self.dwconv1 = conv_norm(cin, mid, 3, stride, norm, g, groups=cin)
+            self.dwconv2 = conv_norm_act(mid, mid, 3, 1, norm, g, groups=mid)
+        self.conv2 = conv_norm(mid, cout, 1, 1, norm, g)
+        if stride != 1:
+            self.shortcut = nn.Sequential(
+                *conv_norm(cin, cin, 3, stride, norm, g, groups=cin), *conv_norm(cin, cout, 1, 1, norm, g)
+            )
+
+    @property
+    def last_norm(self) -> nn.Module:
+        return self.conv2[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv1(x)
+        y = self.dwconv(y) if self.stride == 1 else self.dwconv2(self.dwconv1(y))
+        y = self.conv2(y)
+        return F.relu(y + (x if self.stride == 1 else self.shortcut(x)))
+
+
+class ContextEmbedding(nn.Module):
+    def __init__(self, c: int, norm: str, g: int):
+        super().__init__()
+        self.norm = norm_layer(norm, c, g)
+        self.conv_gap = conv_norm_act(c, c, 1, 1, norm, g)
+        self.conv_last = conv_norm_act(c, c, 3, 1, norm, g)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.conv_gap(self.norm(x.mean(dim=(2, 3), keepdim=True)))
+        return self.conv_last(x + ctx)
+
+
+class SemanticBranch(nn.Module):
+    def __init__(self, in_channels: int, width: float, norm: str, g: int):
+        super().__init__()
+        stem = scaled(STEM, width)
+        self.stem = StemBlock(in_channels, stem, scaled(STEM_MID, width), norm, g)
+        prev = stem
+        stages = []
+        for c, depth in zip(SEMANTIC, SEMANTIC_DEPTH):
+            out = scaled(c, width)
+            stages.append(nn.Sequential(*[GatherExpand(prev if i == 0 else out, out, 2 if i == 0 else 1, norm, g) for i in range(depth)]))
+            prev = out
+        self.S3, self.S4, self.S5 = stages
+        self.ce = ContextEmbedding(prev, norm, g)
+        self.channels = (stem, *[scaled(c, width) for c in SEMANTIC])
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``[stem, S3, S4, S5 (before context embedding), context-embedded S5]``."""
+        f2 = self.stem(x)
+        f3 = self.S3(f2)
+        f4 = self.S4(f3)
+        f5 = self.S5(f4)
+        return [f2, f3, f4, f5, self.ce(f5)]
+
+
+def _resize(x: torch.Tensor, size: torch.Size | tuple[int, int]) -> torch.Tensor:
+    return x if x.shape[-2:] == size else F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+
+
+class BilateralGuidedAggregation(nn.Module):
+    def __init__(self, c: int, norm: str, g: int):
+        super().__init__()
+        self.left1 = nn.Sequential(*conv_norm(c, c, 3, 1, norm, g, groups=c), nn.Conv2d(c, c, 1, bias=False))
+        self.left2 = nn.Sequential(*conv_norm(c, c, 3, 2, norm, g), nn.AvgPool2d(3, stride=2, padding=1))
+        self.right1 = conv_norm(c, c, 3, 1, norm, g)
+        self.right2 = nn.Sequential(*conv_norm(c, c, 3, 1, norm, g, groups=c), nn.Conv2d(c, c, 1, bias=False))
+        self.conv = conv_norm_act(c, c, 3, 1, norm, g)
+
+    def forward(self, detail: torch.Tensor, semantic: torch.Tensor) -> torch.Tensor:
+        size = detail.shape[-2:]
+        left = self.left1(detail) * torch.sigmoid(_resize(self.right1(semantic), size))
+        right = _resize(self.left2(detail) * torch.sigmoid(self.right2(semantic)), size)
+        return self.conv(left + right)
+
+
+class SegmentHead(nn.Module):
+    """``3x3 conv -> norm -> ReLU``, dropout, ``1x1`` classifier (with bias); upsampled by the caller."""
+
+    def __init__(self, cin: int, mid: int, num_classes: int, dropout: float, norm: str, g: int):
+        super().__init__()
+        self.conv = conv_norm_act(cin, mid, 3, 1, norm, g)
+        self.drop = nn.Dropout(dropout)
+        self.classifier = nn.Conv2d(mid, num_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.drop(self.conv(x)))
+
+
+class BiSeNetV2Backbone(nn.Module):
+    def __init__(self, p: BiSeNetV2Params, in_channels: int):
+        super().__init__()
+        detail = tuple(scaled(c, p.width) for c in DETAIL)
+        self.detail = DetailBranch(in_channels, detail, p.norm, p.group_norm_groups)  # type: ignore[arg-type]
+        self.semantic = SemanticBranch(in_channels, p.width, p.norm, p.group_norm_groups)
+        if detail[-1] != self.semantic.channels[-1]:  # both are scaled(128, width)
+            raise AssertionError("detail and semantic branches must end with the same channel count")
+        self.bga = BilateralGuidedAggregation(detail[-1], p.norm, p.group_norm_groups)
+        self.out_channels = detail[-1]
+
+    def forward_all(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The aggregated map and the semantic branch's maps (stem, S3, S4, S5, context-embedded S5)."""
+        sem = self.semantic(x)
+        return self.bga(self.detail(x), sem[-1]), sem
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_all(x)[0]
+
+
+class BiSeNetV2Heads(nn.Module):
+    def __init__(self, p: BiSeNetV2Params, in_channels: int, aux_in: tuple[int, ...], num_classes: int):
+        super().__init__()
+        norm, g = p.norm, p.group_norm_groups
+        self.main = SegmentHead(in_channels, p.head_channels, num_classes, p.dropout, norm, g)
+        self.aux = nn.ModuleList(
+            [SegmentHead(c, p.aux_channels, num_classes, p.dropout, norm, g) for c in aux_in] if p.aux_heads else []
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x)
+
+
+class BiSeNetV2(FedModel):
+    """BiSeNetV2; see the module docstring for the architecture and the output contract."""
+
+    split_head = False
+    multi_scale = True
+
+    def __init__(self, p: BiSeNetV2Params, *, num_classes: int, in_channels: int = 3):
+        super().__init__()
+        self.backbone = BiSeNetV2Backbone(p, in_channels)
+        self.feature_dim = self.backbone.out_channels
+        self.head = BiSeNetV2Heads(p, self.feature_dim, self.backbone.semantic.channels, num_classes)
+        init_weights(self)
+        if p.zero_init_residual:
+            for m in self.modules():
+                if isinstance(m, GatherExpand):
+                    nn.init.zeros_(m.last_norm.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        size = x.shape[-2:]
+        feat, sem = self.backbone.forward_all(x)
+        main = _resize(self.head.main(feat), size)
+        if not (self.training and len(self.head.aux)):
+            return main
+        # aux heads on the stem, S3, S4 and S5 before the context embedding (sem[:4])
+        return (main, *[_resize(h(f), size) for h, f in zip(self.head.aux, sem[:4])])
+
+    def feature_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Semantic branch: stem (1/4), stage 3 (1/8), stage 4 (1/16), context-embedded stage 5 (1/32)."""
+        sem = self.backbone.semantic(x)
+        return [sem[0], sem[1], sem[2], sem[4]]
+
+    def blocks(self) -> dict[str, list[str]]:
+        """Detail stages S1-S3, semantic stem, stages 3-5 and context embedding, the BGA layer, the main
+        head and (if present) the auxiliary heads."""
+        units = [f"backbone.detail.{s}" for s in ("S1", "S2", "S3")]
+        units += [f"backbone.semantic.{s}" for s in ("stem", "S3", "S4", "S5", "ce")]
+        units += ["backbone.bga", "head.main"] + (["head.aux"] if len(self.head.aux) else [])
+        return {u: state_keys(self.get_submodule(u), u) for u in units}
+
+
+def _provides(p: BiSeNetV2Params) -> frozenset[str]:
+    return frozenset({"parameter_groups"}) | norm_capabilities(p.norm)
+
+
+@MODELS.register(
+    "bisenetv2", params=BiSeNetV2Params, task="segmentation", provides=_provides,
+    help="BiSeNetV2 real-time segmentation (detail + semantic branches, BGA, 4 auxiliary booster heads)",
+)
+def bisenetv2(p: BiSeNetV2Params, *, io: ModelIO) -> FedModel:
+    return BiSeNetV2(p, num_classes=io.num_outputs, in_channels=io.in_channels)
