@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import torch
 from . import __version__
 from . import registry as R
 from .capabilities import missing
-from .config import ConfigError, provided, requirements, stage_configs, validate
+from .config import ConfigError, provided, requirements, set_path, stage_configs, validate
 from .device import configure_determinism, configure_threads, describe, resolve_device
 from .engine.plan import Recipe, Schedule, Stage, clients_per_round
 from .engine.server import Server
@@ -79,7 +79,7 @@ def build_local(cfg: Any) -> LocalTraining:
     return LocalTraining(
         batch_size=t.batch_size, lr=t.lr, epochs=t.epochs, steps=t.steps, momentum=t.momentum, weight_decay=t.weight_decay,
         steps_range=tuple(t.steps_range) if t.steps_range else None, temperature=t.temperature,
-        freeze=tuple(t.freeze),
+        freeze=tuple(t.freeze), lr_schedule=t.lr_schedule, lr_power=t.lr_power, lr_horizon=t.lr_horizon,
     )
 
 
@@ -300,17 +300,20 @@ def execute(
     save_weights(sim.global_model, run.path / "model.safetensors")
     run.write_status(state, sim.round, cfg.server.rounds)
     if state == "complete":
-        finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name)
+        finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context)
     return Outcome(run.path, state, last or None)
 
 
-def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None) -> None:
-    """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first)."""
+def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None,
+           hooks: Any = None) -> None:
+    """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first). ``hooks(model,
+    split)``: the run's evaluation hooks, under which a task's visuals show the model as it was evaluated
+    (SiloBN's test statistics); None shows the global model as it is."""
     from .reporting import plot_client_weights, write_summary
 
     save_visuals = getattr(task, "save_visuals", None) if task is not None else None
-    if save_visuals is not None and model is not None:  # e.g. video SR: LR / output / ground-truth crops
-        save_visuals(model, Path(run_dir) / "plots" / "visuals.png")
+    if save_visuals is not None and model is not None:  # video SR crops, segmentation overlays
+        save_visuals(model, Path(run_dir) / "plots" / "visuals.png", hooks)
     fixed = weighting in ("data_size", "uniform")
     if (Path(run_dir) / "client_weights.jsonl").is_file() and not fixed:
         plot_client_weights(run_dir)  # before the summary, which links it; skipped for data-fixed weights
@@ -327,7 +330,45 @@ def load_run_config(run_dir: str | Path, engine: dict[str, Any] | None = None) -
     return validate(raw, str(run.path / "config.json"))
 
 
+#: what ``evaluate_run`` may change: settings of evaluation only (a key or a prefix of keys)
+EVALUATION_KEYS = ("eval", "engine", "recipe.sharing.test_stats", "task.per_image_miou", "task.eval_pixels",
+                   "task.visual_images", "task.workers", "task.backend")
+
+
+def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[int, dict[str, float]]:
+    """Evaluate a run's trained model again, from its last checkpoint (the global model and the clients'
+    state), with evaluation settings changed by ``overrides`` (``--set`` syntax, e.g.
+    ``recipe.sharing.test_stats=domain``: SiloBN's statistics by domain instead of fresh ones). Nothing is
+    trained; the metrics go to ``RUN_DIR/evaluations.jsonl`` and are returned with the checkpoint's round.
+    Overrides of anything that would change what was trained are refused."""
+    from .config import parse_override
+
+    run = RunDir(run_dir)
+    if not (run.path / "config.json").is_file():
+        raise FileNotFoundError(f"{run.path}: not a run directory (no config.json)")
+    raw = run.read_config()
+    changes: dict[str, Any] = {}
+    for text in overrides:
+        path, value = parse_override(text)
+        key = ".".join(path)
+        if not any(key == k or key.startswith(k + ".") for k in EVALUATION_KEYS):
+            raise ConfigError(f"--set {key}: changes what was trained; evaluate may change only "
+                              f"{', '.join(EVALUATION_KEYS)}")
+        set_path(raw, path, value)
+        changes[key] = value
+    cfg = validate(raw, f"{run.path / 'config.json'} with --set")
+    ckpt = run.load_latest_checkpoint()
+    if ckpt is None:
+        raise FileNotFoundError(f"{run.path}: no intact checkpoint to evaluate (run it first, with run.checkpoint_keep >= 1)")
+    sim = build_simulation(cfg, run_dir=run.path)
+    sim.load_state_dict(ckpt[1])
+    metrics = sim.evaluate()
+    run.append_evaluation({"round": ckpt[0], "stage": sim.server.stage, "set": changes, **metrics})
+    return ckpt[0], metrics
+
+
 __all__ = [
+    "EVALUATION_KEYS", "evaluate_run",
     "Outcome", "build_local", "build_recipe", "build_schedule", "build_server", "build_simulation", "build_stages",
     "build_task", "execute", "load_run_config", "metric_directions", "record_round", "resolved",
 ]

@@ -135,6 +135,29 @@ def resume(
         console.print(f"stopped at round {out.last_row['round'] if out.last_row else 0}")
 
 
+@app.command()
+def evaluate(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `fedsight run`.")],
+    set_: SetOpt = None,
+) -> None:
+    """Evaluate a run's trained model again from its last checkpoint, with evaluation settings changed by
+    --set (e.g. recipe.sharing.test_stats=domain); appends to RUN_DIR/evaluations.jsonl. Nothing is trained."""
+    from .api import evaluate_run
+
+    try:
+        r, metrics = evaluate_run(run_dir, set_ or [])
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        _fail(str(exc), 1)
+    table = Table(title=f"{run_dir} at round {r}" + (f" with {', '.join(set_)}" if set_ else ""))
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in metrics.items():
+        if k.count("/") <= 1:  # headline metrics; per-class families are in evaluations.jsonl
+            table.add_row(k, f"{v:.4g}")
+    console.print(table)
+    console.print(f"appended to {Path(run_dir) / 'evaluations.jsonl'}")
+
+
 def _find_runs(paths: list[Path]) -> list[Path]:
     found: list[Path] = []
     for p in paths:
@@ -245,22 +268,33 @@ def partition(
         _fail(f"task {cfg.task.name!r} has no per-client label statistics to show", 1)
     info = describe()
     counts = np.asarray(info["client_label_counts"])
+    key = info.get("partition_key", "class")  # what the partition deals out: classes, or (segmentation) domains
     p = cfg.partition
     table = Table(title=f"{p.name} partition of {cfg.data.name}: {p.num_clients} clients, seed {cfg.seed}")
-    for col in ("client", "train", "local test", "classes", "largest class share"):
+    for col in ("client", "train", "local test", f"{key}s" if key != "class" else "classes", f"largest {key} share"):
         table.add_column(col, justify="right")
     for k, row in enumerate(counts):
         table.add_row(str(k), str(task.num_train_examples(k)), str(task.num_test_examples(k)), str(int((row > 0).sum())),
                       f"{row.max() / max(row.sum(), 1):.2f}")
     console.print(table)
     summary = partition_summary(counts)
+    if key != "class":
+        summary = {k.replace("classes", f"{key}s").replace("label", key): v for k, v in summary.items()}
     console.print("  ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()))
     if info.get("validation"):
         console.print(f"server validation set: {info['validation']}")
     path = out or (Path(cfg.run.output_dir) / cfg.run.name / "partition.png")
     path.parent.mkdir(parents=True, exist_ok=True)
-    plot_partition_heatmap(counts, path, class_names=info.get("class_names"), title=f"{cfg.data.name} / {p.name}")
+    plot_partition_heatmap(counts, path, class_names=info.get("class_names"), title=f"{cfg.data.name} / {p.name}",
+                           key=key)
     console.print(f"heatmap: {path}")
+    if "client_class_pixels" in info:  # segmentation: how the classes' pixels are spread over the clients
+        from .tasks.seg_visuals import plot_class_distribution
+
+        dist = path.with_name(path.stem + "_classes.png")
+        plot_class_distribution(np.asarray(info["client_class_pixels"]), info["pixel_class_names"], dist,
+                                title=f"{cfg.data.name} / {p.name}: class pixel shares of {len(counts)} clients")
+        console.print(f"class distribution: {dist}")
 
 
 # -- pretrain: the server's feature extractor (fedsight.pretrain) --

@@ -81,6 +81,13 @@ class TrainSection(Params):
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    lr_schedule: Literal["constant", "poly"] = Field(
+        "constant", description="'poly': lr (1 - s / (lr_horizon S))^lr_power at local step s of S in the round "
+        "(a per-client polynomial schedule, FedDrive)",
+    )
+    lr_power: float = Field(0.9, gt=0, description="power of the poly schedule (FedDrive: 0.9)")
+    lr_horizon: float = Field(1.0, ge=1, description="the poly schedule decays over lr_horizon x the round's local "
+                              "steps (1: to 0 at the round's end; FedDrive's code: 10000, nearly constant)")
     temperature: float = Field(
         1.0, gt=0, description="softmax temperature tau: outputs / tau enter the loss (thesis eq. 3.2; 0.1 after Fed3R)"
     )

@@ -32,7 +32,7 @@ def metric_directions(cfg: Any) -> tuple[dict[str, bool | None], str]:
     spec = R.TASKS.get(cfg.task.name).meta["spec"](cfg.task)
     out: dict[str, bool | None] = {}
     for m in spec.metrics:
-        for split in ("test", "local", "val"):
+        for split in ("test", "local", "val", "test_*"):  # test_*: a task's extra test sets (test_unseen/miou)
             out[f"{split}/{m.key}"] = m.higher_is_better
     primary = next((m.higher_is_better for m in spec.metrics if m.matches(spec.primary)), True)
     out["local/wma"] = out["local/worst10"] = primary

@@ -33,6 +33,7 @@ CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 RUN_META_FILE = "run.json"
+EVALUATIONS_FILE = "evaluations.jsonl"
 STATUS_FILE = "status.json"
 StrPath = str | os.PathLike[str]
 
@@ -198,6 +199,14 @@ class RunDir:
 
     def append_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def append_evaluation(self, row: dict[str, Any]) -> None:
+        """One line of ``evaluations.jsonl``: a later evaluation of the run's trained model (``fedsight
+        evaluate``)."""
+        with open(self.path / EVALUATIONS_FILE, "a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -46,6 +46,21 @@ def eval_hooks(stage: Stage, model: nn.Module, ctx: EvalContext):
         yield
 
 
+def evaluate_split(stage: Stage, model: nn.Module, ctx: EvalContext) -> MetricState:
+    """The metric state of ``model`` on ``ctx.split`` under the stage's evaluation hooks: the sharing
+    decides how the split is evaluated (``Sharing.evaluate``: by default inside its ``eval_context``; SiloBN
+    by domain evaluates each domain with that domain's clients' statistics), the components' contexts wrap
+    every evaluation it runs."""
+
+    def run(c: EvalContext) -> MetricState:
+        with contextlib.ExitStack() as stack:
+            for comp in stage.recipe.components:
+                stack.enter_context(comp.eval_context(model, c))
+            return c.task.eval_state(model, c.split, c.batch_size)
+
+    return stage.recipe.sharing.evaluate(model, ctx, run)
+
+
 class ClientRuntime:
     def __init__(
         self,
@@ -173,5 +188,4 @@ class ClientRuntime:
             model = self.load(client, to_device(dict(global_state), self.device))
         else:
             model = global_model
-        with eval_hooks(self.stage, model, self.eval_context(client)):
-            return self.task.eval_state(model, client, self.eval_batch_size)
+        return evaluate_split(self.stage, model, self.eval_context(client))

@@ -25,7 +25,7 @@ from ..rng import derive_seed
 from ..state import ClientStateStore
 from ..tasks.base import Task, local_summary
 from ..training import EvalContext, ServerContext
-from .client_runtime import eval_hooks, is_finite_result
+from .client_runtime import evaluate_split, is_finite_result
 from .plan import (
     Reply, RoundPlan, Schedule, Stage, StageLayout, build_models, sample_clients, stage_layout, stage_of_round,
 )
@@ -202,6 +202,9 @@ class Server:
         if self.recipe.trainer.downloads_model:
             down_each += self.model_bytes
         round_cost = {"up_bytes": spent["up_bytes"], "down_bytes": float(down_each * len(plan.sampled)), "flops": spent["flops"]}
+        if r == 1:  # what the clients share once before training (a style bank)
+            for k, v in self.task.setup_cost().items():
+                round_cost[k] += float(v)
         for k, v in round_cost.items():
             self.totals[k] += v
             row[f"cost/{k}"] = v
@@ -221,12 +224,14 @@ class Server:
                            self.layout.shared_params, store)
 
     def evaluate_global(self, store: Any) -> dict[str, float]:
-        """``test/*``: the global model on the global test set, inside the stage's evaluation hooks;
-        ``store`` holds the clients' personal entries where a hook needs them (FedBN's test-time rule)."""
-        model, bs = self.global_model, self.schedule.eval_batch_size
-        with eval_hooks(self.stages[self.stage_index], model, self.eval_context("test", store)):
-            state = self.task.eval_state(model, "test", bs)
-        return {f"test/{k}": v for k, v in self.task.metrics.compute(state).items()}
+        """``test/*`` (and ``test_<name>/*`` for a task's extra test sets): the global model on the global
+        test sets, under the stage's evaluation hooks; ``store`` holds the clients' personal entries where a
+        hook needs them (FedBN's test-time rule)."""
+        out: dict[str, float] = {}
+        for split in self.task.test_splits:
+            state = evaluate_split(self.stages[self.stage_index], self.global_model, self.eval_context(split, store))
+            out.update({f"{split}/{k}": v for k, v in self.task.metrics.compute(state).items()})
+        return out
 
     def summarize_local(self, per_client: dict[int, tuple[MetricState, int]]) -> dict[str, float]:
         """``local/*`` from {client: (local-test metric state, test size)}: WMA (eq. 4.4) and the worst 10 %

@@ -18,6 +18,7 @@ Sums are kept in float64 (or int64 for counts) so that merging many clients lose
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,9 @@ class MetricSpec:
     doc: str = ""
 
     def matches(self, key: str) -> bool:
-        return key == self.key or (self.key.endswith("*") and key.startswith(self.key[:-1]))
+        """``key`` is this spec's key, or matches it as a pattern (``*`` stands for any characters:
+        ``iou/*``, ``test_*/miou``)."""
+        return key == self.key or ("*" in self.key and fnmatch.fnmatchcase(key, self.key))
 
 
 def direction(specs: Iterable[MetricSpec], key: str) -> bool | None:
@@ -172,8 +175,8 @@ class ConfusionMatrix(Metric):
     """A C x C confusion matrix (rows: target class, columns: predicted), int64, summed over batches and
     clients. Reports ``miou`` (mean over classes present in targets or predictions of
     IoU_c = TP_c / (TP_c + FP_c + FN_c)), ``pixel_acc`` (trace / total) and, with ``class_names``, the
-    per-class IoU as ``iou/<name>`` (NaN for a class absent from both). Targets equal to
-    ``ignore_index`` are left out."""
+    per-class IoU as ``iou/<name>`` of every class present in targets or predictions (a class absent from
+    both has no IoU and no entry). Targets equal to ``ignore_index`` are left out."""
 
     def __init__(self, name: str, num_classes: int, ignore_index: int | None = None,
                  class_names: Sequence[str] | None = None):
@@ -212,7 +215,7 @@ class ConfusionMatrix(Metric):
         present = union > 0
         out = {"miou": float(iou[present].mean()), "pixel_acc": float(tp.sum() / cm.sum())}
         if self.class_names is not None:
-            out.update({f"iou/{n}": float(v) for n, v in zip(self.class_names, iou.tolist())})
+            out.update({f"iou/{n}": float(v) for n, v, p in zip(self.class_names, iou.tolist(), present.tolist()) if p})
         return out
 
 

@@ -75,7 +75,8 @@ class FedDyn(Component):
 
     def loss_term(self, ctx: ClientContext, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         lin = ctx.scratch[self.name]["lin"]
-        term = outputs.new_zeros(())
+        main = outputs[0] if isinstance(outputs, (tuple, list)) else outputs  # (main, auxiliary) outputs
+        term = main.new_zeros(())
         for k, p in ctx.model.named_parameters():
             if k not in lin:
                 continue

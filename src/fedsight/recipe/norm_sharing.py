@@ -48,19 +48,30 @@ for evaluation. The engine wraps every evaluation in ``sharing.eval_context(mode
   to local splits too (each client's test set gets its own fresh statistics). For FedBN the global
   split first gets the example-weighted average of the clients' non-statistics personal entries (the
   affine parameters), as in ``"client"``, since the global model's own ones are never trained.
+
+- ``"domain"`` (the thesis' SiloBN "by domain" inference on seen domains, Sec. 5.2.2; needs a task with
+  domains, e.g. segmentation): a global test split is evaluated domain by domain, each domain's images with
+  the personal entries averaged over the clients that hold training images of that domain (weighted by how
+  many; with one client per domain, as FedDrive's heterogeneous splits, that client's own statistics). A
+  domain no client trained on gets fresh statistics on its own images (FedDrive evaluates unseen domains
+  with its "standard" inference; FedBN's affine parameters are then the clients' average, as in "fresh"). The metric is computed from the merged state over all domains (one
+  confusion matrix), not a mean over domains. Local splits use the client's own entries, as in ``"client"``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 from torch import nn
 
 from ..device import model_device, to_device
+from ..metrics import MetricState
 from ..models.base import swap_entries
 from ..registry import SHARING, Params
 from ..state import PERSONAL
@@ -73,11 +84,12 @@ _STAT_NORMS = (nn.modules.batchnorm._NormBase,)
 
 
 class NormSharingParams(Params):
-    test_stats: Literal["client", "fresh"] = Field(
+    test_stats: Literal["client", "fresh", "domain"] = Field(
         "client",
         description="test-time normalisation statistics: 'client' = each client's own running statistics "
         "(global test set: example-weighted average over the clients seen so far); 'fresh' = recomputed "
-        "on the evaluated split's inputs (AdaBN)",
+        "on the evaluated split's inputs (AdaBN; FedDrive's 'standard'); 'domain' = every global test image "
+        "with the statistics of the training clients of its domain (FedDrive's 'by domain')",
     )
 
 
@@ -128,7 +140,8 @@ def fresh_statistics(model: nn.Module, batches: Iterator[torch.Tensor]) -> Itera
                 m.train()
             if layers:
                 for x in batches:
-                    model(x)
+                    # one example: counted twice (same mean; a norm layer on a 1 x 1 map needs two values)
+                    model(torch.cat([x, x]) if isinstance(x, torch.Tensor) and len(x) == 1 else x)
         for m, training in flags.items():
             m.training = training
         yield
@@ -164,17 +177,21 @@ class NormSharing(Sharing):
 
     # -- evaluation -------------------------------------------------------------------------------
 
-    def client_average(self, ctx: EvalContext, keys: list[str]) -> dict[str, torch.Tensor]:
-        """Example-weighted mean of the floating-point personal ``keys`` over the clients that have
-        personal state (weights: their numbers of training examples); {} if none has."""
+    def client_average(self, ctx: EvalContext, keys: list[str], weights: dict[int, float] | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """Weighted mean of the floating-point personal ``keys`` over the clients that have personal state
+        (weights: ``weights[c]`` for the clients in ``weights``, else every client's number of training
+        examples); {} if none has."""
         clients = ctx.store.clients(PERSONAL) if ctx.store is not None else []
+        if weights is not None:
+            clients = [c for c in clients if c in weights]
         if not clients or not keys:
             return {}
         acc: dict[str, torch.Tensor] = {}
         total = 0.0
         dtypes: dict[str, torch.dtype] = {}
         for c in clients:
-            w = float(ctx.task.num_train_examples(c))
+            w = float(weights[c] if weights is not None else ctx.task.num_train_examples(c))
             entries = ctx.store.get(PERSONAL, c)
             for k in keys:
                 v = entries[k]
@@ -188,7 +205,7 @@ class NormSharing(Sharing):
     @contextlib.contextmanager
     def eval_context(self, model: nn.Module, ctx: EvalContext) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            if ctx.split == "test":
+            if ctx.is_global_test:
                 state = model.state_dict()
                 personal = [k for k in ctx.personal_keys if state[k].is_floating_point()]
                 if self.test_stats == "fresh":
@@ -198,14 +215,49 @@ class NormSharing(Sharing):
                 if avg:
                     stack.enter_context(swap_entries(model, avg))
             if self.test_stats == "fresh":
-                device = model_device(model)
-                inputs = (to_device(x, device) for x in ctx.task.eval_inputs(ctx.split, ctx.batch_size))
-                stack.enter_context(fresh_statistics(model, inputs))
+                stack.enter_context(self._fresh(model, ctx))
             yield
+
+    def evaluate(self, model: nn.Module, ctx: EvalContext, run: Callable[[EvalContext], MetricState]) -> MetricState:
+        """``test_stats = "domain"`` on a global test split: each domain's images (``task.domain_groups``)
+        evaluated with the personal entries averaged over the clients holding training images of that domain
+        (weights: their numbers of such images; FedDrive's code picks one such client); a domain no client
+        trained on (an unseen domain) is evaluated as the "fresh" rule evaluates a global split: fresh
+        statistics on its own images (FedDrive's 'standard' inference) and, for FedBN, the clients' average of
+        the other personal entries. The domains' metric states merge (one confusion matrix over the split)."""
+        if self.test_stats != "domain" or not ctx.is_global_test or "@" in str(ctx.split):
+            return super().evaluate(model, ctx, run)
+        counts = ctx.task.client_domain_counts()
+        state = model.state_dict()
+        personal = [k for k in ctx.personal_keys if state[k].is_floating_point()]
+        stats = _stat_keys(model)
+        states = []
+        for d, sub in ctx.task.domain_groups(ctx.split):
+            part = dataclasses.replace(ctx, split=sub)
+            owners = {int(c): float(counts[c, d]) for c in np.flatnonzero(counts[:, d])}
+            entries = self.client_average(ctx, personal, owners) if owners else {}
+            with contextlib.ExitStack() as stack:
+                if entries:
+                    stack.enter_context(swap_entries(model, entries))
+                else:
+                    others = self.client_average(ctx, [k for k in personal if k not in stats])
+                    if others:
+                        stack.enter_context(swap_entries(model, others))
+                    stack.enter_context(self._fresh(model, part))
+                states.append(run(part))
+        return ctx.task.metrics.merge(states)
+
+    def _fresh(self, model: nn.Module, ctx: EvalContext) -> contextlib.AbstractContextManager:
+        device = model_device(model)
+        return fresh_statistics(model, (to_device(x, device) for x in ctx.task.eval_inputs(ctx.split, ctx.batch_size)))
+
+
+def _requires(needs: str) -> Callable[[NormSharingParams], set[str]]:
+    return lambda p: {needs, "domains"} if p.test_stats == "domain" else {needs}
 
 
 @SHARING.register(
-    "fedbn", params=NormSharingParams, requires={"norm_layers"},
+    "fedbn", params=NormSharingParams, requires=_requires("norm_layers"),
     help="FedBN (Li et al. 2021): normalisation layers (parameters and statistics) stay local",
 )
 def _fedbn(params: NormSharingParams) -> NormSharing:
@@ -213,7 +265,7 @@ def _fedbn(params: NormSharingParams) -> NormSharing:
 
 
 @SHARING.register(
-    "silobn", params=NormSharingParams, requires={"norm_stats"},
+    "silobn", params=NormSharingParams, requires=_requires("norm_stats"),
     help="SiloBN (Andreux et al. 2020): BN statistics stay local, BN affine parameters are shared",
 )
 def _silobn(params: NormSharingParams) -> NormSharing:

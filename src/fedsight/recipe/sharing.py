@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import Field
 from torch import nn
 
+from ..metrics import MetricState
 from ..registry import SHARING, NoParams, Params
 from ..training import EvalContext
 
@@ -22,10 +24,17 @@ class Sharing:
         raise NotImplementedError
 
     def eval_context(self, model: nn.Module, ctx: EvalContext) -> contextlib.AbstractContextManager:
-        """Wraps every evaluation of ``model`` on ``ctx.split`` (``"test"`` or a client id); may
-        temporarily change the model (FedBN/SiloBN test-time statistics) and must restore it on exit.
-        The default does nothing."""
+        """Wraps every evaluation of ``model`` on ``ctx.split`` (a global test split, a client id or a
+        server-held split); may temporarily change the model (FedBN/SiloBN test-time statistics) and must
+        restore it on exit. The default does nothing."""
         return contextlib.nullcontext()
+
+    def evaluate(self, model: nn.Module, ctx: EvalContext, run: Callable[[EvalContext], MetricState]) -> MetricState:
+        """The metric state of ``model`` on ``ctx.split``: ``run(ctx)`` evaluates a split (the components'
+        hooks included). The default runs it once inside ``eval_context``; a sharing may instead evaluate
+        parts of the split separately and merge their states (SiloBN's statistics by domain)."""
+        with self.eval_context(model, ctx):
+            return run(ctx)
 
 
 class GlobalSharing(Sharing):

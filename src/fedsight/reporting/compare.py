@@ -14,11 +14,12 @@ import numpy as np
 from .fmt import _decimals, _fmt_mean_std, _md_escape, _metric_label
 from .plots import CURVES_FILE, _plot_groups
 from .runs_view import (
-    _EVAL_PREFIXES,
     RunGroup,
     StrPath,
     _display_order,
     _group,
+    _is_eval,
+    _is_headline,
     _load_all,
     _primary,
     _Run,
@@ -27,14 +28,15 @@ from .runs_view import (
 
 
 def _default_metrics(runs: Sequence[_Run]) -> list[str]:
-    """Evaluation metrics (``test/*``, ``val/*``, ``local/*``) present in every run, the runs' primary
-    metric first, then ``time/round_s`` if every run has it."""
+    """Evaluation metrics (``test/*``, a task's extra ``test_<name>/*``, ``val/*``, ``local/*``; not per-class
+    families such as ``test/iou/road``) present in every run, the runs' primary metric first, then
+    ``time/round_s`` if every run has it."""
     order: dict[str, int] = {}
     for r in runs:
         for k in r.series:
             order.setdefault(k, len(order))
     common = [k for k in order if all(k in r.series for r in runs)]
-    evals = _display_order(k for k in common if k.split("/", 1)[0] in _EVAL_PREFIXES)
+    evals = _display_order(k for k in common if _is_eval(k) and _is_headline(k))
     primary = _primary(runs)
     if primary is not None:
         evals.sort(key=lambda k: k != primary)

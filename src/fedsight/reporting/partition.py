@@ -40,9 +40,11 @@ def plot_partition_heatmap(
     path: str | os.PathLike[str],
     class_names: Sequence[str] | None = None,
     title: str = "",
+    key: str = "class",
 ) -> None:
-    """Save a PNG (dpi 120) heat map of ``counts`` (clients down, classes across) with a colour bar and a side
-    bar of client totals. Cells are annotated with counts when the matrix is smaller than 30 x 30."""
+    """Save a PNG (dpi 120) heat map of ``counts`` (clients down, partition keys across: classes, or
+    ``key = "domain"``) with a colour bar and a side bar of client totals. Cells are annotated with counts when
+    the matrix is smaller than 30 x 30."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -72,7 +74,7 @@ def plot_partition_heatmap(
     ax.set_xticks(xt, [names[i] for i in xt], rotation=90 if max(len(s) for s in names) > 3 or n_classes > 20 else 0)
     yt = _tick_positions(n_clients, 40)
     ax.set_yticks(yt, [str(i) for i in yt])
-    ax.set_xlabel("class")
+    ax.set_xlabel(key)
     ax.set_ylabel("client")
     if annotate:
         vmax = counts.max() if counts.max() > 0 else 1
@@ -95,7 +97,7 @@ def plot_partition_heatmap(
     fig.suptitle(
         (f"{title}\n" if title else "")
         + f"{n_clients} clients, {int(s['total'])} samples; client size {s['min_size']}-{s['max_size']} "
-        f"(median {s['median_size']:g}); {s['mean_classes_per_client']:.1f} classes/client",
+        f"(median {s['median_size']:g}); {s['mean_classes_per_client']:.1f} {key}s/client",
         fontsize=10,
     )
     fig.savefig(os.fspath(path), dpi=120, format="png")

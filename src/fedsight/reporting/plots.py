@@ -13,7 +13,7 @@ import numpy as np
 
 from ..runs import METRICS_FILE
 from .fmt import _direction_text
-from .runs_view import RunGroup, StrPath, _display_order, _load_all, _Run, _Series
+from .runs_view import RunGroup, StrPath, _display_order, _is_headline, _load_all, _Run, _Series
 
 CURVES_FILE = "curves.png"
 _DPI = 120
@@ -38,7 +38,8 @@ def _panel_groups(keys: Sequence[str], series: dict[str, _Series],
         buckets.setdefault((prefix, is_loss, direction(k)), []).append(k)
     panels: list[tuple[str, list[str]]] = []
     for (prefix, is_loss, higher), ks in buckets.items():
-        base = _PREFIX_TITLES.get(prefix, prefix.capitalize() if prefix else "Other")
+        base = _PREFIX_TITLES.get(prefix, f"Test ({prefix[5:]})" if prefix.startswith("test_")
+                                  else prefix.capitalize() if prefix else "Other")
         better = _direction_text(higher)
         if prefix == "time":
             panels.append((f"{base} (s, {better})" if better else f"{base} (s)", ks))
@@ -104,7 +105,8 @@ def _save(fig: Any, path: Path) -> Path:
 def plot_run(run_dir: StrPath, keys: list[str] | None = None) -> Path:
     """Plot the metrics of one run against round into ``RUN_DIR/plots/curves.png``; return its path.
 
-    ``keys`` defaults to every numeric key present except "round". Keys share a subplot by prefix
+    ``keys`` defaults to every numeric key present except "round" and members of per-class families
+    (``test/iou/road``). Keys share a subplot by prefix
     (``test/*``, ``local/*``, ``train/*``, ``time/*``) and direction (from the run's ``run.json``), with
     losses on their own axes and metrics of very different magnitude (accuracy vs PSNR) split apart.
     Stage changes are marked with dashed lines. Event lines are ignored.
@@ -112,7 +114,7 @@ def plot_run(run_dir: StrPath, keys: list[str] | None = None) -> Path:
     run = _Run.load(run_dir)
     series = run.series
     if keys is None:
-        keys = list(series)
+        keys = [k for k in series if _is_headline(k)]
     missing = [k for k in keys if k not in series]
     if missing:
         raise ValueError(f"{run.path / METRICS_FILE}: no numeric values for {', '.join(missing)}")

@@ -158,10 +158,26 @@ def _load_all(run_dirs: Iterable[StrPath]) -> list[_Run]:
     return runs
 
 
+def _prefix(key: str) -> str:
+    """A metric key's split prefix; a task's extra test sets (``test_unseen/miou``) count as ``test``."""
+    head = key.split("/", 1)[0] if "/" in key else ""
+    return "test" if head.startswith("test_") else head
+
+
+def _is_eval(key: str) -> bool:
+    return _prefix(key) in _EVAL_PREFIXES
+
+
+def _is_headline(key: str) -> bool:
+    """Not a member of a per-class family (``test/iou/road``): what default tables and curves show."""
+    return key.count("/") <= 1
+
+
 def _display_order(keys: Iterable[str]) -> list[str]:
-    """Evaluation metrics first (test, val, local, others), then train, then time; stable otherwise."""
+    """Evaluation metrics first (test and extra test sets, val, local, others), then train, then time;
+    stable otherwise."""
     keys = list(keys)
-    return sorted(keys, key=lambda k: (_PREFIX_RANK.get(k.split("/", 1)[0] if "/" in k else "", 3), keys.index(k)))
+    return sorted(keys, key=lambda k: (_PREFIX_RANK.get(_prefix(k), 3), keys.index(k)))
 
 
 # -- several runs -----------------------------------------------------------------------------------

@@ -152,6 +152,17 @@ class Task(ABC):
         """What ``RUN_DIR/partition.json`` records (per-client key counts, server-held splits)."""
         return {}
 
+    @property
+    def test_splits(self) -> tuple[str, ...]:
+        """The global evaluation splits: ``"test"`` (metrics ``test/*``) and extra named test sets such as
+        ``"test_unseen"`` (metrics ``test_unseen/*``, e.g. FedDrive's unseen domains)."""
+        return ("test",)
+
+    def setup_cost(self) -> dict[str, float]:
+        """Bytes that cross the network once, before round 1 (``up_bytes``, ``down_bytes``: a style bank the
+        clients share); charged to round 1's cost."""
+        return {}
+
     def to(self, device: torch.device) -> "Task":
         """Move data the task holds in memory to ``device`` (small in-memory pools); tasks over files
         keep their data on the CPU and batches move per step."""

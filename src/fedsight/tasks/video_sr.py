@@ -295,10 +295,14 @@ class VideoSRTask(Task):
         return picks
 
     @torch.no_grad()
-    def save_visuals(self, model: nn.Module, path: str | Path) -> Path:
+    def save_visuals(self, model: nn.Module, path: str | Path, hooks: Any = None) -> Path:
         """Write ``path`` (a PNG: per row LR input, output and ground truth crops of one test clip, with
         the crop's PSNR) and, beside it, ``visuals/`` with the raw crops and ``visuals.json`` (what
-        :func:`assemble_visuals` reads)."""
+        :func:`assemble_visuals` reads). ``hooks(model, "test")``: the run's evaluation hooks around the
+        model's outputs."""
+        if hooks is not None:
+            with hooks(model, "test"):
+                return self.save_visuals(model, path)
         path = Path(path)
         raw = path.parent / "visuals"
         raw.mkdir(parents=True, exist_ok=True)

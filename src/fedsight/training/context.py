@@ -138,3 +138,9 @@ class EvalContext:
     shared_params: Sequence[str] = ()
     #: per-client state: the clients' personal entries (key ``"personal"``), Ditto's models, ...
     store: StateReader | None = None
+
+    @property
+    def is_global_test(self) -> bool:
+        """Whether the split is a global test set (``"test"``, ``"test_<name>"``, or one domain of one:
+        ``"test@3"``), which belongs to no client."""
+        return isinstance(self.split, str) and (self.split == "test" or self.split.startswith(("test_", "test@")))

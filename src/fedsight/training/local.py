@@ -34,7 +34,9 @@ class LocalTraining:
     ``steps_range`` = (low, high) inclusive, from the stream ("steps", round, client).
 
     ``temperature`` divides the model's outputs before the task loss: the tempered softmax of thesis
-    eq. 3.2 (tau = 0.1 after a Fed3R initialisation, Sec. 3.7). ``freeze`` names parameter groups that
+    eq. 3.2 (tau = 0.1 after a Fed3R initialisation, Sec. 3.7); a model returning a tuple (main and auxiliary
+    outputs) has every element divided. ``lr_schedule = "poly"`` decays the rate within each round
+    (``lr_factor``). ``freeze`` names parameter groups that
     do not train (FT(psi) freezes ``backbone``, FT(phi) freezes ``head``); frozen parameters are neither
     uploaded nor re-downloaded, and normalisation layers whose parameters are all frozen run in eval mode
     (their running statistics stay fixed)."""
@@ -48,6 +50,17 @@ class LocalTraining:
     weight_decay: float = 0.0
     temperature: float = 1.0
     freeze: tuple[str, ...] = ()
+    lr_schedule: str = "constant"
+    lr_power: float = 0.9
+    lr_horizon: float = 1.0
+
+    def lr_factor(self, step: int, num_steps: int) -> float:
+        """The learning-rate multiplier at local step ``step`` (0-based) of ``num_steps``: 1 for a constant
+        rate; ``(1 - step / (lr_horizon num_steps))^lr_power`` for the per-client poly schedule (restarted
+        every round: FedDrive's clients build their scheduler in every round)."""
+        if self.lr_schedule != "poly" or num_steps <= 0:
+            return 1.0
+        return max(0.0, 1.0 - step / (self.lr_horizon * num_steps)) ** self.lr_power
 
     def num_steps(self, num_examples: int, seed: int = 0, round: int = 0, client: int = 0) -> int:
         if self.steps_range is not None:
@@ -130,7 +143,11 @@ def local_objective(ctx: ClientContext, components: Sequence[Component], x: torc
     for c in components:
         out = c.outputs(ctx, out)
     tau = ctx.local.temperature
-    loss = ctx.task.loss(out / tau if tau != 1.0 else out, y)
+    if tau != 1.0:
+        tempered = tuple(o / tau for o in out) if isinstance(out, (tuple, list)) else out / tau
+    else:
+        tempered = out
+    loss = ctx.task.loss(tempered, y)
     for c in components:
         term = c.loss_term(ctx, out, y)
         if term is not None:
@@ -154,7 +171,8 @@ def sgd_steps(
     from ``task.train_batches`` (which may prefetch) and move to the model's device. Adds the steps'
     FLOPs to ``ctx.flops``."""
     task, model, local = ctx.task, ctx.model, ctx.local
-    opt = torch.optim.SGD(params, lr=local.lr if lr is None else lr, momentum=local.momentum, weight_decay=local.weight_decay)
+    base_lr = local.lr if lr is None else lr
+    opt = torch.optim.SGD(params, lr=base_lr, momentum=local.momentum, weight_decay=local.weight_decay)
     scope = backward_scope(ctx, params)
     device = model_device(model)
     loss_sum = loss_accumulator(model)
@@ -171,6 +189,9 @@ def sgd_steps(
         loss.backward()
         for c in components:
             c.after_backward(ctx)
+        if local.lr_schedule != "constant":
+            for group in opt.param_groups:
+                group["lr"] = base_lr * local.lr_factor(step, num_steps)
         opt.step()
         loss_sum.add_(loss.detach())
         if ctx.cost is not None:
