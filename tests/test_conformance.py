@@ -35,6 +35,8 @@ FAMILIES: dict[str, tuple[ModelIO, Any, tuple[int, ...]]] = {
                        lambda: torch.randn(2, 3, 16, 16), (2, 5)),
     "video_sr": (ModelIO("video_sr", in_channels=3, num_outputs=3, scale=2, num_frames=3),
                  lambda: torch.rand(1, 3, 3, 8, 8), (1, 3, 3, 16, 16)),
+    "segmentation": (ModelIO("segmentation", in_channels=3, num_outputs=5),
+                     lambda: torch.randn(2, 3, 32, 48), (2, 5, 32, 48)),
 }
 
 
@@ -64,7 +66,9 @@ def test_model_conformance(name, params, tmp_path):
     init = {k: v.clone() for k, v in model.state_dict().items()}
     x = make_input()
     out = model(x)
-    assert tuple(out.shape) == out_shape and torch.isfinite(out).all()
+    # training mode: the output, or (segmentation) a tuple of the main output and auxiliary ones, same shape
+    outs = out if isinstance(out, tuple) else (out,)
+    assert all(tuple(o.shape) == out_shape and torch.isfinite(o).all() for o in outs)
     # parameter groups: state keys; every parameter in exactly one of backbone / head; norm by module type
     state = model.state_dict()
     groups = model.parameter_groups()
@@ -87,10 +91,14 @@ def test_model_conformance(name, params, tmp_path):
     torch.manual_seed(0)
     again = R.build(R.MODELS, name, p, io=io).state_dict()
     assert all(torch.equal(init[k], again[k]) for k in init)
-    # every trainable parameter gets a finite gradient
-    out.float().pow(2).mean().backward()
+    # every trainable parameter gets a finite gradient (from the main and any auxiliary outputs)
+    sum(o.float().pow(2).mean() for o in outs).backward()
     for k, prm in model.named_parameters():
         assert prm.grad is not None and torch.isfinite(prm.grad).all(), k
+    # evaluation mode: the main output alone
+    model.eval()
+    with torch.no_grad():
+        assert tuple(model(x).shape) == out_shape
     # weights round-trip through safetensors
     save_weights(model, tmp_path / "m.safetensors")
     torch.manual_seed(1)
@@ -111,10 +119,21 @@ VIDEO: dict[str, Any] = {
     "train": {"steps": 1, "batch_size": 2, "lr": 0.05}, "server": {"rounds": 1, "clients_per_round": 5},
     "engine": {"threads": 1},
 }
+SEGMENTATION: dict[str, Any] = {
+    "seed": 0, "run": {"name": "s", "checkpoint_keep": 1}, "task": {"name": "segmentation", "crop": [24, 40]},
+    "data": {"name": "street", "towns": ["suburb", "rural"], "conditions": ["clear-day", "rain-day"],
+             "cameras": ["car"], "per_domain": 6, "height": 32, "width": 48},
+    "partition": {"name": "iid", "num_clients": 6, "local_test_fraction": 0.0},
+    "model": {"name": "bisenetv2", "width": 0.25, "head_channels": 16, "aux_channels": 8},
+    "train": {"steps": 1, "batch_size": 2, "lr": 0.05}, "server": {"rounds": 1, "clients_per_round": 5},
+    "engine": {"threads": 1},
+}
+
 TASKS = {
     "classification": tiny(**{"server.rounds": 1, "server.clients_per_round": 5, "model.norm": "batch",
                               "engine.threads": 1, "eval.every": 1}),
     "video_sr": VIDEO,
+    "segmentation": SEGMENTATION,
 }
 
 #: what a part needs besides itself to be meaningful (not capabilities: its own documented setup)
@@ -165,6 +184,8 @@ def test_every_part_runs_a_round_or_is_refused_at_config_time(task, slot, name):
 REFUSED = {
     ("video_sr", "component", "fed3r"), ("video_sr", "component", "fedncm"), ("video_sr", "component", "oll"),
     ("classification", "component", "dwt_loss"), ("video_sr", "sharing", "fedbn"), ("video_sr", "sharing", "silobn"),
+    ("segmentation", "component", "fed3r"), ("segmentation", "component", "oll"),
+    ("segmentation", "component", "dwt_loss"),
 }
 
 

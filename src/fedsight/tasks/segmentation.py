@@ -1,0 +1,451 @@
+"""Semantic segmentation (FedDrive, thesis Sec. 5.2): pixel-wise cross-entropy, mIoU from merged confusion
+matrices, domains as the partition key.
+
+Data (``fedsight.data.segmentation.SegmentationData``): a training pool of images with label maps of train
+ids (``IGNORE = 255``) and a domain per image (city, town, weather, camera), named test sets ("test", and
+extra ones such as "unseen", logged as ``test_<name>/*``), and optionally the dataset's own client split.
+The partitioner deals out images by domain (``heterogeneous``-style splits give a client one domain), by
+class presence (``class_imbalance``, thesis Alg. 8) or as the dataset lists them (``predefined``).
+
+Training (thesis Sec. 5.2.3, FedDrive's code): every image is scaled by ``s ~ U(scale)``, padded and randomly
+cropped to ``crop`` and flipped horizontally with probability 1/2 (``fedsight.data.seg_pipeline``; the draws
+come from the stream (seed, "augment", round, client, step, j), so batches are the same with any number of
+prefetching ``workers``), then standardised with the ImageNet channel statistics. Optional style
+augmentation from a bank of other clients' styles (``style = "fda"``, ``"cfsi"`` or ``"lab"``).
+
+Loss (eq. 5.7): the mean cross-entropy over labelled pixels. ``ohem = f`` keeps, in every image, only the
+hardest ``floor(f H W)`` labelled pixels (online hard-negative mining, FedDrive ``perc = 0.25``; FedDrive's
+code ranks all H W pixels with ignored ones at loss 0, which differs only when fewer than ``f H W`` pixels
+are labelled: here the mean is then over the labelled ones, not diluted by zeros). A model that returns a
+tuple in training mode (BiSeNetV2's booster heads) adds ``aux_weight`` times each auxiliary output's loss
+(FedDrive: weight 1). Outputs smaller than the labels are upsampled bilinearly first.
+
+Metrics: ``miou`` from the confusion matrix summed over every evaluated image (and, for local test sets and
+the by-domain evaluation, over clients: a merged state, never a mean of per-client mIoUs), over the classes
+present in the targets or the predictions; ``pixel_acc``; per-class ``iou/<class>``; the mean pixel
+cross-entropy ``loss``. ``per_image_miou`` adds ``miou_img``: the thesis's eq. 5.10, the mean over images of
+each image's mIoU (eq. 5.9 over the classes present in that image's target or prediction; eq. 5.9 leaves
+0/0 classes undefined).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from ..data.partition import ClientSplit
+from ..data.segmentation import IGNORE, SegmentationData, SegmentationSet
+from ..metrics import ConfusionMatrix, Mean, MetricSet, MetricState
+from ..models.base import ModelIO
+from ..registry import MODELS, TASKS, Params, build
+from .base import Task, TaskSpec
+
+PROVIDES = frozenset({"class_logits", "server_split", "visuals", "domains"})
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+Pair = tuple[int, int]
+Range = tuple[float, float]
+
+
+class SegmentationParams(Params):
+    crop: Pair | None = Field(
+        None, description="training crop [height, width] after random scaling (FedDrive: 512 x 1024 Cityscapes, "
+        "512 x 928 IDDA); None: the images' own size (they must share one)",
+    )
+    scale: Range = Field((1.0, 1.0), description="random scale range of training images (FedDrive: [0.5, 1.5] "
+                         "Cityscapes, [0.5, 2.0] IDDA)")
+    flip: bool = Field(True, description="random horizontal flips of training images")
+    ohem: float | None = Field(None, gt=0, le=1, description="online hard-negative mining: only the hardest fraction "
+                               "of every image's pixels count (FedDrive: 0.25); None: every labelled pixel")
+    aux_weight: float = Field(1.0, ge=0, description="weight of each auxiliary output's loss (BiSeNetV2's booster "
+                              "heads; FedDrive: 1)")
+    per_image_miou: bool = Field(False, description="also report miou_img, the mean over images of per-image mIoU "
+                                 "(thesis eq. 5.10)")
+    style: Literal["none", "fda", "cfsi", "lab"] = Field(
+        "none", description="style augmentation from other clients' styles: their low-frequency amplitude windows "
+        "swapped in (FDA) or interpolated with lambda ~ U(0, 1) (CFSI), or their LAB colour moments")
+    style_beta: float = Field(0.1, gt=0, lt=1, description="FDA/CFSI window: 2 floor(beta N / 2) + 1 frequencies "
+                              "per side of N (0.1 = FedDrive's half-size floor(0.05 N))")
+    style_prob: float = Field(0.5, ge=0, le=1, description="probability that a training image is restyled")
+    style_clients: float = Field(0.5, gt=0, le=1, description="fraction of the clients whose images populate the "
+                                 "style bank (FedDrive: half)")
+    workers: int = Field(0, ge=0, description="threads or processes decoding and augmenting batches ahead (0: "
+                         "in the training loop)")
+    backend: Literal["thread", "process"] = Field("thread", description="what the prefetching workers are "
+                                                  "('process' pickles the batch loader, style bank included, with "
+                                                  "every batch: for datasets on disk without a style bank)")
+    eval_pixels: int = Field(1 << 22, ge=1, description="at most this many pixels per evaluation batch (large "
+                             "images are evaluated fewer at a time than eval.batch_size)")
+    visual_images: int = Field(4, ge=0, description="test images per test set shown in plots/visuals*.png")
+
+    def model_post_init(self, context: Any) -> None:
+        if self.scale[0] <= 0 or self.scale[0] > self.scale[1]:
+            raise ValueError(f"scale = {list(self.scale)}: need 0 < low <= high")
+        if self.crop is not None and min(self.crop) < 1:
+            raise ValueError(f"crop = {list(self.crop)}: both sides must be >= 1")
+
+
+def metric_key(name: str) -> str:
+    """A class name as it appears in metric keys (``iou/traffic_light``)."""
+    return "_".join(name.split())
+
+
+class PerImageMIoU(Mean):
+    """Thesis eq. 5.10: the mean over images of each image's mIoU (over the classes in its target or
+    prediction)."""
+
+    def __init__(self, num_classes: int):
+        super().__init__("miou_img", True, "mean over images of per-image mIoU (thesis eq. 5.10)")
+        self.num_classes = num_classes
+
+    def update_images(self, state: MetricState, preds: torch.Tensor, targets: torch.Tensor) -> None:
+        b, c = preds.shape[0], self.num_classes
+        keep = targets != IGNORE
+        image = torch.arange(b, device=preds.device).view(b, *([1] * (preds.ndim - 1))).expand_as(preds)
+        flat = (image * c * c + targets.long() * c + preds.long())[keep]
+        cm = torch.bincount(flat, minlength=b * c * c).view(b, c, c).to(torch.float64)
+        tp = cm.diagonal(dim1=1, dim2=2)
+        union = cm.sum(1) + cm.sum(2) - tp
+        present = union > 0
+        iou = torch.where(present, tp / union.clamp_min(1), torch.zeros_like(tp))
+        counted = present.any(1)  # an image with no labelled pixel and no prediction has no mIoU
+        per_image = iou.sum(1)[counted] / present.sum(1)[counted]
+        self.update(state, per_image.sum(), int(counted.sum()))
+
+
+def segmentation_metrics(class_names: Sequence[str], per_image: bool) -> MetricSet:
+    metrics: list[Any] = [
+        ConfusionMatrix("cm", len(class_names), IGNORE, [metric_key(n) for n in class_names]),
+        Mean("loss", False, "mean pixel cross-entropy over labelled pixels"),
+    ]
+    if per_image:
+        metrics.append(PerImageMIoU(len(class_names)))
+    return MetricSet(metrics, primary="miou")
+
+
+def upsample(logits: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """Logits ``[B, C, h, w]`` at ``size`` (bilinear), unchanged when they already are."""
+    if tuple(logits.shape[-2:]) == tuple(size):
+        return logits
+    return F.interpolate(logits, size=tuple(size), mode="bilinear", align_corners=False)
+
+
+def pixel_loss(logits: torch.Tensor, targets: torch.Tensor, ohem: float | None = None) -> torch.Tensor:
+    """Mean cross-entropy over labelled pixels (eq. 5.7), or over the hardest ``floor(ohem H W)`` labelled
+    pixels of every image; 0 (with a gradient path) when no pixel is labelled."""
+    logits = upsample(logits, targets.shape[-2:])
+    ce = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
+    valid = targets != IGNORE
+    if ohem is not None:
+        b = ce.shape[0]
+        ranked = torch.where(valid, ce, torch.full_like(ce, -1.0)).reshape(b, -1)
+        k = max(1, int(ohem * ranked.shape[1]))
+        top = ranked.topk(k, dim=1).values
+        chosen = top >= 0
+        n = chosen.sum()
+        return torch.where(chosen, top, torch.zeros_like(top)).sum() / n.clamp_min(1)
+    n = valid.sum()
+    return torch.where(valid, ce, torch.zeros_like(ce)).sum() / n.clamp_min(1)
+
+
+def main_output(outputs: Any) -> torch.Tensor:
+    """The main prediction of a model's output (the first element of a tuple of main and auxiliary outputs)."""
+    return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+
+
+class SegmentationTask(Task):
+    name = "segmentation"
+    provides = PROVIDES
+
+    @classmethod
+    def spec(cls, params: Any = None) -> TaskSpec:
+        params = params if isinstance(params, SegmentationParams) else SegmentationParams()
+        return TaskSpec(segmentation_metrics(["c"], params.per_image_miou).specs(), "miou", PROVIDES)
+
+    def __init__(
+        self,
+        data: SegmentationData,
+        clients: Sequence[ClientSplit],
+        model_name: str,
+        model_params: Params | None,
+        params: SegmentationParams | None = None,
+        *,
+        seed: int = 0,
+        val: SegmentationSet | None = None,
+        val_info: dict[str, Any] | None = None,
+        class_pixels: np.ndarray | None = None,
+    ):
+        """``class_pixels``: ``[N, C]`` class pixel counts of the pool's images when already computed (the
+        class-imbalance split needs them); computed on demand otherwise."""
+        from ..data.pipeline import Prefetcher
+
+        self.data, self.pool = data, data.train
+        self.clients = list(clients)
+        self.model_name, self.model_params = model_name, model_params
+        self.params = params or SegmentationParams()
+        self.class_names = list(data.class_names)
+        self.metrics = segmentation_metrics(self.class_names, self.params.per_image_miou)
+        self.val, self.val_info = val, val_info
+        self._class_pixels = class_pixels
+        self.device = torch.device("cpu")
+        self.mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+        p = self.params
+        self.prefetcher = Prefetcher(p.workers, depth=max(2, 2 * p.workers), backend=p.backend, pin_memory=True)
+        self.crop = tuple(p.crop) if p.crop is not None else self._common_size(self.pool, "task.crop")
+        #: the clients whose images populate the style bank (none without style augmentation)
+        self.bank_members = np.zeros(0, dtype=np.int64)
+        self.style_bank = self._build_style_bank(seed) if p.style != "none" else None
+
+    # -- sizes and splits -------------------------------------------------------------------------
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def num_train_examples(self, client: int) -> int:
+        return len(self.clients[client].train)
+
+    def num_test_examples(self, client: int) -> int:
+        return len(self.clients[client].test)
+
+    @property
+    def test_splits(self) -> tuple[str, ...]:
+        return ("test",) + tuple(f"test_{n}" for n in self.data.tests if n != "test")
+
+    @staticmethod
+    def _common_size(s: SegmentationSet, field: str) -> Pair:
+        sizes = s.image_sizes()
+        distinct = np.unique(sizes, axis=0)
+        if len(distinct) != 1:
+            shown = ", ".join(f"{h}x{w}" for h, w in distinct[:4].tolist())
+            raise ValueError(f"{field} must be set: the training images have {len(distinct)} sizes ({shown}, ...)")
+        return int(distinct[0][0]), int(distinct[0][1])
+
+    def _split(self, split: str | int) -> SegmentationSet:
+        """The images of an evaluation split: "test", "test_<name>", "val", a client id, or
+        "<split>@<domain>" (the split's images of one domain)."""
+        if isinstance(split, str) and "@" in split:
+            base, _, dom = split.rpartition("@")
+            s = self._split(base)
+            return s.subset(np.flatnonzero(s.domains == int(dom)))
+        if split == "test":
+            return self.data.tests["test"]
+        if isinstance(split, str) and split.startswith("test_") and split[5:] in self.data.tests:
+            return self.data.tests[split[5:]]
+        if split == "val":
+            if self.val is None:
+                raise ValueError('this run has no server-held validation set (split "val"); set [validation] '
+                                 'source = "carve"')
+            return self.val
+        if isinstance(split, str) and not split.lstrip("-").isdigit():
+            raise ValueError(f"task segmentation has no evaluation split {split!r} (use {', '.join(self.test_splits)}, "
+                             "'val' or a client id)")
+        return self.pool.subset(self.clients[int(split)].test)
+
+    def domain_groups(self, split: str) -> list[tuple[int, str]]:
+        """(domain id, sub-split name) of every domain present in a global evaluation split, by domain id."""
+        return [(int(d), f"{split}@{int(d)}") for d in np.unique(self._split(split).domains)]
+
+    def client_domain_counts(self) -> np.ndarray:
+        """``[clients, domains]`` numbers of training images of each domain on each client."""
+        d = len(self.data.domain_names)
+        return np.stack([np.bincount(self.pool.domains[c.train], minlength=d) for c in self.clients])
+
+    # -- model ------------------------------------------------------------------------------------
+
+    @property
+    def model_io(self) -> ModelIO:
+        return ModelIO("segmentation", in_channels=3, num_outputs=self.num_classes)
+
+    def build_model(self) -> nn.Module:
+        return build(MODELS, self.model_name, self.model_params, io=self.model_io)
+
+    def to(self, device: torch.device) -> "SegmentationTask":
+        """Images stay on the CPU (decoded and augmented there); batches are standardised on ``device``."""
+        self.device = torch.device(device)
+        self.mean, self.std = self.mean.to(self.device), self.std.to(self.device)
+        return self
+
+    def standardize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[B, 3, H, W]`` -> float32 standardised with the ImageNet statistics, on the task's device."""
+        images = images.to(self.device, non_blocking=images.is_pinned())
+        return (images.to(torch.float32).div_(255.0) - self.mean) / self.std
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def _batch_loader(self, seed: int) -> Any:
+        from ..data.seg_pipeline import SegBatchLoader
+
+        p = self.params
+        return SegBatchLoader(self.pool.images, self.pool.labels, self.crop, p.scale, p.flip, seed, self.style_bank)
+
+    def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Augmented crops of the client's training images at ``positions`` (the draws of step 0 of round 0)."""
+        return next(self.train_batches(client, [positions]))
+
+    def train_batches(
+        self, client: int, batches: Iterable[torch.Tensor], *, seed: int = 0, round: int = 0
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Images ``[B, 3, h, w]`` (standardised, on the task's device) and label maps ``[B, h, w]`` (int64),
+        decoded and augmented ahead by the prefetcher; sample j of step s from (seed, "augment", round,
+        client, s, j). A batch of a single image (the last of a pass) is trained with its horizontal mirror, as
+        FedDrive doubles tiny clients with flips: BatchNorm on a pooled 1 x 1 map needs two values."""
+        idx = self.clients[client].train
+        jobs = [(idx[pos.cpu().numpy()], ("augment", round, client, step), client) for step, pos in enumerate(batches)]
+        for x, y in self.prefetcher.map(self._batch_loader(seed), jobs):
+            if len(x) == 1:  # a batch of one image: with its mirror (BatchNorm on a pooled 1x1 map needs two)
+                x, y = torch.cat([x, x.flip(-1)]), torch.cat([y, y.flip(-1)])
+            yield self.standardize(x), y.to(self.device).long()
+
+    def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        total = pixel_loss(outs[0], targets, self.params.ohem)
+        for aux in outs[1:]:
+            total = total + self.params.aux_weight * pixel_loss(aux, targets, self.params.ohem)
+        return total
+
+    # -- evaluation -------------------------------------------------------------------------------
+
+    def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Whole images, standardised, with their label maps (int64), in batches of images of one size: sizes
+        in order of first appearance, images in split order within a size, at most ``batch_size`` images and
+        ``eval_pixels`` pixels a batch."""
+        from ..data.seg_pipeline import SegEvalLoader
+
+        s = self._split(split)
+        sizes = s.image_sizes()
+        jobs = []
+        _, first, inverse = np.unique(sizes, axis=0, return_index=True, return_inverse=True)
+        for g in np.argsort(first):
+            members = np.flatnonzero(inverse.reshape(-1) == g)
+            h, w = sizes[members[0]]
+            per = max(1, min(batch_size, self.params.eval_pixels // int(h * w)))
+            jobs += [members[a : a + per] for a in range(0, len(members), per)]
+        for x, y in self.prefetcher.map(SegEvalLoader(s.images, s.labels), jobs):
+            yield self.standardize(x), y.to(self.device).long()
+
+    def predict(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        return main_output(model(inputs))
+
+    def update_metrics(self, state: MetricState, outputs: Any, targets: torch.Tensor) -> None:
+        logits = upsample(main_output(outputs), targets.shape[-2:])
+        preds = logits.argmax(1)
+        by_name = {m.name: m for m in self.metrics.metrics}
+        by_name["cm"].update(state, preds, targets)
+        valid = int((targets != IGNORE).sum())
+        ce = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum") if valid else 0.0
+        by_name["loss"].update(state, ce, valid)
+        if "miou_img" in by_name:
+            by_name["miou_img"].update_images(state, preds, targets)
+
+    # -- statistics, style bank, cost -------------------------------------------------------------
+
+    def class_pixels(self) -> np.ndarray:
+        """``[N, C]`` pixel counts of every class in every pool image (one pass over the label maps)."""
+        if self._class_pixels is None:
+            from ..data.seg_pipeline import class_pixel_counts
+
+            self._class_pixels = class_pixel_counts(self.pool.labels, self.num_classes, self.prefetcher)
+        return self._class_pixels
+
+    def _build_style_bank(self, seed: int) -> Any:
+        from ..data.seg_pipeline import bank_clients, build_style_bank
+
+        p = self.params
+        members = bank_clients(self.num_clients, p.style_clients, seed)
+        idx = np.concatenate([self.clients[k].train for k in members])
+        owners = np.concatenate([np.full(len(self.clients[k].train), k) for k in members])
+        self.bank_members = members
+        return build_style_bank(p.style, self.pool.images.subset(idx), owners, self.crop, p.style_beta, p.style_prob,
+                                self.prefetcher)
+
+    def setup_cost(self) -> dict[str, float]:
+        """What crosses the network before round 1: every bank client uploads its style entries (one per
+        training image: FDA/CFSI amplitude windows of 3 x h x w floats, LAB (mean, std) of 3 channels), every
+        client downloads the bank. Nothing else of a client's data ever leaves it."""
+        if self.style_bank is None:
+            return {}
+        return {"up_bytes": float(self.style_bank.nbytes()), "down_bytes": float(self.style_bank.nbytes() * self.num_clients)}
+
+    def data_description(self) -> dict[str, Any]:
+        """Per-client image counts per domain (the partition key), per-client class pixel counts, the test
+        sets and the server validation set, for ``RUN_DIR/partition.json`` and ``fedsight partition``."""
+        pixels = self.class_pixels()
+        out: dict[str, Any] = {
+            "partition_key": "domain",
+            "class_names": list(self.data.domain_names),
+            "client_label_counts": self.client_domain_counts().tolist(),
+            "pixel_class_names": list(self.class_names),
+            "client_class_pixels": [pixels[c.train].sum(0).tolist() for c in self.clients],
+            "tests": {n: {"images": len(s), "domains": sorted({self.data.domain_names[d] for d in np.unique(s.domains)})}
+                      for n, s in self.data.tests.items()},
+            "validation": self.val_info,
+        }
+        if self.style_bank is not None:
+            out["style_bank"] = {"kind": self.style_bank.kind, "clients": [int(k) for k in self.bank_members],
+                                 "entries": len(self.style_bank.owners), "bytes": self.style_bank.nbytes()}
+        return out
+
+    def example_input(self) -> torch.Tensor:
+        for c in range(self.num_clients):
+            if self.num_train_examples(c):
+                return self.train_batch(c, torch.tensor([0]))[0]
+        raise ValueError("task 'segmentation': no client holds a training image")
+
+    def save_visuals(self, model: nn.Module, path: Any, hooks: Any = None) -> Any:
+        """``plots/visuals.png`` (and ``visuals_<name>.png`` per extra test set): image, ground truth and
+        prediction of a few test images; ``plots/class_distribution.png``: the clients' class pixel shares."""
+        from .seg_visuals import save_segmentation_visuals
+
+        return save_segmentation_visuals(self, model, path, hooks)
+
+
+@TASKS.register("segmentation", params=SegmentationParams, spec=SegmentationTask.spec,
+                help="semantic segmentation: pixel cross-entropy (OHEM), mIoU from merged confusion matrices")
+def build_segmentation_task(params: SegmentationParams, *, cfg: Any) -> SegmentationTask:
+    """The task of a validated config: load ``cfg.data`` (a segmentation dataset), carve the server's
+    validation images (stratified by domain), partition the rest by domain."""
+    from ..data.partition import partition_from_config
+    from ..data.seg_pipeline import class_pixel_counts
+    from ..data.server_split import carve_server_splits
+    from ..registry import DATASETS, PARTITIONERS
+    from .base import component_params
+
+    data = build(DATASETS, cfg.data.name, component_params(cfg.data), seed=cfg.seed)
+    if not isinstance(data, SegmentationData):
+        raise ValueError(f"data.name = {cfg.data.name!r} is not a segmentation dataset")
+    if cfg.validation.source == "dataset":
+        raise ValueError('validation.source = "dataset" is not supported by task segmentation; use "carve"')
+    server = carve_server_splits(cfg, data.train.domains, len(data.domain_names), list(data.domain_names))
+    val = data.train.subset(server.held["val"]) if "val" in server.held else None
+    pool = data.train.subset(server.rest)
+    needs = PARTITIONERS.get(cfg.partition.name).meta.get("needs", ())
+    attributes: dict[str, np.ndarray] = {}
+    pixels = None
+    if "class_presence" in needs:
+        pixels = class_pixel_counts(pool.labels, data.num_classes)
+        attributes["class_presence"] = pixels > 0
+    if "client_of" in needs:
+        if data.clients is None:
+            raise ValueError(f"partition.name = 'predefined': dataset {cfg.data.name!r} has no client split of its own")
+        client_of = np.full(len(data.train), -1, dtype=np.int64)
+        for k, idx in enumerate(data.clients):
+            client_of[idx] = k
+        attributes["client_of"] = client_of[server.rest]
+    data = SegmentationData(pool, data.tests, data.class_names, data.domain_names)
+    clients = partition_from_config(pool.domains, cfg, attributes)
+    model_params = MODELS.get(cfg.model.name).params(**component_params(cfg.model))
+    task_params = params if isinstance(params, SegmentationParams) else SegmentationParams(**component_params(params))
+    return SegmentationTask(data, clients, cfg.model.name, model_params, task_params, seed=cfg.seed, val=val,
+                            val_info=server.summaries.get("validation"), class_pixels=pixels)
