@@ -71,3 +71,20 @@ def test_window_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="style window"):
         fda(image(0), amplitude_window(image(1, 32, 32), 0.25), 0.25)
     assert amplitude_window(image(1, 16, 24), 0.1).shape == (3, 1, 3)  # 2 floor(0.8) + 1, 2 floor(1.2) + 1
+
+
+def test_a_fixed_half_size_window_is_centred_on_dc_and_fda_uses_it():
+    """LADD's style window: (2 half + 1)^2 frequencies around DC whatever the image size (half 1: 3 x 3, a
+    27-number style for 3 channels); the DC amplitude is the channel's pixel sum."""
+    torch.manual_seed(0)
+    x = torch.rand(3, 20, 34) * 255
+    win = amplitude_window(x, 0.0, half=1)
+    assert win.shape == (3, 3, 3)
+    assert torch.allclose(win[:, 1, 1], x.sum((-2, -1)), rtol=1e-5)
+    full = torch.fft.fftshift(torch.fft.fft2(x), dim=(-2, -1)).abs()
+    assert torch.allclose(win, full[:, 9:12, 16:19])
+    style = amplitude_window(torch.rand(3, 20, 34) * 255, 0.0, half=1)
+    out = fda(x, style, 0.0, 1.0, half=1)
+    assert torch.allclose(amplitude_window(out, 0.0, half=1), style, rtol=1e-4, atol=1e-2)
+    with pytest.raises(ValueError, match="half-size 12 does not fit a 20x34"):
+        amplitude_window(x, 0.0, half=12)

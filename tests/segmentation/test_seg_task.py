@@ -169,3 +169,51 @@ def test_domain_groups_and_sub_splits() -> None:
     assert task.client_domain_counts().tolist() == [[2, 0, 0], [0, 2, 0]]
     with pytest.raises(ValueError, match="no evaluation split 'test_rainy'"):
         task._split("test_rainy")
+
+
+class NoLabels(TensorLabelStore):
+    """A label store that fails when read: proves a code path never touches the labels."""
+
+    def get_one(self, i: int) -> torch.Tensor:
+        raise AssertionError("a label map was read")
+
+
+def test_unlabelled_clients_never_read_a_label_for_training() -> None:
+    s = make_set([(10, 12)] * 4, 3, 7)
+    hidden = SegmentationSet(s.images, NoLabels(s.labels.labels), s.domains)
+    task = make_task(hidden, split([0, 1], [2, 3]), classes=3, labels="eval_only", crop=(8, 8), workers=2)
+    for x, y in task.train_batches(0, [torch.tensor([0, 1]), torch.tensor([1])], seed=1, round=2):
+        assert (y == IGNORE).all() and x.shape[-2:] == (8, 8)
+    with pytest.raises(AssertionError, match="a label map was read"):  # evaluation does use them
+        next(task.eval_batches("test"))
+
+
+def test_unlabelled_clients_do_not_train_without_a_self_supervised_term() -> None:
+    """The task loss on IGNORE-only batches is 0, so plain FedAvg moves no parameter: nothing of the labels
+    leaks into training."""
+    from fedsight.api import build_simulation
+    from fedsight.config import validate
+
+    raw = {"seed": 0, "task": {"name": "segmentation", "crop": [24, 40], "labels": "eval_only"},
+           "data": {"name": "street", "towns": ["suburb"], "conditions": ["clear-day", "rain-day"], "cameras": ["car"],
+                    "per_domain": 4, "height": 32, "width": 48, "setting": "none"},
+           "partition": {"name": "iid", "num_clients": 2, "local_test_fraction": 0.0},
+           "model": {"name": "bisenetv2", "width": 0.25, "head_channels": 16, "aux_channels": 8},
+           "train": {"epochs": 1, "batch_size": 2, "lr": 0.5}, "server": {"rounds": 1, "clients_per_round": 2},
+           "eval": {"local": False}, "engine": {"threads": 1}}
+    sim = build_simulation(validate(raw))
+    before = {k: v.clone() for k, v in sim.global_model.named_parameters()}
+    sim.run()
+    assert all(torch.equal(before[k], v) for k, v in sim.global_model.named_parameters())
+
+
+def test_client_style_is_the_mean_low_frequency_amplitude_window_of_its_images() -> None:
+    s = make_set([(12, 20)] * 5, 3, 8)
+    task = make_task(s, split([0, 2, 3], [1, 4]), classes=3, crop=(10, 16))
+    windows = []
+    for i in (0, 2, 3):
+        img = F.interpolate(s.images.get_one(i)[None].float(), size=(10, 16), mode="bilinear", align_corners=False)[0]
+        amp = torch.fft.fftshift(torch.fft.fft2(img), dim=(-2, -1)).abs()
+        windows.append(amp[:, 4:7, 7:10])  # 3 x 3 around DC (5, 8)
+    assert torch.allclose(task.client_style(0, half=1), torch.stack(windows).mean(0), rtol=1e-5)
+    assert task.image_styles("test", half=2).shape == (5, 3, 5, 5)

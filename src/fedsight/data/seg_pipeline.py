@@ -113,19 +113,21 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"style kind must be 'fda', 'cfsi' or 'lab', got {kind!r}")
 
 
-def style_entry(kind: str, image: torch.Tensor, crop: tuple[int, int], beta: float) -> torch.Tensor:
-    """A client's style entry for one image (resized to the crop size first, so every CFSI window has the
-    crop's frequency grid)."""
+def style_entry(kind: str, image: torch.Tensor, crop: tuple[int, int], beta: float, half: int | None = None
+                ) -> torch.Tensor:
+    """A client's style entry for one image (resized to the crop size first, so every amplitude window has the
+    crop's frequency grid; ``half``: a fixed ``(2 half + 1)^2`` window instead of ``beta``'s)."""
     _check_kind(kind)
     img = F.interpolate(image.unsqueeze(0).to(torch.float32), size=crop, mode="bilinear", align_corners=False)[0]
     if kind in AMPLITUDE_KINDS:
-        return amplitude_window(img, beta).to(torch.float32)
+        return amplitude_window(img, beta, half).to(torch.float32)
     return lab_stats(img.clamp(0, 255)).to(torch.float32)
 
 
 class SegBatchLoader:
     """Picklable ``(indices, key, client) -> (images uint8 [B, 3, h, w], labels uint8 [B, h, w])`` over an
-    image store and a label store, augmented (geometry, then style) from per-sample streams."""
+    image store and a label store, augmented (geometry, then style) from per-sample streams. Without a label
+    store (``labels=None``: unlabelled clients) no label is read and every label pixel is ``IGNORE``."""
 
     def __init__(self, images: Any, labels: Any, crop: tuple[int, int], scale: tuple[float, float], flip: bool,
                  seed: int, style: StyleBank | None = None):
@@ -137,8 +139,10 @@ class SegBatchLoader:
         xs, ys = [], []
         for j, i in enumerate(indices):
             rng = np_rng(self.seed, *key, j)
-            img, lab = augment_pair(self.images.get_one(int(i)), self.labels.get_one(int(i)), self.crop, self.scale,
-                                    self.flip, rng)
+            image = self.images.get_one(int(i))
+            label = (self.labels.get_one(int(i)) if self.labels is not None
+                     else torch.full(image.shape[-2:], IGNORE, dtype=torch.uint8))
+            img, lab = augment_pair(image, label, self.crop, self.scale, self.flip, rng)
             if self.style is not None:
                 img = self.style.apply(img, client, rng)
             xs.append(img)

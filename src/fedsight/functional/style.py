@@ -41,8 +41,13 @@ def _side(n: int, beta: float) -> slice:
     return slice(n // 2 - b, n // 2 + b + 1)
 
 
-def _window(h: int, w: int, beta: float) -> tuple[slice, slice]:
-    """Rows and columns of the low-frequency window of an ``fftshift``-ed ``h x w`` spectrum."""
+def _window(h: int, w: int, beta: float, half: int | None = None) -> tuple[slice, slice]:
+    """Rows and columns of the low-frequency window of an ``fftshift``-ed ``h x w`` spectrum: from ``beta``,
+    or with ``half`` a fixed ``(2 half + 1) x (2 half + 1)`` window (LADD's ``fda_b``: half 1 gives 3 x 3)."""
+    if half is not None:
+        if half < 0 or 2 * half + 1 > min(h, w):
+            raise ValueError(f"a window of half-size {half} does not fit a {h}x{w} spectrum")
+        return slice(h // 2 - half, h // 2 + half + 1), slice(w // 2 - half, w // 2 + half + 1)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     return _side(h, beta), _side(w, beta)
@@ -55,26 +60,29 @@ def spectrum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return f.abs(), f.angle()
 
 
-def amplitude_window(x: torch.Tensor, beta: float) -> torch.Tensor:
+def amplitude_window(x: torch.Tensor, beta: float, half: int | None = None) -> torch.Tensor:
     """The low-frequency amplitude window of ``x`` ``[..., C, H, W]`` (``[..., C, 2 floor(beta H / 2) + 1,
-    2 floor(beta W / 2) + 1]``): an image's style descriptor, what CFSI clients share."""
+    2 floor(beta W / 2) + 1]``, or ``[..., C, 2 half + 1, 2 half + 1]``): an image's style descriptor, what
+    CFSI clients share."""
     amp, _ = spectrum(x)
-    ys, xs = _window(x.shape[-2], x.shape[-1], beta)
+    ys, xs = _window(x.shape[-2], x.shape[-1], beta, half)
     return amp[..., ys, xs].contiguous()
 
 
-def fda(content: torch.Tensor, style_window: torch.Tensor, beta: float, lam: float = 1.0) -> torch.Tensor:
-    """``content`` ``[..., C, H, W]`` with its low-frequency amplitude window moved to
+def fda(content: torch.Tensor, style_window: torch.Tensor, beta: float, lam: float = 1.0,
+        half: int | None = None) -> torch.Tensor:
+    """``content`` ``[..., C, H, W]`` with its low-frequency amplitude window (``beta`` or ``half``) moved to
     ``lam * style_window + (1 - lam) * own window`` (eq. 5.15); phase and high band kept."""
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lambda must be in [0, 1], got {lam}")
     h, w = content.shape[-2:]
-    ys, xs = _window(h, w, beta)
+    ys, xs = _window(h, w, beta, half)
     if ys.stop == ys.start or xs.stop == xs.start or lam == 0.0:
         return content.clone()
     want = (ys.stop - ys.start, xs.stop - xs.start)
     if tuple(style_window.shape[-2:]) != want:
-        raise ValueError(f"style window is {tuple(style_window.shape[-2:])}, but beta={beta} on {h}x{w} needs {want}")
+        size = f"half={half}" if half is not None else f"beta={beta}"
+        raise ValueError(f"style window is {tuple(style_window.shape[-2:])}, but {size} on {h}x{w} needs {want}")
     amp, phase = spectrum(content)
     amp = amp.clone()
     amp[..., ys, xs] = lam * style_window.to(amp) + (1.0 - lam) * amp[..., ys, xs]

@@ -75,6 +75,10 @@ class SegmentationParams(Params):
     style_prob: float = Field(0.5, ge=0, le=1, description="probability that a training image is restyled")
     style_clients: float = Field(0.5, gt=0, le=1, description="fraction of the clients whose images populate the "
                                  "style bank (FedDrive: half)")
+    labels: Literal["train", "eval_only"] = Field(
+        "train", description="'eval_only': the clients' images are unlabelled for training (source-free adaptation, "
+        "LADD): training batches carry only IGNORE labels and no label map is read for them; evaluation uses the "
+        "labels")
     workers: int = Field(0, ge=0, description="threads or processes decoding and augmenting batches ahead (0: "
                          "in the training loop)")
     backend: Literal["thread", "process"] = Field("thread", description="what the prefetching workers are "
@@ -288,7 +292,8 @@ class SegmentationTask(Task):
         from ..data.seg_pipeline import SegBatchLoader
 
         p = self.params
-        return SegBatchLoader(self.pool.images, self.pool.labels, self.crop, p.scale, p.flip, seed, self.style_bank)
+        labels = self.pool.labels if p.labels == "train" else None  # unlabelled clients: labels never read
+        return SegBatchLoader(self.pool.images, labels, self.crop, p.scale, p.flip, seed, self.style_bank)
 
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Augmented crops of the client's training images at ``positions`` (the draws of step 0 of round 0)."""
@@ -369,6 +374,23 @@ class SegmentationTask(Task):
         self.bank_members = members
         return build_style_bank(p.style, self.pool.images.subset(idx), owners, self.crop, p.style_beta, p.style_prob,
                                 self.prefetcher)
+
+    def _styles(self, images: Any, indices: Sequence[int], half: int) -> torch.Tensor:
+        from ..data.seg_pipeline import style_entry
+
+        return torch.stack([style_entry("fda", images.get_one(int(i)), self.crop, 0.0, half) for i in indices])
+
+    def client_style(self, client: int, half: int = 1) -> torch.Tensor:
+        """LADD's client style (thesis Sec. 5.3.3): the mean over the client's training images of their
+        ``(2 half + 1)^2`` low-frequency amplitude windows (each image resized to the crop size first, so
+        every window has the same frequency grid); ``[3, 2 half + 1, 2 half + 1]`` (27 numbers at half 1)."""
+        return self._styles(self.pool.images, self.clients[client].train, half).mean(0)
+
+    def image_styles(self, split: str | int, half: int = 1) -> torch.Tensor:
+        """The style of every image of an evaluation split (one image's window, as ``client_style`` averages),
+        ``[N, 3, 2 half + 1, 2 half + 1]``: what assigns a test image to its nearest style cluster."""
+        s = self._split(split)
+        return self._styles(s.images, range(len(s)), half)
 
     def setup_cost(self) -> dict[str, float]:
         """What crosses the network before round 1: every bank client uploads its style entries (one per
