@@ -57,13 +57,13 @@ def test_a_run_logs_seen_and_unseen_test_sets_with_directions_and_pictures(tmp_p
         assert (run / "plots" / name).stat().st_size > 1000, name
 
 
-def _evaluate_with(model: torch.nn.Module, task: Any, split: str, entries: dict[str, torch.Tensor]):
-    """The metric state of ``split`` with ``entries`` loaded into a copy of ``model`` (in eval mode)."""
+def _evaluate_with(model: torch.nn.Module, task: Any, split: str, subset, entries: dict[str, torch.Tensor]):
+    """The metric state of ``subset`` of ``split`` with ``entries`` loaded into a copy of ``model``."""
     work = copy.deepcopy(model)
     state = work.state_dict()
     state.update(entries)
     work.load_state_dict(state)
-    return task.eval_state(work, split, 4)
+    return task.eval_state(work, split, 4, subset)
 
 
 def test_silobn_by_domain_evaluates_each_domain_with_its_clients_statistics() -> None:
@@ -81,15 +81,17 @@ def test_silobn_by_domain_evaluates_each_domain_with_its_clients_statistics() ->
     counts = task.client_domain_counts()
     for split in ("test", "test_unseen"):
         states = []
-        for d in np.unique(task._split(split).domains):
+        domains = task._split(split).domains
+        for d in np.unique(domains):
+            members = np.flatnonzero(domains == d)
             owner = np.flatnonzero(counts[:, d])
             if len(owner):
                 (client,) = owner  # one client per seen domain
-                states.append(_evaluate_with(model, task, f"{split}@{d}", sim.store.get(PERSONAL, int(client))))
+                states.append(_evaluate_with(model, task, split, members, sim.store.get(PERSONAL, int(client))))
             else:
                 work = copy.deepcopy(model)
-                with fresh_statistics(work, (x for x, _ in task.eval_batches(f"{split}@{d}", 4))):
-                    states.append(task.eval_state(work, f"{split}@{d}", 4))
+                with fresh_statistics(work, (x for x, _ in task.eval_batches(split, 4, subset=members))):
+                    states.append(task.eval_state(work, split, 4, members))
         want = task.metrics.compute(task.metrics.merge(states))
         assert got[f"{split}/miou"] == pytest.approx(want["miou"], abs=1e-9), split
         assert got[f"{split}/loss"] == pytest.approx(want["loss"], rel=1e-6), split

@@ -163,9 +163,11 @@ def test_domain_groups_and_sub_splits() -> None:
     test = make_set([(6, 6)] * 5, 3, 6, domains=[2, 0, 2, 2, 0])
     task = make_task(train, split([0, 2], [1, 3]), tests={"test": test, "unseen": test.subset([0, 2])}, classes=3)
     assert task.test_splits == ("test", "test_unseen")
-    assert task.domain_groups("test") == [(0, "test@0"), (2, "test@2")]
-    sub = task._split("test@2")
-    assert [torch.equal(sub.images.get_one(i), test.images.get_one(j)) for i, j in enumerate([0, 2, 3])] == [True] * 3
+    groups = task.domain_groups("test")
+    assert [(d, m.tolist()) for d, m in groups] == [(0, [1, 4]), (2, [0, 2, 3])]
+    # a subset of a split evaluates exactly those images
+    (x, y), = task.eval_batches("test", subset=groups[1][1])
+    assert [torch.equal(y[i], test.labels.get_one(j).long()) for i, j in enumerate([0, 2, 3])] == [True] * 3
     assert task.client_domain_counts().tolist() == [[2, 0, 0], [0, 2, 0]]
     with pytest.raises(ValueError, match="no evaluation split 'test_rainy'"):
         task._split("test_rainy")

@@ -56,7 +56,9 @@ def evaluate_split(stage: Stage, model: nn.Module, ctx: EvalContext) -> MetricSt
         with contextlib.ExitStack() as stack:
             for comp in stage.recipe.components:
                 stack.enter_context(comp.eval_context(model, c))
-            return c.task.eval_state(model, c.split, c.batch_size)
+            if c.subset is None:  # (a task's own eval_state may not take a subset)
+                return c.task.eval_state(model, c.split, c.batch_size)
+            return c.task.eval_state(model, c.split, c.batch_size, c.subset)
 
     return stage.recipe.sharing.evaluate(model, ctx, run)
 

@@ -149,14 +149,14 @@ class NodeTask(Task):
     def predict(self, model: nn.Module, inputs: Any) -> Any:
         return self.inner.predict(model, inputs)
 
-    def eval_state(self, model: nn.Module, split: str | int, batch_size: int) -> MetricState:
-        return self.inner.eval_state(model, self._split(split), batch_size)
+    def eval_state(self, model: nn.Module, split: str | int, batch_size: int, subset: Any = None) -> MetricState:
+        return self.inner.eval_state(model, self._split(split), batch_size, subset)
 
-    def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[Any, Any]]:
-        return self.inner.eval_batches(self._split(split), batch_size)
+    def eval_batches(self, split: str | int, batch_size: int = 512, subset: Any = None) -> Iterator[tuple[Any, Any]]:
+        return self.inner._batches(self._split(split), batch_size, subset)
 
-    def eval_inputs(self, split: str | int, batch_size: int = 512) -> Iterator[Any]:
-        return self.inner.eval_inputs(self._split(split), batch_size)
+    def eval_inputs(self, split: str | int, batch_size: int = 512, subset: Any = None) -> Iterator[Any]:
+        return self.inner.eval_inputs(self._split(split), batch_size, subset)
 
     def client_labels(self, client: int) -> np.ndarray:
         return self.inner.client_labels(self._own(client))  # type: ignore[attr-defined]

@@ -225,15 +225,15 @@ class NormSharing(Sharing):
         trained on (an unseen domain) is evaluated as the "fresh" rule evaluates a global split: fresh
         statistics on its own images (FedDrive's 'standard' inference) and, for FedBN, the clients' average of
         the other personal entries. The domains' metric states merge (one confusion matrix over the split)."""
-        if self.test_stats != "domain" or not ctx.is_global_test or "@" in str(ctx.split):
+        if self.test_stats != "domain" or not ctx.is_global_test or ctx.subset is not None:
             return super().evaluate(model, ctx, run)
         counts = ctx.task.client_domain_counts()
         state = model.state_dict()
         personal = [k for k in ctx.personal_keys if state[k].is_floating_point()]
         stats = _stat_keys(model)
         states = []
-        for d, sub in ctx.task.domain_groups(ctx.split):
-            part = dataclasses.replace(ctx, split=sub)
+        for d, members in ctx.task.domain_groups(ctx.split):
+            part = dataclasses.replace(ctx, subset=members)
             owners = {int(c): float(counts[c, d]) for c in np.flatnonzero(counts[:, d])}
             entries = self.client_average(ctx, personal, owners) if owners else {}
             with contextlib.ExitStack() as stack:
@@ -249,7 +249,9 @@ class NormSharing(Sharing):
 
     def _fresh(self, model: nn.Module, ctx: EvalContext) -> contextlib.AbstractContextManager:
         device = model_device(model)
-        return fresh_statistics(model, (to_device(x, device) for x in ctx.task.eval_inputs(ctx.split, ctx.batch_size)))
+        inputs = (ctx.task.eval_inputs(ctx.split, ctx.batch_size) if ctx.subset is None
+                  else ctx.task.eval_inputs(ctx.split, ctx.batch_size, ctx.subset))
+        return fresh_statistics(model, (to_device(x, device) for x in inputs))
 
 
 def _requires(needs: str) -> Callable[[NormSharingParams], set[str]]:

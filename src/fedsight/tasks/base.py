@@ -113,10 +113,17 @@ class Task(ABC):
         such as ``"val"``) in batches of at most ``batch_size``, in a fixed order. Methods that need a
         differentiable task loss on server data (FedVG) use this with ``loss``."""
 
-    def eval_inputs(self, split: str | int, batch_size: int = 512) -> Iterator[Any]:
-        """The model inputs of an evaluation split, in the order ``eval_state`` sees them. Used by
-        test-time adaptation of normalisation statistics (SiloBN/FedBN ``test_stats="fresh"``)."""
-        for x, _ in self.eval_batches(split, batch_size):
+    def _batches(self, split: str | int, batch_size: int, subset: Any) -> Iterator[tuple[Any, Any]]:
+        """``eval_batches`` of the whole split, or of ``subset`` (indices into the split; a task that can
+        evaluate part of a split takes ``subset=`` in ``eval_batches``)."""
+        if subset is None:
+            return self.eval_batches(split, batch_size)
+        return self.eval_batches(split, batch_size, subset=subset)  # type: ignore[call-arg]
+
+    def eval_inputs(self, split: str | int, batch_size: int = 512, subset: Any = None) -> Iterator[Any]:
+        """The model inputs of an evaluation split (or of ``subset`` of it), in the order ``eval_state`` sees
+        them. Used by test-time adaptation of normalisation statistics (SiloBN/FedBN ``test_stats="fresh"``)."""
+        for x, _ in self._batches(split, batch_size, subset):
             yield x
 
     @abstractmethod
@@ -128,14 +135,14 @@ class Task(ABC):
         return model(inputs)
 
     @torch.no_grad()
-    def eval_state(self, model: nn.Module, split: str | int, batch_size: int) -> MetricState:
-        """The metric state of ``model`` (in eval mode, restored after) over ``split``."""
+    def eval_state(self, model: nn.Module, split: str | int, batch_size: int, subset: Any = None) -> MetricState:
+        """The metric state of ``model`` (in eval mode, restored after) over ``split`` (or ``subset`` of it)."""
         was_training = model.training
         model.eval()
         device = model_device(model)
         state = self.metrics.new_state()
         try:
-            for x, y in self.eval_batches(split, batch_size):
+            for x, y in self._batches(split, batch_size, subset):
                 x, y = to_device(x, device), to_device(y, device)
                 self.update_metrics(state, self.predict(model, x), y)
         finally:

@@ -237,12 +237,7 @@ class SegmentationTask(Task):
         return int(distinct[0][0]), int(distinct[0][1])
 
     def _split(self, split: str | int) -> SegmentationSet:
-        """The images of an evaluation split: "test", "test_<name>", "val", a client id, or
-        "<split>@<domain>" (the split's images of one domain)."""
-        if isinstance(split, str) and "@" in split:
-            base, _, dom = split.rpartition("@")
-            s = self._split(base)
-            return s.subset(np.flatnonzero(s.domains == int(dom)))
+        """The images of an evaluation split: "test", "test_<name>", "val" or a client id."""
         if split == "test":
             return self.data.tests["test"]
         if isinstance(split, str) and split.startswith("test_") and split[5:] in self.data.tests:
@@ -257,9 +252,10 @@ class SegmentationTask(Task):
                              "'val' or a client id)")
         return self.pool.subset(self.clients[int(split)].test)
 
-    def domain_groups(self, split: str) -> list[tuple[int, str]]:
-        """(domain id, sub-split name) of every domain present in a global evaluation split, by domain id."""
-        return [(int(d), f"{split}@{int(d)}") for d in np.unique(self._split(split).domains)]
+    def domain_groups(self, split: str) -> list[tuple[int, np.ndarray]]:
+        """(domain id, indices into the split of its images) of every domain of an evaluation split, by id."""
+        domains = self._split(split).domains
+        return [(int(d), np.flatnonzero(domains == d)) for d in np.unique(domains)]
 
     def client_domain_counts(self) -> np.ndarray:
         """``[clients, domains]`` numbers of training images of each domain on each client."""
@@ -322,13 +318,16 @@ class SegmentationTask(Task):
 
     # -- evaluation -------------------------------------------------------------------------------
 
-    def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Whole images, standardised, with their label maps (int64), in batches of images of one size: sizes
-        in order of first appearance, images in split order within a size, at most ``batch_size`` images and
-        ``eval_pixels`` pixels a batch."""
+    def eval_batches(self, split: str | int, batch_size: int = 512, subset: Any = None
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Whole images (of the split, or its ``subset``: indices into it), standardised, with their label maps
+        (int64), in batches of images of one size: sizes in order of first appearance, images in split order
+        within a size, at most ``batch_size`` images and ``eval_pixels`` pixels a batch."""
         from ..data.seg_pipeline import SegEvalLoader
 
         s = self._split(split)
+        if subset is not None:
+            s = s.subset(subset)
         sizes = s.image_sizes()
         jobs = []
         _, first, inverse = np.unique(sizes, axis=0, return_index=True, return_inverse=True)

@@ -138,9 +138,11 @@ class EvalContext:
     shared_params: Sequence[str] = ()
     #: per-client state: the clients' personal entries (key ``"personal"``), Ditto's models, ...
     store: StateReader | None = None
+    #: evaluate only these examples of the split (indices into it, e.g. one domain's images); None: all
+    subset: Any = None
 
     @property
     def is_global_test(self) -> bool:
-        """Whether the split is a global test set (``"test"``, ``"test_<name>"``, or one domain of one:
-        ``"test@3"``), which belongs to no client."""
-        return isinstance(self.split, str) and (self.split == "test" or self.split.startswith(("test_", "test@")))
+        """Whether the split is a global test set (``"test"`` or ``"test_<name>"``), which belongs to no
+        client."""
+        return isinstance(self.split, str) and (self.split == "test" or self.split.startswith("test_"))
