@@ -199,3 +199,52 @@ def test_missing_init_weights_file_is_named(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
         build_simulation(validate(tiny(**{"init.weights": str(tmp_path / "nope.safetensors")})))
+
+
+def test_server_only_rounds_facts_and_server_steps_resume_bit_identically(tmp_path) -> None:
+    """A component that picks no client makes a server-only round (no 'round_skipped' event) whose
+    ``server_step`` trains the global model on server data and records a fact; facts are checkpointed, so
+    a run killed after such a round resumes to the same numbers."""
+    import torch
+
+    from fedsight.api import execute
+    from fedsight.config import validate
+    from fedsight.registry import COMPONENTS, NoParams
+    from fedsight.training import Component
+
+    class ServerSide(Component):
+        name = "server_side"
+
+        def sample(self, round, num_clients, m, seed):
+            return [] if round <= 2 else None
+
+        def server_step(self, sctx):
+            if sctx.round <= 2:  # one SGD step on the server's view of client 0's data
+                model = sctx.model
+                x, y = sctx.task.train_batch(0, torch.arange(8))
+                loss = torch.nn.functional.cross_entropy(model(x.to(next(model.parameters()).device)), y)
+                loss.backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+                        p.grad = None
+                sctx.facts["steps"] = sctx.facts.get("steps", torch.zeros(())) + 1
+            sctx.metrics["server/steps"] = float(sctx.facts["steps"])
+
+    if "server_side" not in COMPONENTS.names():
+        COMPONENTS.register("server_side", params=NoParams)(lambda params: ServerSide())
+    raw = tiny(**{"server.rounds": 4, "eval.every": 1, "recipe.components": ["server_side"]})
+    whole = execute(validate(raw), tmp_path / "whole")
+    rows = [json.loads(line) for line in (whole.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r.get("event") == "round_skipped"]
+    by_round = {r["round"]: r for r in rows if "event" not in r}
+    assert [by_round[r]["clients/sampled"] for r in (1, 2, 3, 4)] == [0, 0, 3, 3]
+    assert [by_round[r]["server/steps"] for r in (1, 2, 3, 4)] == [1.0, 2.0, 2.0, 2.0]
+    assert by_round[1]["test/acc"] != by_round[2]["test/acc"]  # the server's steps moved the model
+    cfg = validate(raw)
+    part = execute(cfg, tmp_path / "part", stop_after=2)
+    assert part.status == "stopped"
+    resumed = execute(cfg, tmp_path / "part", resume=True)
+    again = [json.loads(line) for line in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if "event" not in r]  # noqa: E731
+    assert strip(again) == strip(rows)

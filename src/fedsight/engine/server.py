@@ -70,6 +70,8 @@ class Server:
         self._gstate = self.global_model.state_dict(keep_vars=True)
         #: cumulative communication and computation over the run
         self.totals = {"up_bytes": 0.0, "down_bytes": 0.0, "flops": 0.0}
+        #: named tensors server-side parts establish for later rounds and stages (``ServerContext.facts``)
+        self.facts: dict[str, torch.Tensor] = {}
         self.round = 0
         #: (client ids, normalised weights) of the last aggregation, for logging
         self.last_weights: tuple[list[int], Any] | None = None
@@ -124,7 +126,7 @@ class Server:
             sampled = sample_clients(self.seed, r, self.task.num_clients, m)
         sctx = ServerContext(
             round=r, model=self.global_model, num_clients=self.task.num_clients, sampled=sampled, seed=self.seed,
-            rounds=self.schedule.rounds, task=self.task,
+            rounds=self.schedule.rounds, task=self.task, facts=self.facts,
         )
         broadcast = {}
         for c in self.recipe.components:
@@ -195,8 +197,10 @@ class Server:
             if trained:
                 n = sum(res.num_examples for res in trained)
                 row["train/loss"] = sum(res.metrics["train/loss"] * res.num_examples for res in trained) / n
-        else:
+        elif plan.sampled:  # (no client sampled: a server-only round)
             events.append({"round": r, "event": "round_skipped", "reason": "no valid client update"})
+        for c in self.recipe.components:
+            c.server_step(sctx)
         row.update(sctx.metrics)
         down_each = nbytes([t for sent in plan.broadcast.values() for t in sent.values()])
         if self.recipe.trainer.downloads_model:
@@ -221,7 +225,7 @@ class Server:
 
     def eval_context(self, split: str | int, store: Any) -> EvalContext:
         return EvalContext(self.task, split, self.schedule.eval_batch_size, self.layout.personal_keys,
-                           self.layout.shared_params, store)
+                           self.layout.shared_params, store, facts=self.facts)
 
     def evaluate_global(self, store: Any) -> dict[str, float]:
         """``test/*`` (and ``test_<name>/*`` for a task's extra test sets): the global model on the global
@@ -267,6 +271,7 @@ class Server:
             "rng": {"torch": torch.get_rng_state()},
             "totals": dict(self.totals),
             "client_state": self.store.state_dict(),
+            "facts": {k: v.detach().clone() for k, v in self.facts.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -283,4 +288,6 @@ class Server:
             c.load_state_dict(comp_states.get(f"{i}:{c.name}", {}))
         torch.set_rng_state(state["rng"]["torch"])
         self.totals.update({k: float(v) for k, v in state.get("totals", {}).items()})
+        self.facts.clear()
+        self.facts.update(to_device(state.get("facts", {}), self.device))
         self.store.load_state_dict(state.get("client_state", {}))

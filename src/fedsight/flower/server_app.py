@@ -178,6 +178,8 @@ class FlowerBackend:
         pass
 
     def train(self, plan: Any) -> tuple[list[Reply], list[dict[str, Any]]]:
+        if not plan.sampled:  # a server-only round
+            return [], []
         r, opts = plan.round, self.opts
         self._online = set(int(n) for n in self.grid.get_node_ids())
         known = set(self.node_of.values())

@@ -63,8 +63,8 @@ class Component:
         return None
 
     def sample(self, round: int, num_clients: int, m: int, seed: int) -> list[int] | None:
-        """The clients of ``round`` if this component chooses them (Fed3R visits each client once), or
-        None for the engine's uniform sampling."""
+        """The clients of ``round`` if this component chooses them (Fed3R visits each client once; an empty
+        list makes a server-only round), or None for the engine's uniform sampling."""
         return None
 
     def adapt_model(self, model: nn.Module, seed: int) -> None:
@@ -79,7 +79,13 @@ class Component:
 
     def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
         """After aggregation and the server optimizer step (e.g. update server-side state, or apply a
-        correction to ``sctx.model``'s parameters as FedDyn does). ``weights`` are normalised."""
+        correction to ``sctx.model``'s parameters as FedDyn does). ``weights`` are normalised. Called only
+        in a round with at least one accepted update."""
+
+    def server_step(self, sctx: ServerContext) -> None:
+        """At the end of every round, after aggregation (if any) and ``server_round_end``: server-side work
+        that does not depend on this round's updates, e.g. training ``sctx.model`` on data the server holds
+        (LADD's source pre-training, in rounds where ``sample`` picks no client)."""
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

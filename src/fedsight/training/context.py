@@ -111,6 +111,9 @@ class ServerContext:
     task: Any = None
     #: scalars a server-side part reports for this round; merged into the round's metrics row
     metrics: dict[str, float] = field(default_factory=dict)
+    #: the run's facts: named tensors a server-side part establishes for the parts of later rounds and
+    #: stages (LADD's clients' styles and clusters); checkpointed with the server (``Server.facts``)
+    facts: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 
@@ -140,6 +143,8 @@ class EvalContext:
     store: StateReader | None = None
     #: evaluate only these examples of the split (indices into it, e.g. one domain's images); None: all
     subset: Any = None
+    #: the run's facts as the server knows them (``ServerContext.facts``); empty on a client's side
+    facts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def is_global_test(self) -> bool:
