@@ -1,5 +1,6 @@
 """Engine equivalences: FedAvg is the weighted mean, one client is plain training, resume and seeds."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -248,3 +249,74 @@ def test_server_only_rounds_facts_and_server_steps_resume_bit_identically(tmp_pa
     again = [json.loads(line) for line in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if "event" not in r]  # noqa: E731
     assert strip(again) == strip(rows)
+
+
+def test_a_client_broadcast_reaches_only_its_client_and_is_counted_in_the_download() -> None:
+    import torch
+
+    from fedsight.registry import COMPONENTS, NoParams
+    from fedsight.training import Component
+
+    seen: dict[int, float] = {}
+
+    class PerClient(Component):
+        name = "per_client"
+
+        def server_broadcast(self, sctx):
+            return {"common": torch.zeros(3)}
+
+        def client_broadcast(self, sctx, client):
+            return {"mine": torch.full((5,), float(client), dtype=torch.float64)} if client % 2 == 0 else None
+
+        def client_start(self, ctx):
+            got = ctx.broadcast[self.name]
+            assert torch.equal(got["common"], torch.zeros(3))
+            seen[ctx.client_id] = float(got["mine"][0]) if "mine" in got else -1.0
+
+    if "per_client" not in COMPONENTS.names():
+        COMPONENTS.register("per_client", params=NoParams)(lambda params: PerClient())
+    rows = []
+    plain = build_simulation(validate(tiny(**{"server.rounds": 1})))
+    plain.run(on_round=lambda r, row, ev: rows.append(row))
+    sim = build_simulation(validate(tiny(**{"server.rounds": 1, "recipe.components": ["per_client"]})))
+    sim.run(on_round=lambda r, row, ev: rows.append(row))
+    sampled = sorted(seen)
+    assert all(seen[c] == (c if c % 2 == 0 else -1.0) for c in sampled) and len(sampled) == 3
+    evens = sum(1 for c in sampled if c % 2 == 0)
+    assert rows[1]["cost/down_bytes"] - rows[0]["cost/down_bytes"] == 3 * 3 * 4 + evens * 5 * 8
+
+
+def test_a_component_can_evaluate_a_split_in_parts_and_merge_the_states() -> None:
+    """``Component.evaluate``: evaluating the global test set in two halves and merging the states gives the
+    numbers of one evaluation (metric states merge exactly); the halves really are evaluated apart."""
+    import numpy as np
+
+    from fedsight.engine.client_runtime import evaluate_split
+    from fedsight.training import Component
+
+    calls: list[int] = []
+
+    class Halves(Component):
+        name = "halves"
+
+        def evaluate(self, model, ctx, run):
+            n = len(ctx.task.test_y)
+            parts = [np.arange(0, n // 2), np.arange(n // 2, n)]
+            states = []
+            for p in parts:
+                calls.append(len(p))
+                states.append(run(dataclasses.replace(ctx, subset=p)))
+            return ctx.task.metrics.merge(states)
+
+    sim = build_simulation(validate(tiny(**{"server.rounds": 1})))
+    sim.run()
+    whole = sim.server.evaluate_global(sim.store)
+    stage = sim.stages[0]
+    stage.recipe.components.append(Halves())
+    try:
+        state = evaluate_split(stage, sim.global_model, sim.server.eval_context("test", sim.store))
+    finally:
+        stage.recipe.components.pop()
+    assert calls == [len(sim.task.test_y) // 2, len(sim.task.test_y) - len(sim.task.test_y) // 2]
+    got = sim.task.metrics.compute(state)
+    assert got["acc"] == whole["test/acc"] and got["loss"] == pytest.approx(whole["test/loss"], rel=1e-12)

@@ -286,3 +286,16 @@ def test_certs_command_makes_a_ca_signed_server_certificate_and_ec_node_keys(tmp
         assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
         pub = load_ssh_public_key((tmp_path / f"node{k}.pub").read_bytes())
         assert pub.public_numbers() == key.public_key().public_numbers()
+
+
+def test_a_client_gets_its_own_broadcast_merged_over_the_common_one() -> None:
+    common = {"teacher": {"a": torch.ones(2)}, "scaffold": {"c": torch.zeros(1)}}
+    own = {3: {"teacher": {"a": torch.full((2,), 3.0), "b": torch.ones(1)}}, 5: {"other": {"z": torch.ones(1)}}}
+    content = _wire(FR.instruction_content(1, [3, 5], {"w": torch.ones(1)}, common, own))
+    _, _, for3 = FR.read_instruction(content, 3)
+    assert torch.equal(for3["teacher"]["a"], torch.full((2,), 3.0)) and torch.equal(for3["teacher"]["b"], torch.ones(1))
+    assert set(for3) == {"teacher", "scaffold"}
+    _, _, for5 = FR.read_instruction(content, 5)
+    assert torch.equal(for5["teacher"]["a"], torch.ones(2)) and "other" in for5
+    _, _, anyone = FR.read_instruction(content)
+    assert set(anyone) == {"teacher", "scaffold"} and torch.equal(anyone["teacher"]["a"], torch.ones(2))

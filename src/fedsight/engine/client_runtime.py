@@ -10,8 +10,10 @@ the node's client, with the node's own store on the node's disk. Nothing here kn
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +26,7 @@ from ..records import ClientResult
 from ..rng import derive_seed, seed_torch
 from ..state import PERSONAL, ClientStateStore
 from ..tasks.base import Task
-from ..training import ClientState, EvalContext
+from ..training import ClientState, Component, EvalContext
 from ..training.local import train_client
 from .plan import Stage, StageLayout, build_models, personal_eval, stage_layout, stage_of_round
 
@@ -47,12 +49,13 @@ def eval_hooks(stage: Stage, model: nn.Module, ctx: EvalContext):
 
 
 def evaluate_split(stage: Stage, model: nn.Module, ctx: EvalContext) -> MetricState:
-    """The metric state of ``model`` on ``ctx.split`` under the stage's evaluation hooks: the sharing
-    decides how the split is evaluated (``Sharing.evaluate``: by default inside its ``eval_context``; SiloBN
-    by domain evaluates each domain with that domain's clients' statistics), the components' contexts wrap
-    every evaluation it runs."""
+    """The metric state of ``model`` on ``ctx.split`` under the stage's evaluation hooks. The sharing, then
+    each component in order, decide how the split is evaluated (``evaluate(model, ctx, run)``: by default
+    ``run(ctx)`` once; SiloBN by domain evaluates each domain with its clients' statistics, a clustered model
+    each cluster's images with the cluster's entries) and the components' ``eval_context``s wrap every
+    evaluation that reaches the task."""
 
-    def run(c: EvalContext) -> MetricState:
+    def leaf(c: EvalContext) -> MetricState:
         with contextlib.ExitStack() as stack:
             for comp in stage.recipe.components:
                 stack.enter_context(comp.eval_context(model, c))
@@ -60,7 +63,15 @@ def evaluate_split(stage: Stage, model: nn.Module, ctx: EvalContext) -> MetricSt
                 return c.task.eval_state(model, c.split, c.batch_size)
             return c.task.eval_state(model, c.split, c.batch_size, c.subset)
 
+    run = leaf
+    for comp in reversed(stage.recipe.components):
+        if type(comp).evaluate is not Component.evaluate:
+            run = functools.partial(_component_evaluate, comp, model, run)
     return stage.recipe.sharing.evaluate(model, ctx, run)
+
+
+def _component_evaluate(comp: Component, model: nn.Module, run: Any, ctx: EvalContext) -> MetricState:
+    return comp.evaluate(model, ctx, run)
 
 
 class ClientRuntime:

@@ -65,7 +65,7 @@ class InProcessBackend:
         gstate = self.server.global_state()
         out = []
         for cid in plan.sampled:
-            res, kept = self.runtime.train(plan.round, cid, gstate, plan.broadcast)
+            res, kept = self.runtime.train(plan.round, cid, gstate, plan.broadcast_for(cid))
             out.append(Reply(cid, res, kept))
         return out, []
 

@@ -132,6 +132,24 @@ class RoundPlan:
     broadcast: dict[str, dict[str, torch.Tensor]]
     global_params: dict[str, torch.Tensor]
     t0: float = 0.0
+    #: what components send to one sampled client only (``Component.client_broadcast``): {client: {name: tensors}}
+    client_broadcast: dict[int, dict[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+    def broadcast_for(self, client: int) -> dict[str, dict[str, torch.Tensor]]:
+        """What ``client`` receives besides the global model: every component's broadcast to all, with its
+        own entries merged in."""
+        return merge_broadcast(self.broadcast, self.client_broadcast.get(client, {}))
+
+
+def merge_broadcast(common: dict[str, dict[str, torch.Tensor]], own: dict[str, dict[str, torch.Tensor]]
+                    ) -> dict[str, dict[str, torch.Tensor]]:
+    """Broadcasts to all merged with one client's own (by component name; a client's entries win)."""
+    if not own:
+        return common
+    out = {name: dict(tensors) for name, tensors in common.items()}
+    for name, tensors in own.items():
+        out.setdefault(name, {}).update(tensors)
+    return out
 
 
 @dataclass

@@ -133,8 +133,14 @@ class Server:
             sent = c.server_broadcast(sctx)
             if sent is not None:
                 broadcast[c.name] = {k: v.detach().clone() for k, v in sent.items()}
+        per_client: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        for c in self.recipe.components:
+            for cid in sampled:
+                own = c.client_broadcast(sctx, cid)
+                if own is not None:
+                    per_client.setdefault(cid, {})[c.name] = {k: v.detach().clone() for k, v in own.items()}
         global_params = {k: self._gstate[k].detach() for k in self.layout.shared_params}
-        return RoundPlan(r, sctx, sampled, broadcast, global_params, time.perf_counter())
+        return RoundPlan(r, sctx, sampled, broadcast, global_params, time.perf_counter(), per_client)
 
     @staticmethod
     def rejection(reply: Reply) -> str | None:
@@ -205,7 +211,9 @@ class Server:
         down_each = nbytes([t for sent in plan.broadcast.values() for t in sent.values()])
         if self.recipe.trainer.downloads_model:
             down_each += self.model_bytes
-        round_cost = {"up_bytes": spent["up_bytes"], "down_bytes": float(down_each * len(plan.sampled)), "flops": spent["flops"]}
+        down = down_each * len(plan.sampled) + sum(nbytes([t for sent in own.values() for t in sent.values()])
+                                                   for own in plan.client_broadcast.values())
+        round_cost = {"up_bytes": spent["up_bytes"], "down_bytes": float(down), "flops": spent["flops"]}
         if r == 1:  # what the clients share once before training (a style bank)
             for k, v in self.task.setup_cost().items():
                 round_cost[k] += float(v)

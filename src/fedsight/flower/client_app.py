@@ -86,8 +86,8 @@ def node_runtime(context: Context, config: Mapping[str, Any], settings: Mapping[
 
 
 def handle_train(msg: Message, context: Context, settings: Mapping[str, Any] | None = None) -> Message:
-    config, global_state, broadcast = FR.read_instruction(msg.content)
     _, _, partition, _ = _settings(context, settings)
+    config, global_state, broadcast = FR.read_instruction(msg.content, partition)
     if partition not in config["sampled"]:
         return Message(FR.skipped_content(partition), reply_to=msg)
     rt, partition = node_runtime(context, config, settings)

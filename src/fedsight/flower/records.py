@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from ..engine.plan import merge_broadcast
 from ..records import ClientResult
 
 BROADCAST = "broadcast:"
@@ -68,24 +69,40 @@ def instruction_content(
     sampled: Sequence[int],
     global_state: Mapping[str, torch.Tensor],
     broadcast: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    per_client: Mapping[int, Mapping[str, Mapping[str, torch.Tensor]]] | None = None,
     **config: Any,
 ) -> RecordDict:
-    """The train/evaluate instruction of ``round``: global state, broadcasts, and a ConfigRecord with
-    the round, the sampled FedSight client ids and ``config`` (scalars)."""
+    """The train/evaluate instruction of ``round``: global state, broadcasts (to all, and ``per_client``:
+    ``broadcast:<name>@<client>``), and a ConfigRecord with the round, the sampled FedSight client ids and
+    ``config`` (scalars)."""
     content = RecordDict({"global": tensors_to_record(global_state)})
     for name, tensors in (broadcast or {}).items():
         content[BROADCAST + name] = tensors_to_record(tensors)
+    for cid, sent in (per_client or {}).items():
+        for name, tensors in sent.items():
+            content[f"{BROADCAST}{name}@{int(cid)}"] = tensors_to_record(tensors)
     content["config"] = ConfigRecord({"round": int(round), "sampled": [int(c) for c in sampled], **config})
     return content
 
 
-def read_instruction(content: RecordDict) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """(config, global state, broadcasts) of an instruction written by ``instruction_content``."""
+def read_instruction(content: RecordDict, client: int | None = None
+                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """(config, global state, broadcasts) of an instruction written by ``instruction_content``; with
+    ``client``, that client's own broadcasts merged in (``engine.plan.merge_broadcast``)."""
     config = dict(content["config"])
     config["sampled"] = [int(c) for c in config.get("sampled", [])]
     global_state = record_to_tensors(content["global"])
-    broadcast = {k[len(BROADCAST):]: record_to_tensors(v) for k, v in content.array_records.items() if k.startswith(BROADCAST)}
-    return config, global_state, broadcast
+    common: dict[str, dict[str, torch.Tensor]] = {}
+    own: dict[str, dict[str, torch.Tensor]] = {}
+    for key, record in content.array_records.items():
+        if not key.startswith(BROADCAST):
+            continue
+        name, _, cid = key[len(BROADCAST):].partition("@")
+        if not cid:
+            common[name] = record_to_tensors(record)
+        elif client is not None and int(cid) == client:
+            own[name] = record_to_tensors(record)
+    return config, global_state, merge_broadcast(common, own)
 
 
 # -- the reply ------------------------------------------------------------------------------------

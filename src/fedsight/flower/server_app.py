@@ -185,7 +185,8 @@ class FlowerBackend:
         known = set(self.node_of.values())
         # the nodes of the sampled clients (if Flower still lists them online) and every unidentified node
         targets = sorted({self.node_of[c] for c in plan.sampled if self.node_of.get(c) in self._online} | (self._online - known))
-        content = FR.instruction_content(r, plan.sampled, self.server.global_model.state_dict(), plan.broadcast, **self.task_info)
+        content = FR.instruction_content(r, plan.sampled, self.server.global_model.state_dict(), plan.broadcast,
+                                         plan.client_broadcast, **self.task_info)
         wanted = set(plan.sampled)
 
         def enough(replies: dict[int, Message]) -> bool:  # every sampled client answered (a restarted node may)

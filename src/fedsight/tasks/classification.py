@@ -276,8 +276,17 @@ class ClassificationTask(Task):
         sl = self._test_slices[int(split)]
         return self.pool, self.pool_y[sl], sl.start
 
-    def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, split: str | int, batch_size: int = 512, subset: Any = None
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The split's examples (or its ``subset``: indices into it, in that order), standardised, in
+        batches of at most ``batch_size``."""
         images, y, offset = self._eval_split(split)
+        if subset is not None:
+            idx = np.asarray(subset, dtype=np.int64)
+            for a in range(0, len(idx), batch_size):
+                chunk = torch.from_numpy(idx[a : a + batch_size])
+                yield images.get(chunk + offset), y[chunk.to(y.device)]
+            return
         spans = [(s, min(s + batch_size, len(y))) for s in range(0, len(y), batch_size)]
         if images.x is not None or self.prefetcher is None:
             for a, b in spans:

@@ -216,10 +216,12 @@ class VideoSRTask(Task):
         n = len(clip)
         return min(n, self.params.eval_frames) if self.params.eval_frames else n
 
-    def eval_batches(self, split: str | int, batch_size: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One whole clip per batch: LR ``[1, T, 3, h, w]`` and HR ``[1, T, 3, H, W]`` in [0, 1]
-        (clips may differ in size and length, so they are not stacked)."""
-        for clip in self._eval_clips(split):
+    def eval_batches(self, split: str | int, batch_size: int = 512, subset: Any = None
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One whole clip per batch (of the split, or its ``subset``: indices into it): LR ``[1, T, 3, h, w]``
+        and HR ``[1, T, 3, H, W]`` in [0, 1] (clips may differ in size and length, so they are not stacked)."""
+        clips = self._eval_clips(split)
+        for clip in clips if subset is None else [clips[int(i)] for i in subset]:
             t = self._clip_frames(clip)
             yield _to_float(clip.lr(0, t)).unsqueeze(0), _to_float(clip.hr(0, t)).unsqueeze(0)
 

@@ -48,6 +48,11 @@ class Component:
         server control variate); the client sees them as ``ctx.broadcast[self.name]``."""
         return None
 
+    def client_broadcast(self, sctx: "ServerContext", client: int) -> dict[str, torch.Tensor] | None:
+        """Tensors sent to one sampled client only (e.g. the teacher of the client's cluster); merged into
+        ``ctx.broadcast[self.name]`` and counted in that client's download."""
+        return None
+
     def aggregator(self) -> Any:
         """An ``Aggregator`` this component requires (Elastic, FedNova), or None. Claiming the slot
         together with a non-default ``recipe.aggregator`` or another component is a config error."""
@@ -76,6 +81,12 @@ class Component:
         ``Sharing.eval_context`` (OLL masks non-local classes, Ditto swaps in the personal model).
         Must restore the model on exit."""
         return contextlib.nullcontext()
+
+    def evaluate(self, model: nn.Module, ctx: EvalContext, run: Any) -> Any:
+        """The metric state of ``model`` on ``ctx.split``; ``run(ctx)`` evaluates (part of) a split with the
+        rest of the hooks. Override to evaluate parts of a split separately and merge their states (a
+        clustered model: each cluster's test images with that cluster's entries); the default runs once."""
+        return run(ctx)
 
     def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
         """After aggregation and the server optimizer step (e.g. update server-side state, or apply a
