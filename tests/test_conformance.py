@@ -144,6 +144,16 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "fed3r": {"eval.local": False},
 }
 
+#: LADD's parts run after a styles stage (the clusters) on a task with a labelled source set
+STYLES_FIRST = {"stages": [{"name": "styles", "rounds": 1, "recipe": {"components": ["client_styles"]}},
+                           {"name": "part", "rounds": 1}], "server.rounds": 2,
+                "task.source": {"name": "street", "towns": ["downtown"], "conditions": ["clear-day"],
+                                "cameras": ["car"], "per_domain": 4, "height": 32, "width": 48, "setting": "none"}}
+STAGED = {"source_pretrain": STYLES_FIRST, "self_training": STYLES_FIRST, "cluster_aggregation": STYLES_FIRST}
+#: clients aggregated in the part's round when not the 5 sampled: a statistics pass hears every client, a
+#: server-only round none
+AGGREGATED = {"client_styles": 6, "source_pretrain": 0}
+
 SLOTS = {"weighting": R.WEIGHTINGS, "aggregator": R.AGGREGATORS, "sharing": R.SHARING, "optimizer": R.SERVER_OPTIMIZERS,
          "component": R.COMPONENTS}
 
@@ -154,6 +164,9 @@ def part_config(task: str, slot: str, name: str) -> dict[str, Any]:
     set_path(raw, key.split("."), [name] if slot == "component" else name)
     for k, v in COMPANIONS.get(name, {}).items():
         set_path(raw, k.split("."), v)
+    if task == "segmentation":
+        for k, v in STAGED.get(name, {}).items():
+            set_path(raw, k.split("."), copy.deepcopy(v))
     return raw
 
 
@@ -174,10 +187,11 @@ def test_every_part_runs_a_round_or_is_refused_at_config_time(task, slot, name):
     rows = []
     sim = build_simulation(cfg)
     sim.run(on_round=lambda r, row, events: rows.append((row, events)))
-    (row, events), = rows
+    row, events = rows[-1]  # the part's round (after a preparing stage, if any)
+    assert len(rows) == cfg.server.rounds
     assert not [e for e in events if e["event"] in ("rejected_update", "round_skipped")], events
     primary = "test/" + sim.task.primary_metric
-    assert math.isfinite(row[primary]) and row["clients/aggregated"] == 5
+    assert math.isfinite(row[primary]) and row["clients/aggregated"] == AGGREGATED.get(name, 5)
 
 
 #: pairs that must be refused: the capability machinery's reason to exist

@@ -300,16 +300,23 @@ def execute(
     save_weights(sim.global_model, run.path / "model.safetensors")
     run.write_status(state, sim.round, cfg.server.rounds)
     if state == "complete":
-        finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context)
+        finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context,
+               facts=sim.server.facts)
     return Outcome(run.path, state, last or None)
 
 
 def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None,
-           hooks: Any = None) -> None:
+           hooks: Any = None, facts: dict[str, torch.Tensor] | None = None) -> None:
     """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first). ``hooks(model,
     split)``: the run's evaluation hooks, under which a task's visuals show the model as it was evaluated
-    (SiloBN's test statistics); None shows the global model as it is."""
+    (SiloBN's test statistics); None shows the global model as it is. ``facts``: the run's facts, reported on
+    by ``FACT_REPORTS`` (LADD's style clusters)."""
+    from .registry import FACT_REPORTS
     from .reporting import plot_client_weights, write_summary
+
+    for name, report in FACT_REPORTS.items():
+        if facts and name in facts:
+            report(Path(run_dir), facts, task)
 
     save_visuals = getattr(task, "save_visuals", None) if task is not None else None
     if save_visuals is not None and model is not None:  # video SR crops, segmentation overlays

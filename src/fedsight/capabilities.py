@@ -41,6 +41,8 @@ CAPABILITIES: dict[str, Capability] = {
         Capability("image_outputs", "task", "images as model outputs and targets"),
         Capability("visuals", "task", "visual examples of predictions"),
         Capability("soft_targets", "task", "outputs that are distributions or heatmaps (distillation targets)"),
+        Capability("styles", "task", "per-client and per-image style vectors (low-frequency amplitude windows) and "
+                   "a labelled source set on the server for source pre-training"),
         Capability("domains", "task", "a domain (city, town, weather, camera) for every image, and per-domain "
                    "evaluation of test sets"),
         Capability("parameter_groups", "model", "declared parameter groups (backbone, head, norm)"),

@@ -35,6 +35,8 @@ BUILTIN = (
     "fedsight.recipe.fed3r",
     "fedsight.recipe.oll",
     "fedsight.recipe.personalize",
+    "fedsight.recipe.ladd",
+    "fedsight.recipe.ladd_adapt",
 )
 
 _loaded = False

@@ -102,3 +102,7 @@ AGGREGATORS: Registry[Any] = Registry("aggregator")
 COMPONENTS: Registry[Any] = Registry("recipe component")
 SHARING: Registry[Any] = Registry("parameter sharing")
 STAGES: Registry[Any] = Registry("stage")
+
+#: run facts (``Server.facts``) a finished run reports on: fact name -> ``fn(run_dir, facts, task)`` writing
+#: plots or files into the run directory (e.g. LADD's style clusters); called when the run has that fact
+FACT_REPORTS: dict[str, Any] = {}

@@ -77,6 +77,8 @@ class StyleBank:
     owners: np.ndarray
     beta: float = 0.1
     prob: float = 0.5
+    #: a fixed (2 half + 1)^2 amplitude window instead of ``beta``'s (LADD's client styles)
+    half: int | None = None
 
     def __post_init__(self) -> None:
         _check_kind(self.kind)
@@ -100,7 +102,7 @@ class StyleBank:
         entry = self.entries[int(allowed[int(rng.integers(0, len(allowed)))])]
         if amplitude:
             lam = float(rng.uniform(0.0, 1.0)) if self.kind == "cfsi" else 1.0
-            return to_uint8(fda(image.to(torch.float32), entry, self.beta, lam))
+            return to_uint8(fda(image.to(torch.float32), entry, self.beta, lam, self.half))
         return to_uint8(lab_transfer(image, entry.to(torch.float64)))
 
 

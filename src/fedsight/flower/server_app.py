@@ -331,7 +331,7 @@ class FlowerServer:
                           "num_sampled": self.dp.num_sampled, **self.dp.privacy_spent()}
         atomic_write_text(run.path / "flower.json", json.dumps(info, indent=2) + "\n")
         run.write_status("complete", cfg.server.rounds, cfg.server.rounds)
-        finish(run.path, server.task, server.global_model, server.recipe.weighting.name)
+        finish(run.path, server.task, server.global_model, server.recipe.weighting.name, facts=server.facts)
         return run.path
 
 

@@ -46,7 +46,7 @@ from ..models.base import ModelIO
 from ..registry import MODELS, TASKS, Params, build
 from .base import Task, TaskSpec
 
-PROVIDES = frozenset({"class_logits", "server_split", "visuals", "domains"})
+PROVIDES = frozenset({"class_logits", "server_split", "visuals", "domains", "styles"})
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 Pair = tuple[int, int]
@@ -79,6 +79,9 @@ class SegmentationParams(Params):
         "train", description="'eval_only': the clients' images are unlabelled for training (source-free adaptation, "
         "LADD): training batches carry only IGNORE labels and no label map is read for them; evaluation uses the "
         "labels")
+    source: dict[str, Any] | None = Field(
+        None, description="a labelled source dataset only the server holds, e.g. {name = \"street\", ...} (LADD's "
+        "GTA5): its training pool serves source pre-training; its class names must be the clients' data's")
     workers: int = Field(0, ge=0, description="threads or processes decoding and augmenting batches ahead (0: "
                          "in the training loop)")
     backend: Literal["thread", "process"] = Field("thread", description="what the prefetching workers are "
@@ -184,9 +187,11 @@ class SegmentationTask(Task):
         val: SegmentationSet | None = None,
         val_info: dict[str, Any] | None = None,
         class_pixels: np.ndarray | None = None,
+        source: SegmentationSet | None = None,
     ):
         """``class_pixels``: ``[N, C]`` class pixel counts of the pool's images when already computed (the
-        class-imbalance split needs them); computed on demand otherwise."""
+        class-imbalance split needs them); computed on demand otherwise. ``source``: the server's labelled
+        source images (``params.source``)."""
         from ..data.pipeline import Prefetcher
 
         self.data, self.pool = data, data.train
@@ -196,6 +201,7 @@ class SegmentationTask(Task):
         self.class_names = list(data.class_names)
         self.metrics = segmentation_metrics(self.class_names, self.params.per_image_miou)
         self.val, self.val_info = val, val_info
+        self.source = source
         self._class_pixels = class_pixels
         self.device = torch.device("cpu")
         self.mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
@@ -374,6 +380,24 @@ class SegmentationTask(Task):
         return build_style_bank(p.style, self.pool.images.subset(idx), owners, self.crop, p.style_beta, p.style_prob,
                                 self.prefetcher)
 
+    def source_batch(self, indices: Sequence[int], key: tuple, styles: torch.Tensor | None = None,
+                     half: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training batch of the server's source images at ``indices`` (augmented like the clients'
+        batches, from the stream (seed, *key, j)), each restyled by FDA with a random one of ``styles``
+        ``[M, 3, 2 half + 1, 2 half + 1]`` (LADD's pre-training with the clients' styles, lambda 1) when given;
+        standardised on the task's device, labels int64."""
+        from ..data.seg_pipeline import SegBatchLoader, StyleBank
+
+        if self.source is None:
+            raise ValueError("task.source is not set: this run has no labelled source dataset on the server")
+        bank = None
+        if styles is not None:
+            bank = StyleBank("fda", styles.to(torch.float32).cpu(), np.full(len(styles), -1), 0.0, 1.0, half)
+        p = self.params
+        loader = SegBatchLoader(self.source.images, self.source.labels, self.crop, p.scale, p.flip, seed, bank)
+        x, y = loader((list(indices), key, -2))
+        return self.standardize(x), y.to(self.device).long()
+
     def _styles(self, images: Any, indices: Sequence[int], half: int) -> torch.Tensor:
         from ..data.seg_pipeline import style_entry
 
@@ -464,9 +488,19 @@ def build_segmentation_task(params: SegmentationParams, *, cfg: Any) -> Segmenta
         for k, idx in enumerate(data.clients):
             client_of[idx] = k
         attributes["client_of"] = client_of[server.rest]
+    source = None
+    task_params = params if isinstance(params, SegmentationParams) else SegmentationParams(**component_params(params))
+    if task_params.source is not None:
+        spec = dict(task_params.source)
+        if "name" not in spec:
+            raise ValueError("task.source needs a dataset name, e.g. {name = \"street\", ...}")
+        src = build(DATASETS, spec.pop("name"), spec, seed=cfg.seed)
+        if not isinstance(src, SegmentationData) or list(src.class_names) != list(data.class_names):
+            got = list(src.class_names) if isinstance(src, SegmentationData) else "not a segmentation dataset"
+            raise ValueError(f"task.source: its classes {got} are not the clients' data's {list(data.class_names)}")
+        source = src.train
     data = SegmentationData(pool, data.tests, data.class_names, data.domain_names)
     clients = partition_from_config(pool.domains, cfg, attributes)
     model_params = MODELS.get(cfg.model.name).params(**component_params(cfg.model))
-    task_params = params if isinstance(params, SegmentationParams) else SegmentationParams(**component_params(params))
     return SegmentationTask(data, clients, cfg.model.name, model_params, task_params, seed=cfg.seed, val=val,
-                            val_info=server.summaries.get("validation"), class_pixels=pixels)
+                            val_info=server.summaries.get("validation"), class_pixels=pixels, source=source)

@@ -55,6 +55,8 @@ class ClientContext:
     cost: Any = None
     #: estimated FLOPs spent so far by this client in this round (trainers add to it)
     flops: float = 0.0
+    #: the inputs of the current batch (set before the loss hooks: a teacher's pseudo-labels need them)
+    inputs: Any = None
 
     def batch(self, positions: torch.Tensor) -> tuple[Any, Any]:
         """The client's training examples at ``positions`` (inputs, targets), on the model's device."""

@@ -139,6 +139,7 @@ def backward_scope(ctx: ClientContext, params: Sequence[nn.Parameter]) -> str:
 def local_objective(ctx: ClientContext, components: Sequence[Component], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The local objective on one batch: the task loss of the (component-transformed) outputs divided
     by the temperature, plus every component's loss term."""
+    ctx.inputs = x
     out = ctx.model(x)
     for c in components:
         out = c.outputs(ctx, out)

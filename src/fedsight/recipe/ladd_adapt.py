@@ -1,0 +1,300 @@
+"""LADD's adaptation stage (thesis Sec. 5.3.5-5.3.8): self-training with the SWA teacher and distillation to
+theta^0 (``self_training``), cluster-specific aggregation and evaluation (``cluster_aggregation``). The stage
+layout and the choices made where the thesis is ambiguous are in ``fedsight.recipe.ladd``."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from ..device import to_device
+from ..functional.clustering import assign
+from ..functional.self_training import (
+    IGNORE,
+    entropy,
+    kl_divergence,
+    normalized_entropy4,
+    pseudo_label_ce,
+    pseudo_labels,
+    soft_target_ce,
+    swa_update,
+)
+from ..models.base import swap_entries
+from ..records import ClientResult
+from ..registry import COMPONENTS, Params
+from ..training import ClientContext, Component, EvalContext, ServerContext
+from .ladd import CENTROIDS, GROUPS, HALF, THETA0, _entries, _main, cluster_prefix
+
+
+def _groups(facts: dict[str, torch.Tensor], num_clients: int) -> np.ndarray:
+    """The cluster of every client (all in cluster 0 before or without clustering)."""
+    groups = facts.get(GROUPS)
+    return groups.cpu().numpy() if groups is not None else np.zeros(num_clients, dtype=np.int64)
+
+
+def _cluster_model(sctx: ServerContext, s: int) -> dict[str, torch.Tensor]:
+    """theta_s = {u, v_s}: a copy of the global state with cluster s's specific entries (if any)."""
+    state = {k: v.detach().clone() for k, v in sctx.model.state_dict().items()}
+    state.update({k: v.clone() for k, v in _entries(sctx.facts, cluster_prefix(s)).items()})
+    return state
+
+
+def _frozen_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    other = copy.deepcopy(model)
+    other.load_state_dict({**other.state_dict(), **state})
+    other.eval()
+    for p in other.parameters():
+        p.requires_grad_(False)
+    return other
+
+
+# ------------------------------------------------------------------------------------------ self-training
+
+
+class SelfTrainingParams(Params):
+    threshold: float = Field(0.9, ge=0, le=1, description="keep a pseudo-label whose probability exceeds this (0 or "
+                             "1: off)")
+    fraction: float = Field(0.66, ge=0, le=1, description="also keep the most confident fraction of each predicted "
+                            "class's pixels in an image (0 or 1: off)")
+    reduction: Literal["all", "kept"] = Field("all", description="the CE's denominator: all pixels (the authors' "
+                                              "code) or the pseudo-labelled ones")
+    teacher: Literal["swa", "model"] = Field("swa", description="pseudo-labels from the SWA teacher of the client's "
+                                             "cluster (eq. 5.22) or from the client's own current model")
+    every: int = Field(1, ge=1, description="the teacher is updated every omega rounds of the stage")
+    start: int = Field(0, ge=0, description="t_START: rounds of the stage before the teacher averages (a multiple of "
+                       "every)")
+    kd_lambda: float = Field(0.0, ge=0, description="weight of the distillation to theta^0 (the authors: 20; 0: off)")
+    kd_alpha: float = Field(0.5, gt=0, description="theta^0's logits are scaled by this in the soft targets")
+    kd_form: Literal["soft_ce", "kl"] = Field("soft_ce", description="the authors' soft-target CE (masked to the "
+                                              "pseudo-labelled pixels) or eq. 5.20's KL(student || theta^0)")
+    entropy_lambda: float = Field(0.0, ge=0, description="weight of the entropy term (eq. 5.21; the released "
+                                  "configs: 0)")
+    entropy: Literal["normalized4", "shannon"] = Field("normalized4", description="the code's ((H / log C)^2)^2 or "
+                                                       "eq. 5.18's Shannon entropy")
+
+
+class SelfTraining(Component):
+    name = "self_training"
+
+    def __init__(self, params: SelfTrainingParams):
+        if params.start % params.every:
+            raise ValueError(f"self_training: start = {params.start} must be a multiple of every = {params.every}")
+        self.params = params
+        self.teachers: dict[int, dict[str, torch.Tensor]] = {}
+        self.stage_start = 0
+        self.received: np.ndarray | None = None  # clients that hold theta^0
+
+    # -- server -------------------------------------------------------------------------------------
+
+    def _begin(self, sctx: ServerContext) -> None:
+        if self.stage_start == 0:
+            self.stage_start = sctx.round
+            self.received = np.zeros(sctx.num_clients, dtype=bool)
+            if self.params.teacher == "swa":  # every cluster's teacher starts as its model at the stage's start
+                self.teachers = {int(s): _cluster_model(sctx, int(s))
+                                 for s in np.unique(_groups(sctx.facts, sctx.num_clients))}
+            if self.params.kd_lambda > 0 and not _entries(sctx.facts, THETA0):
+                raise ValueError("self_training: kd_lambda > 0 needs theta^0; run source_pretrain in an earlier stage")
+
+    def client_broadcast(self, sctx: ServerContext, client: int) -> dict[str, torch.Tensor] | None:
+        self._begin(sctx)
+        out: dict[str, torch.Tensor] = {}
+        if self.params.teacher == "swa":
+            s = int(_groups(sctx.facts, sctx.num_clients)[client])
+            teacher = self.teachers[s]
+            out.update({"teacher:" + k: v for k, v in teacher.items()})
+        if self.params.kd_lambda > 0 and not self.received[client]:  # type: ignore[index]
+            out.update({"theta0:" + k: v for k, v in _entries(sctx.facts, THETA0).items()})
+            self.received[client] = True  # type: ignore[index]
+        return out or None
+
+    def server_step(self, sctx: ServerContext) -> None:
+        """Eq. 5.22 for every cluster's teacher, t = rounds since the stage began."""
+        if self.params.teacher != "swa" or not self.stage_start:
+            return
+        t = sctx.round - self.stage_start + 1
+        for s in np.unique(_groups(sctx.facts, sctx.num_clients)):
+            model = _cluster_model(sctx, int(s))
+            new = swa_update(self.teachers[int(s)], model, t, self.params.every, self.params.start)
+            if new is not None:
+                self.teachers[int(s)] = new
+
+    # -- client -------------------------------------------------------------------------------------
+
+    def client_start(self, ctx: ClientContext) -> None:
+        sent = ctx.broadcast.get(self.name, {})
+        scratch: dict[str, Any] = {}
+        teacher = {k[len("teacher:"):]: v for k, v in sent.items() if k.startswith("teacher:")}
+        if teacher:
+            scratch["teacher"] = _frozen_copy(ctx.model, teacher)
+        if self.params.kd_lambda > 0:
+            theta0 = {k[len("theta0:"):]: v for k, v in sent.items() if k.startswith("theta0:")}
+            if theta0 and ctx.state is not None:
+                ctx.state.save(self.name, theta0)  # kept by the client (sent once)
+            elif ctx.state is not None:
+                theta0 = ctx.state.load(self.name) or {}
+            if not theta0:
+                raise RuntimeError(f"client {ctx.client_id} holds no theta^0 for distillation")
+            scratch["theta0"] = _frozen_copy(ctx.model, theta0)
+        ctx.scratch[self.name] = scratch
+
+    def loss_term(self, ctx: ClientContext, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        p, scratch, x = self.params, ctx.scratch[self.name], ctx.inputs
+        student = _main(outputs)
+        size = targets.shape[-2:]
+        if tuple(student.shape[-2:]) != tuple(size):
+            student = F.interpolate(student, size=tuple(size), mode="bilinear", align_corners=False)
+        with torch.no_grad():
+            source = student if "teacher" not in scratch else _main(scratch["teacher"](x))
+            if tuple(source.shape[-2:]) != tuple(size):
+                source = F.interpolate(source, size=tuple(size), mode="bilinear", align_corners=False)
+            labels = pseudo_labels(source.detach(), p.threshold, p.fraction)
+        loss = pseudo_label_ce(student, labels, p.reduction)
+        if p.entropy_lambda > 0:
+            loss = loss + p.entropy_lambda * (normalized_entropy4(student) if p.entropy == "normalized4"
+                                              else entropy(student))
+        if p.kd_lambda > 0:
+            with torch.no_grad():
+                ref = _main(scratch["theta0"](x))
+                if tuple(ref.shape[-2:]) != tuple(size):
+                    ref = F.interpolate(ref, size=tuple(size), mode="bilinear", align_corners=False)
+            kd = (soft_target_ce(student, ref, p.kd_alpha, labels != IGNORE) if p.kd_form == "soft_ce"
+                  else kl_divergence(student, ref))
+            loss = loss + p.kd_lambda * kd
+        return loss
+
+    # -- state --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage_start": torch.tensor(self.stage_start),
+                "received": torch.from_numpy(self.received if self.received is not None else np.zeros(0, bool)),
+                "teachers": {str(s): dict(t) for s, t in self.teachers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stage_start = int(state.get("stage_start", 0))
+        received = state.get("received")
+        self.received = received.cpu().numpy().astype(bool) if received is not None and len(received) else None
+        if self.stage_start and self.received is None:
+            self.received = np.zeros(0, dtype=bool)
+        self.teachers = {int(s): dict(t) for s, t in state.get("teachers", {}).items()}
+
+
+@COMPONENTS.register(
+    "self_training", params=SelfTrainingParams, requires={"styles", "class_logits"},
+    help="LADD: pseudo-labels from the cluster's SWA teacher (eq. 5.22), distillation to the pre-trained model",
+)
+def _self_training(params: SelfTrainingParams) -> SelfTraining:
+    return SelfTraining(params)
+
+
+# ----------------------------------------------------------------------------------- cluster aggregation
+
+
+class ClusterAggregationParams(Params):
+    part: Literal["head", "norm", "backbone", "all"] = Field(
+        "head", description="the cluster-specific entries: the head (LADD cls), the normalisation layers, the "
+        "backbone, or all (LADD all)")
+
+
+class ClusterAggregation(Component):
+    name = "cluster_aggregation"
+
+    def __init__(self, params: ClusterAggregationParams):
+        self.params = params
+
+    def _keys(self, model: nn.Module) -> list[str]:
+        state = model.state_dict()
+        if self.params.part == "all":
+            return list(state)
+        return [k for k in model.parameter_groups()[self.params.part] if k in state]
+
+    def _ensure(self, sctx: ServerContext) -> np.ndarray:
+        if GROUPS not in sctx.facts:
+            raise ValueError("cluster_aggregation needs the clients' style clusters; run client_styles in an "
+                             "earlier stage")
+        groups = _groups(sctx.facts, sctx.num_clients)
+        state = sctx.model.state_dict()
+        for s in np.unique(groups):
+            prefix = cluster_prefix(int(s))
+            if not _entries(sctx.facts, prefix):  # v_s^0 = v^0 (Alg. 10)
+                for k in self._keys(sctx.model):
+                    sctx.facts[prefix + k] = state[k].detach().clone()
+        return groups
+
+    def client_broadcast(self, sctx: ServerContext, client: int) -> dict[str, torch.Tensor]:
+        groups = self._ensure(sctx)
+        return _entries(sctx.facts, cluster_prefix(int(groups[client])))
+
+    def client_start(self, ctx: ClientContext) -> None:
+        mine = ctx.broadcast.get(self.name, {})
+        state = ctx.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for k, v in mine.items():
+                state[k].copy_(v)
+                if k in ctx.global_params:  # the upload is relative to the cluster's values
+                    ctx.global_params[k] = state[k].detach().clone()
+
+    def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
+        """Eq. 5.17 within every cluster with an update (data-size weights); the global model's cluster-specific
+        entries become the clusters' mean (weighted by their numbers of clients)."""
+        groups = self._ensure(sctx)
+        keys = self._keys(sctx.model)
+        for s in np.unique(groups):
+            members = [r for r in results if groups[r.client_id] == s]
+            if not members:
+                continue  # a cluster with no sampled client keeps its entries
+            prefix = cluster_prefix(int(s))
+            n = torch.tensor([float(r.num_examples) for r in members], dtype=torch.float64)
+            w = n / n.sum()
+            for k in keys:
+                cur = sctx.facts[prefix + k]
+                if k in members[0].delta:
+                    step = sum(float(wi) * r.delta[k].to(torch.float64) for wi, r in zip(w, members))
+                    sctx.facts[prefix + k] = (cur.to(torch.float64) + step).to(cur.dtype)
+                elif k in members[0].buffers:
+                    if cur.is_floating_point():
+                        mean = sum(float(wi) * r.buffers[k].to(torch.float64) for wi, r in zip(w, members))
+                        sctx.facts[prefix + k] = mean.to(cur.dtype)
+                    else:
+                        sctx.facts[prefix + k] = max(r.buffers[k] for r in members).clone()
+        sizes = np.bincount(groups)
+        state = sctx.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for k in keys:
+                if state[k].is_floating_point():
+                    mean = sum(float(sizes[s]) * sctx.facts[cluster_prefix(int(s)) + k].to(torch.float64)
+                               for s in np.unique(groups)) / float(sizes.sum())
+                    state[k].copy_(mean.to(state[k].dtype))
+
+    def evaluate(self, model: nn.Module, ctx: EvalContext, run: Any) -> Any:
+        """A global test image with the model of the cluster nearest to its style (other splits: the global
+        model, whose cluster-specific entries are the clusters' mean)."""
+        if GROUPS not in ctx.facts or CENTROIDS not in ctx.facts or not ctx.is_global_test:
+            return run(ctx)
+        styles = ctx.task.image_styles(ctx.split, int(ctx.facts[HALF]))
+        nearest = assign(styles.reshape(len(styles), -1).cpu().numpy(), ctx.facts[CENTROIDS].cpu().numpy())
+        base = np.arange(len(nearest)) if ctx.subset is None else np.asarray(ctx.subset, dtype=np.int64)
+        states = []
+        for s in np.unique(nearest[base]):
+            members = base[nearest[base] == s]
+            entries = _entries(ctx.facts, cluster_prefix(int(s)))
+            with swap_entries(model, to_device(entries, next(model.parameters()).device)) if entries \
+                    else contextlib.nullcontext():
+                states.append(run(dataclasses.replace(ctx, subset=members)))
+        return ctx.task.metrics.merge(states)
+
+
+@COMPONENTS.register(
+    "cluster_aggregation", params=ClusterAggregationParams, requires={"styles", "parameter_groups"},
+    help="LADD: cluster-specific entries averaged within style clusters (eq. 5.17), test images to the nearest cluster",
+)
+def _cluster_aggregation(params: ClusterAggregationParams) -> ClusterAggregation:
+    return ClusterAggregation(params)
