@@ -163,6 +163,8 @@ class Reply:
     accepted: bool = True
     reason: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    #: a reply arrived but could not be read (``reason`` says why): rejected, not lost
+    rejected: bool = False
 
 
 __all__ = [

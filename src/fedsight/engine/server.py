@@ -25,7 +25,8 @@ from ..rng import derive_seed
 from ..state import ClientStateStore
 from ..tasks.base import Task, local_summary
 from ..training import EvalContext, ServerContext
-from .client_runtime import evaluate_split, is_finite_result
+from .client_runtime import evaluate_split
+from .contract import ReplyContract, check_result
 from .plan import (
     Reply, RoundPlan, Schedule, Stage, StageLayout, build_models, sample_clients, stage_layout, stage_of_round,
 )
@@ -75,6 +76,10 @@ class Server:
         self.round = 0
         #: (client ids, normalised weights) of the last aggregation, for logging
         self.last_weights: tuple[list[int], Any] | None = None
+        #: whether the task's client sizes are the clients' (else replies' counts are only bounded)
+        self.sizes_known = True
+        #: the bound on a reply's ``num_examples`` when the sizes are not known
+        self.max_examples = 10**9
         self.stage_index = -1
         self._enter_stage(0)
 
@@ -142,14 +147,20 @@ class Server:
         global_params = {k: self._gstate[k].detach() for k in self.layout.shared_params}
         return RoundPlan(r, sctx, sampled, broadcast, global_params, time.perf_counter(), per_client)
 
-    @staticmethod
-    def rejection(reply: Reply) -> str | None:
+    def contract(self) -> ReplyContract:
+        """What a reply must be in the current stage (``engine.contract``): the server's own shared entries,
+        and its own client sizes unless ``sizes_known`` is off (Flower nodes with their own data)."""
+        return ReplyContract.of(self._gstate, self.layout.shared_params, self.layout.shared_buffers,
+                                self.recipe.trainer.trains, max_examples=self.max_examples,
+                                sizes=self.task.num_train_examples if self.sizes_known else None)
+
+    def rejection(self, reply: Reply) -> str | None:
         """Why a reply's update cannot be used (None: it can). Every backend's replies pass here."""
         if reply.result is None:
             return reply.reason or "no result"
-        if not reply.accepted or not is_finite_result(reply.result):
-            return "non-finite values"
-        return None
+        if not reply.accepted:
+            return "non-finite values"  # the client refused its own update (and stored no state)
+        return check_result(reply.result, reply.client, self.contract())
 
     def collect(
         self, plan: RoundPlan, replies: Sequence[Reply], events: list[dict[str, Any]]
@@ -163,6 +174,10 @@ class Server:
         spent = {"up_bytes": 0.0, "flops": 0.0}
         for cid in plan.sampled:
             rep = by_client.get(cid)
+            if rep is not None and rep.rejected:
+                events.append({"round": plan.round, "event": "rejected_update", "client": cid, **rep.info,
+                               "reason": rep.reason})
+                continue
             if rep is None or rep.result is None:
                 info = rep.info if rep is not None else {}
                 reason = rep.reason if rep is not None and rep.reason else "no reply"
@@ -172,7 +187,7 @@ class Server:
             spent["flops"] += rep.result.flops
             why = self.rejection(rep)
             if why is not None:
-                events.append({"round": plan.round, "event": "rejected_update", "client": cid, "reason": why})
+                events.append({"round": plan.round, "event": "rejected_update", "client": cid, **rep.info, "reason": why})
                 continue
             results.append(result_to(rep.result, device))
         return results, spent

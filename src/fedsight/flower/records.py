@@ -132,30 +132,90 @@ def skipped_content(partition: int) -> RecordDict:
     return RecordDict({"meta": MetricRecord({"partition-id": int(partition), SKIPPED: 1})})
 
 
+class MalformedReply(ValueError):
+    """A reply whose records cannot be read as a FedSight reply (missing or mistyped records, arrays that are
+    not plain numeric arrays, more bytes than the limit): the server rejects it without reading further."""
+
+
+def _meta(content: RecordDict) -> MetricRecord:
+    meta = content.get("meta") if isinstance(content, RecordDict) else None
+    if not isinstance(meta, MetricRecord):
+        raise MalformedReply("no 'meta' record")
+    return meta
+
+
+def _meta_int(meta: MetricRecord, key: str) -> int:
+    v = meta.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer():
+        raise MalformedReply(f"meta {key!r} = {v!r} is not an integer")
+    return int(v)
+
+
+def _meta_float(meta: MetricRecord, key: str) -> float:
+    v = meta.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise MalformedReply(f"meta {key!r} = {v!r} is not a number")
+    return float(v)
+
+
 def reply_partition(content: RecordDict) -> int | None:
-    meta = content.get("meta")
-    return int(meta["partition-id"]) if isinstance(meta, MetricRecord) and "partition-id" in meta else None
+    """The partition a reply says it answers for (None when it names none readable)."""
+    try:
+        return _meta_int(_meta(content), "partition-id")
+    except MalformedReply:
+        return None
 
 
 def is_skipped(content: RecordDict) -> bool:
-    meta = content.get("meta")
-    return isinstance(meta, MetricRecord) and int(meta.get(SKIPPED, 0)) == 1
+    try:
+        return _meta_int(_meta(content), SKIPPED) == 1
+    except MalformedReply:
+        return False
 
 
-def read_result(content: RecordDict) -> tuple[ClientResult, bool]:
-    """(the ``ClientResult``, whether the node accepted it: finite values, personal entries stored)."""
-    meta = content["meta"]
+def _arrays(content: RecordDict, key: str, budget: list[int]) -> dict[str, torch.Tensor]:
+    """The tensors of the ArrayRecord ``key``: its size is charged to ``budget`` (bytes left) before any
+    array is deserialised; only plain numeric or boolean arrays are read (never pickles)."""
+    rec = content.get(key)
+    if not isinstance(rec, ArrayRecord):
+        raise MalformedReply(f"no {key!r} array record")
+    size = sum(len(a.data) for a in rec.values())
+    budget[0] -= size
+    if budget[0] < 0:
+        raise MalformedReply(f"{key!r} brings the reply over its size limit ({size} bytes in this record)")
+    try:
+        out = record_to_tensors(rec)
+    except Exception as exc:  # what a tampered array raises depends on numpy's parser: all are refusals
+        raise MalformedReply(f"{key!r} holds an unreadable array ({type(exc).__name__})") from None
+    return out
+
+
+def read_result(content: RecordDict, max_bytes: int | None = None) -> tuple[ClientResult, bool]:
+    """(the ``ClientResult``, whether the node accepted it: finite values, personal entries stored). A reply
+    that cannot be read raises ``MalformedReply`` (the server rejects it); ``max_bytes`` bounds the arrays
+    it may bring, checked before any is deserialised. What the values must be is the server's reply
+    contract (``fedsight.engine.contract``), checked afterwards."""
+    meta = _meta(content)
+    budget = [max_bytes if max_bytes is not None else 1 << 62]
+    metrics = content.get("metrics")
+    if not isinstance(metrics, MetricRecord):
+        raise MalformedReply("no 'metrics' record")
+    values: dict[str, float] = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise MalformedReply(f"metric {k!r} is a {type(v).__name__}, not a number")
+        values[k] = float(v)
     res = ClientResult(
-        client_id=int(meta["client-id"]),
-        num_examples=int(meta["num-examples"]),
-        delta=record_to_tensors(content["delta"]),
-        buffers=record_to_tensors(content["buffers"]),
-        metrics={k: float(v) for k, v in content["metrics"].items()},
-        extras={k[len(EXTRAS):]: record_to_tensors(v) for k, v in content.array_records.items() if k.startswith(EXTRAS)},
-        num_steps=int(meta["num-steps"]),
-        flops=float(meta["flops"]),
+        client_id=_meta_int(meta, "client-id"),
+        num_examples=_meta_int(meta, "num-examples"),
+        delta=_arrays(content, "delta", budget),
+        buffers=_arrays(content, "buffers", budget),
+        metrics=values,
+        extras={k[len(EXTRAS):]: _arrays(content, k, budget) for k in content.array_records if k.startswith(EXTRAS)},
+        num_steps=_meta_int(meta, "num-steps"),
+        flops=_meta_float(meta, "flops"),
     )
-    return res, bool(int(meta["accepted"]))
+    return res, _meta_int(meta, "accepted") == 1
 
 
 # -- local evaluation -----------------------------------------------------------------------------
@@ -178,7 +238,11 @@ def eval_content(partition: int, state: Mapping[str, torch.Tensor], num_test: in
 
 def read_eval(content: RecordDict) -> tuple[int, dict[str, torch.Tensor], int, dict[str, torch.Tensor] | None]:
     """(partition, metric-state tensors, number of local test examples, personal entries or None) of an
-    evaluation reply."""
-    meta = content["meta"]
-    personal = record_to_tensors(content["personal"]) if "personal" in content.array_records else None
-    return int(meta["partition-id"]), record_to_tensors(content["state"]), int(meta["num-test-examples"]), personal
+    evaluation reply; ``MalformedReply`` when it cannot be read."""
+    meta = _meta(content)
+    budget = [1 << 62]
+    personal = _arrays(content, "personal", budget) if "personal" in content.array_records else None
+    n = _meta_int(meta, "num-test-examples")
+    if n < 0:
+        raise MalformedReply(f"num-test-examples = {n} is negative")
+    return _meta_int(meta, "partition-id"), _arrays(content, "state", budget), n, personal

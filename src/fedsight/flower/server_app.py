@@ -64,6 +64,8 @@ OPTIONS: dict[str, Any] = {
     "dp-delta": 0.0,  # 0: min(1e-5, 1 / (10 N))
     "data": "partition",  # "partition": nodes hold partitions of the dataset spec; "data-dir": their own data
     "overwrite": False,  # replace a run directory that already holds a run
+    "max-reply-mb": 1024.0,  # a training reply's arrays above this many MB are rejected before they are parsed
+    "max-examples": 1_000_000,  # data-dir: the most training examples a reply may claim (partition: the server's)
 }
 
 
@@ -80,6 +82,8 @@ class ServerOptions:
     dp_delta: float = 0.0
     data: str = "partition"
     overwrite: bool = False
+    max_reply_mb: float = 1024.0
+    max_examples: int = 1_000_000
 
     @classmethod
     def from_run_config(cls, rc: Mapping[str, Any]) -> "ServerOptions":
@@ -98,6 +102,8 @@ class ServerOptions:
             dp_delta=float(vals["dp-delta"]),
             data=str(vals["data"]),
             overwrite=bool(vals["overwrite"]),
+            max_reply_mb=float(vals["max-reply-mb"]),
+            max_examples=int(vals["max-examples"]),
         )
 
 
@@ -148,6 +154,10 @@ class FlowerBackend:
     def __init__(self, server: Any, grid: Grid, opts: ServerOptions, task_info: dict[str, Any], dp: Any = None):
         self.server, self.grid, self.opts, self.task_info, self.dp = server, grid, opts, task_info, dp
         self.node_of: dict[int, int] = {}  # FedSight client id -> Flower node id
+        self.max_reply_bytes = int(opts.max_reply_mb * 2**20)
+        # the reply contract's sizes: the server's own partition, or (nodes' own data) a bound
+        server.sizes_known = opts.data == "partition"
+        server.max_examples = opts.max_examples
         self._online: set[int] = set()
         self._failed: set[int] = set()  # nodes that failed in the last training exchange
 
@@ -199,9 +209,25 @@ class FlowerBackend:
         got: dict[int, Reply] = {}
         for node, reply in replies.items():
             events += self._learn(node, reply.content, r)
-            if not FR.is_skipped(reply.content):
-                res, ok = FR.read_result(reply.content)
-                got[res.client_id] = Reply(res.client_id, res, ok)
+            if FR.is_skipped(reply.content):
+                continue
+            pid = FR.reply_partition(reply.content)
+            if pid is None:  # unreadable meta: the client this node is known to hold, if any
+                pid = next((c for c, n in self.node_of.items() if n == node), None)
+            try:
+                res, ok = FR.read_result(reply.content, self.max_reply_bytes)
+                if pid not in wanted:
+                    raise FR.MalformedReply(f"a reply for partition {pid}, which was not sampled")
+                if res.client_id != pid:
+                    raise FR.MalformedReply(f"the node of partition {pid} replies as client {res.client_id}")
+            except FR.MalformedReply as exc:
+                if pid in wanted:  # the sampled client's reply is unusable: rejected (not lost)
+                    got[pid] = Reply(pid, None, False, f"malformed reply: {exc}", {"node": node}, rejected=True)
+                else:
+                    events.append({"round": r, "event": "rejected_update", "client": pid, "node": node,
+                                   "reason": f"malformed reply: {exc}"})
+                continue
+            got[pid] = Reply(pid, res, ok, info={"node": node})
         out = []
         for cid in plan.sampled:
             if cid in got:
@@ -258,8 +284,15 @@ class FlowerBackend:
         metrics = server.task.metrics
         for node, reply in replies.items():
             out.events += self._learn(node, reply.content, r)
-            pid, tensors, n, pers = FR.read_eval(reply.content)
-            out.states[pid] = (metrics.state_from(tensors), n)
+            try:
+                pid, tensors, n, pers = FR.read_eval(reply.content)
+                state = metrics.state_from(tensors)
+                metrics.compute(state)  # a state that cannot give the metrics (wrong entries, shapes) is refused
+            except Exception as exc:  # a reply that cannot be read or used is dropped, never raised
+                out.events.append({"round": r, "event": "eval_rejected", "node": node,
+                                   "client": FR.reply_partition(reply.content), "reason": str(exc)})
+                continue
+            out.states[pid] = (state, n)
             if pers is not None:
                 store.put(PERSONAL, pid, r, pers)
         out.events += [{"round": r, "event": "eval_lost", "client": c, "node": n,

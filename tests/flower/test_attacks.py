@@ -1,0 +1,201 @@
+"""Untrusted clients: a node's ClientApp tampers with its train reply (after the honest client computed it;
+the reply then crosses Flower's serialisation), and FedSight's real ServerApp must finish the run, reject the
+reply with a reason naming the client, and end with the global model of the run where that client's node
+never answered. The reply contract itself (``fedsight.engine.contract``) is checked on the in-process path
+with Hypothesis."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from fedsight.api import build_simulation
+from fedsight.config import validate
+from fedsight.engine.contract import check_result
+from fedsight.engine.simulation import sample_clients
+from fedsight.flower.client_app import make_client_app
+from fedsight.records import ClientResult
+
+from flower_direct import run_direct
+from helpers import tiny
+from test_adapter import _wire
+
+pytestmark = pytest.mark.flower
+
+CFG = {"partition.num_clients": 3, "server.clients_per_round": 3, "server.rounds": 1, "eval.every": 1,
+       "eval.local": False, "engine.threads": 1}
+VICTIM = 1
+
+
+def _first_key(rec: ArrayRecord) -> str:
+    return next(iter(rec.keys()))
+
+
+def _set_meta(content, key: str, value: Any) -> None:
+    meta = dict(content["meta"])
+    meta[key] = value
+    content["meta"] = MetricRecord(meta)
+
+
+#: each attack: name -> function editing the reply's RecordDict in place
+ATTACKS = {
+    "wrong shape": lambda c: c["delta"].__setitem__(_first_key(c["delta"]), Array(np.zeros(1, np.float32))),
+    "missing key": lambda c: c["delta"].__delitem__(_first_key(c["delta"])),
+    "extra key": lambda c: c["delta"].__setitem__("evil.weight", Array(np.ones(3, np.float32))),
+    "float64 tensor": lambda c: c["delta"].__setitem__(
+        _first_key(c["delta"]), Array(c["delta"][_first_key(c["delta"])].numpy().astype(np.float64))),
+    "int64 tensor": lambda c: c["delta"].__setitem__(
+        _first_key(c["delta"]), Array(c["delta"][_first_key(c["delta"])].numpy().astype(np.int64))),
+    "nan": lambda c: c["delta"].__setitem__(
+        _first_key(c["delta"]), Array(np.full_like(c["delta"][_first_key(c["delta"])].numpy(), np.nan))),
+    "negative examples": lambda c: _set_meta(c, "num-examples", -5),
+    "inflated examples": lambda c: _set_meta(c, "num-examples", 10**15),
+    "float examples": lambda c: _set_meta(c, "num-examples", 1e30),
+    "negative flops": lambda c: _set_meta(c, "flops", -1.0),
+    "negative steps": lambda c: _set_meta(c, "num-steps", -3),
+    "other client id": lambda c: _set_meta(c, "client-id", 0),
+    "string metric": lambda c: c.__setitem__("metrics", MetricRecord({"train/loss": [1.0, 2.0]})),
+    "no meta": lambda c: c.__delitem__("meta"),
+    "no delta": lambda c: c.__delitem__("delta"),
+    "no metrics": lambda c: c.__delitem__("metrics"),
+    "huge tensor": lambda c: c["delta"].__setitem__(_first_key(c["delta"]), Array(np.zeros(3_000_000, np.float32))),
+}
+
+
+def tampering_app(attack):
+    honest = make_client_app()
+
+    def app(msg: Message, ctx) -> Message:
+        reply = honest(msg, ctx)
+        if msg.metadata.message_type == "train" and int(ctx.node_config["partition-id"]) == VICTIM \
+                and not reply.has_error() and "delta" in reply.content:
+            content = _wire(reply.content)
+            attack(content)
+            return Message(_wire(content), reply_to=msg)
+        return reply
+
+    return app
+
+
+def _run(tmp_path, name: str, app=None, kill=None):
+    cfg = validate(tiny(**CFG))
+    import fedsight.flower.client_app as client_app
+
+    original = client_app.make_client_app
+    if app is not None:
+        client_app.make_client_app = lambda: app
+    try:
+        run_direct(cfg, tmp_path / name, tmp_path / f"{name}-nodes", kill_hook=kill,
+                   options={"max-reply-mb": 8.0, "round-timeout": 0.5})
+    finally:
+        client_app.make_client_app = original
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return load_file(str(tmp_path / name / "model.safetensors")), rows
+
+
+@pytest.fixture(scope="module")
+def without_victim(tmp_path_factory):
+    """The run in which the victim's node never answers its training instruction."""
+    assert VICTIM in sample_clients(0, 1, 3, 3)
+
+    def kill(grid, msg):
+        if msg.metadata.message_type == "train" and msg.metadata.dst_node_id == 1000 + VICTIM:
+            grid.dead.add(1000 + VICTIM)
+
+    model, rows = _run(tmp_path_factory.mktemp("ref"), "ref", kill=kill)
+    assert [e["client"] for e in rows if e.get("event") == "client_lost"] == [VICTIM]
+    return model
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_a_tampered_reply_is_rejected_and_the_run_equals_the_run_without_that_client(tmp_path, attack,
+                                                                                  without_victim) -> None:
+    model, rows = _run(tmp_path, "attacked", app=tampering_app(ATTACKS[attack]))
+    status = json.loads((tmp_path / "attacked" / "status.json").read_text())
+    assert status["state"] == "complete"
+    rejected = [e for e in rows if e.get("event") == "rejected_update"]
+    lost = [e["client"] for e in rows if e.get("event") == "client_lost"]
+    assert len(rejected) == 1 and rejected[0]["reason"] and rejected[0]["node"] == 1000 + VICTIM, rows
+    if attack == "no meta":  # a first reply without identity: the node is named, its client counts as lost
+        assert rejected[0]["client"] is None and lost == [VICTIM], rows
+    else:
+        assert rejected[0]["client"] == VICTIM and not lost, rows
+    for k in without_victim:
+        assert torch.equal(model[k], without_victim[k]), (attack, k)
+
+
+# -- the contract on the in-process path --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    sim = build_simulation(validate(tiny(**CFG)))
+    return sim.server
+
+
+def honest(server, client: int = 1) -> ClientResult:
+    state = server.global_model.state_dict()
+    return ClientResult(
+        client_id=client, num_examples=server.task.num_train_examples(client),
+        delta={k: torch.zeros_like(state[k]) for k in server.shared_params},
+        buffers={k: state[k].clone() for k in server.shared_buffers},
+        metrics={"train/loss": 0.5}, num_steps=3, flops=10.0)
+
+
+TAMPER = st.sampled_from([
+    ("delta_shape", None), ("delta_dtype", torch.float64), ("delta_dtype", torch.float16),
+    ("delta_dtype", torch.int64), ("delta_missing", None), ("delta_extra", None), ("delta_inf", None),
+    ("num_examples", -1), ("num_examples", 0), ("num_examples", True), ("num_examples", 2.5), ("num_examples", 10**12),
+    ("num_steps", -1), ("flops", float("nan")), ("flops", -2.0), ("metric", "x"), ("metric", float("inf")),
+    ("metric", [1.0]), ("client_id", 2), ("extras_nan", None), ("extras_type", None),
+])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tamper=TAMPER, which=st.integers(0, 10**6))
+def test_the_contract_refuses_every_tampering_and_accepts_the_honest_result(server, tamper, which) -> None:
+    res = honest(server)
+    assert check_result(res, 1, server.contract()) is None
+    kind, value = tamper
+    keys = list(res.delta)
+    k = keys[which % len(keys)]
+    if kind == "delta_shape":
+        res.delta[k] = torch.zeros(res.delta[k].numel() + 1)
+    elif kind == "delta_dtype":
+        res.delta[k] = res.delta[k].to(value)
+    elif kind == "delta_missing":
+        del res.delta[k]
+    elif kind == "delta_extra":
+        res.delta["evil"] = torch.zeros(1)
+    elif kind == "delta_inf":
+        res.delta[k] = res.delta[k].clone().fill_(float("inf"))
+    elif kind == "metric":
+        res.metrics["train/loss"] = value
+    elif kind == "extras_nan":
+        res.extras["x"] = {"a": torch.tensor([float("nan")])}
+    elif kind == "extras_type":
+        res.extras["x"] = {"a": [1, 2]}
+    else:
+        setattr(res, kind, value)
+    why = check_result(res, 1, server.contract())
+    assert why, tamper
+
+
+def test_without_known_sizes_the_count_is_bounded(server) -> None:
+    res = honest(server)
+    res.num_examples = 10**6
+    server.sizes_known, server.max_examples = False, 10**6
+    try:
+        assert check_result(res, 1, server.contract()) is None
+        res.num_examples = 10**6 + 1
+        assert "exceeds the bound" in check_result(res, 1, server.contract())
+    finally:
+        server.sizes_known, server.max_examples = True, 10**9
