@@ -142,6 +142,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "fedvg": {"validation.source": "carve", "validation.fraction": 0.2},
     "krum": {"recipe.aggregator": {"name": "krum", "byzantine": 1}},
     "fed3r": {"eval.local": False},
+    "norm_bound": {"recipe.components": [{"name": "norm_bound", "quantile": 0.5}]},
 }
 
 #: LADD's parts run after a styles stage (the clusters) on a task with a labelled source set

@@ -417,3 +417,72 @@ def test_fedavg_collapses_under_sign_flipping_attack_on_digits(clean_acc):
 def test_robust_aggregator_survives_sign_flipping_attack_on_digits(clean_acc, aggregator, margin):
     acc = _digits_acc(aggregator, ATTACK)
     assert acc > clean_acc - margin, (acc, clean_acc)
+
+
+# -- norm bounding (Sun et al. 2019) ----------------------------------------------------------------------
+
+
+class _Raw(Component):
+    """Listed before norm_bound: records the raw accepted results and the global model before the round."""
+
+    name = "raw_spy"
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def server_results(self, sctx, results):
+        self.seen.append(([{k: v.clone() for k, v in r.delta.items()} for r in results],
+                          [float(r.num_examples) for r in results],
+                          {k: v.detach().clone() for k, v in sctx.model.state_dict().items()}))
+        return results
+
+
+def _norm(delta) -> float:
+    return math.sqrt(sum(float((v.double() ** 2).sum()) for v in delta.values()))
+
+
+@pytest.mark.parametrize("params", [{"bound": 0.05}, {"quantile": 0.5}, {"quantile": 1.0}])
+def test_norm_bound_clips_each_update_before_the_weighted_mean(params) -> None:
+    """The global step equals sum_k w_k Delta_k min(1, M / ||Delta_k||) with M fixed or the round's quantile
+    (numpy), computed from the raw updates; every clipped update is an event; a flipping attacker's scaled
+    update is bounded like any other."""
+    seen: list = []
+    raw = tiny(**{"server.rounds": 2, "server.clients_per_round": 5,
+                  "recipe.components": [{"name": "attack", "fraction": 0.2, "kind": "flip"}]})
+    sim = build_simulation(validate(raw))
+    stage = sim.server.stages[0]
+    stage.recipe.components.append(_Raw(seen))
+    stage.recipe.components.append(R.build(R.COMPONENTS, "norm_bound", params))
+    rows = []
+    sim.run(on_round=lambda r, row, ev: rows.append((row, ev)))
+    final = {k: v.detach().clone() for k, v in sim.global_model.state_dict().items()}
+    for i, (deltas, n, before) in enumerate(seen):
+        norms = np.array([_norm(d) for d in deltas])
+        bound = params.get("bound") or float(np.quantile(norms, params["quantile"]))
+        w = np.array(n) / sum(n)
+        after = final if i == len(seen) - 1 else seen[i + 1][2]
+        for k in deltas[0]:
+            want = before[k].double() + sum(wi * d[k].double() * min(1.0, bound / nk) for wi, d, nk in zip(w, deltas, norms))
+            torch.testing.assert_close(after[k].double(), want, rtol=1e-5, atol=1e-7)
+        row, events = rows[i]
+        clipped = [e for e in events if e["event"] == "update_clipped"]
+        assert len(clipped) == int((norms > bound).sum()) == row["norm_bound/clipped"]
+        assert row["norm_bound/bound"] == pytest.approx(bound)
+        assert all(e["norm"] > e["bound"] for e in clipped)
+    if params == {"quantile": 1.0}:
+        assert all(r["norm_bound/clipped"] == 0 for r, _ in rows)
+
+
+def test_norm_bound_above_every_norm_leaves_the_run_bit_identical() -> None:
+    plain = build_simulation(validate(tiny(**{"server.rounds": 2})))
+    plain.run()
+    bounded = build_simulation(validate(tiny(**{"server.rounds": 2, "recipe.components": [{"name": "norm_bound", "bound": 1e9}]})))
+    bounded.run()
+    for k, v in plain.global_model.state_dict().items():
+        assert torch.equal(v, bounded.global_model.state_dict()[k]), k
+
+
+def test_norm_bound_needs_exactly_one_rule() -> None:
+    for bad in ({}, {"bound": 1.0, "quantile": 0.5}):
+        with pytest.raises(ConfigError, match="exactly one of bound or quantile"):
+            validate(tiny(**{"recipe.components": [{"name": "norm_bound", **bad}]}))

@@ -202,6 +202,8 @@ class Server:
         row: dict[str, Any] = {"clients/sampled": len(plan.sampled), "clients/aggregated": len(results)}
         self.last_weights = None
         if results:
+            for c in self.recipe.components:
+                results = c.server_results(sctx, results)
             weights = self.recipe.weighting.weights(results, sctx)
             delta = self.recipe.aggregator.aggregate(results, weights)
             self.recipe.server_optimizer.step(delta)
@@ -223,6 +225,7 @@ class Server:
         for c in self.recipe.components:
             c.server_step(sctx)
         row.update(sctx.metrics)
+        events.extend({"round": r, **e} for e in sctx.events)
         down_each = nbytes([t for sent in plan.broadcast.values() for t in sent.values()])
         if self.recipe.trainer.downloads_model:
             down_each += self.model_bytes

@@ -15,20 +15,27 @@ Component (``[recipe] components = [{name = "attack", fraction = 0.2, kind = "fl
 
 - ``attack``: a fixed, seed-determined set of malicious clients replaces its upload (scaled, sign
   flipped, or Gaussian noise). It exists to measure robustness, not as a training method.
+- ``norm_bound``: the server clips every accepted update to an L2 norm bound before weighting and
+  aggregation (Sun et al. 2019, "Can you really backdoor federated learning?", Sec. 3: norm thresholding),
+  fixed or a quantile of the round's norms; composes with every aggregator.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Literal
 
+import numpy as np
+
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..functional.aggregate import weighted_mean_state
 from ..functional.robust import check_krum, coordinate_median, krum_select, trim_count, trimmed_mean
 from ..records import ClientResult
+from ..metrics import MetricSpec
 from ..registry import AGGREGATORS, COMPONENTS, NoParams, Params
 from ..rng import np_rng, torch_gen
 from .aggregators import Aggregator
@@ -230,3 +237,52 @@ class Attack(Component):
 @COMPONENTS.register("attack", params=AttackParams, help="malicious clients (scale / sign-flip / Gaussian) for robustness tests")
 def _attack(params: AttackParams) -> Attack:
     return Attack(params)
+
+
+class NormBoundParams(Params):
+    bound: float | None = Field(None, gt=0, allow_inf_nan=False, description="fixed L2 bound M of an update")
+    quantile: float | None = Field(None, gt=0, le=1, description="or: M is this quantile of the round's update "
+                                   "norms (linear interpolation), e.g. 0.5 clips every update above the median")
+
+    @model_validator(mode="after")
+    def _one(self) -> "NormBoundParams":
+        if (self.bound is None) == (self.quantile is None):
+            raise ValueError("norm_bound needs exactly one of bound or quantile")
+        return self
+
+
+class NormBound(Component):
+    """Norm thresholding (Sun et al. 2019, Sec. 3): every accepted update Delta_k becomes
+    ``Delta_k * min(1, M / ||Delta_k||_2)``, the norm over all its shared trainable entries, before the
+    weighting and the aggregator see it; buffers and extras are left alone. Each clipped update is an
+    ``update_clipped`` event (client, norm, bound); the round's bound and number clipped are metrics."""
+
+    name = "norm_bound"
+
+    def __init__(self, params: NormBoundParams):
+        self.params = params
+
+    def server_results(self, sctx: ServerContext, results: list[ClientResult]) -> list[ClientResult]:
+        norms = [math.sqrt(sum(float(v.detach().double().pow(2).sum()) for v in r.delta.values())) for r in results]
+        p = self.params
+        bound = p.bound if p.bound is not None else float(np.quantile(norms, p.quantile))
+        out, clipped = [], 0
+        for res, n in zip(results, norms):
+            if n > bound:
+                scale = bound / n
+                res = dataclasses.replace(res, delta={k: v * scale for k, v in res.delta.items()})
+                sctx.events.append({"event": "update_clipped", "client": res.client_id, "norm": n, "bound": bound})
+                clipped += 1
+            out.append(res)
+        sctx.metrics["norm_bound/bound"] = bound
+        sctx.metrics["norm_bound/clipped"] = float(clipped)
+        return out
+
+
+@COMPONENTS.register(
+    "norm_bound", params=NormBoundParams,
+    help="server-side L2 norm bound of every update, fixed or a quantile of the round's norms (Sun et al. 2019)",
+    metrics=(MetricSpec("norm_bound/*", None, "the round's bound and number of clipped updates"),),
+)
+def _norm_bound(params: NormBoundParams) -> NormBound:
+    return NormBound(params)

@@ -88,6 +88,11 @@ class Component:
         clustered model: each cluster's test images with that cluster's entries); the default runs once."""
         return run(ctx)
 
+    def server_results(self, sctx: ServerContext, results: list[ClientResult]) -> list[ClientResult]:
+        """The round's accepted results before weighting and aggregation, possibly transformed (norm bounding
+        scales updates down); every component's transform applies in order, whatever the aggregator."""
+        return results
+
     def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
         """After aggregation and the server optimizer step (e.g. update server-side state, or apply a
         correction to ``sctx.model``'s parameters as FedDyn does). ``weights`` are normalised. Called only

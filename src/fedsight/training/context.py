@@ -116,6 +116,8 @@ class ServerContext:
     #: the run's facts: named tensors a server-side part establishes for the parts of later rounds and
     #: stages (LADD's clients' styles and clusters); checkpointed with the server (``Server.facts``)
     facts: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: events a server-side part records this round (e.g. a clipped update); appended to the round's events
+    events: list[dict[str, Any]] = field(default_factory=list)
 
 
 
