@@ -29,6 +29,8 @@ class DirectGrid(Grid):
             for i, nc in enumerate(node_configs)
         }
         self.dead: set[int] = set()
+        #: node id -> the public key it authenticated with (node authentication); empty: none
+        self.keys: dict[int, bytes] = {}
         self.pending: dict[str, Message] = {}
         self.sent: list[tuple[str, int]] = []  # (message type, node)
         #: called as kill_hook(grid, message) before a message is delivered (tests kill nodes there)
@@ -50,6 +52,13 @@ class DirectGrid(Grid):
         if self.nodes_hook is not None:
             self.nodes_hook(self)
         return [n for n in self.contexts if n not in self.dead]
+
+    def get_nodes(self):
+        """The online nodes as the SuperLink lists them, with the public key a node authenticated with
+        (``keys``; none: no node authentication)."""
+        from flwr.proto.node_pb2 import NodeInfo
+
+        return [NodeInfo(node_id=n, public_key=self.keys.get(n, b"")) for n in self.get_node_ids()]
 
     def push_messages(self, messages):
         ids = []
@@ -83,7 +92,7 @@ class DirectGrid(Grid):
 
 
 def run_direct(cfg, run_dir: Path, state_dir: Path, *, num_nodes: int | None = None, options: dict | None = None,
-               node_extra: list[dict] | None = None, kill_hook=None, nodes_hook=None):
+               node_extra: list[dict] | None = None, kill_hook=None, nodes_hook=None, keys: list[bytes] | None = None):
     """A whole FedSight run through the Flower adapter over a ``DirectGrid``; returns the grid."""
     from fedsight.api import resolved
     from fedsight.flower.client_app import make_client_app
@@ -96,6 +105,7 @@ def run_direct(cfg, run_dir: Path, state_dir: Path, *, num_nodes: int | None = N
               **((node_extra or [{}] * n)[i])} for i in range(n)]
     grid = DirectGrid(make_client_app(), nodes, run_config=settings)
     grid.kill_hook, grid.nodes_hook = kill_hook, nodes_hook
+    grid.keys = {1000 + i: k for i, k in enumerate(keys or [])}
     ctx = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=settings)
     server_main(grid, ctx)
     return grid

@@ -199,3 +199,59 @@ def test_without_known_sizes_the_count_is_bounded(server) -> None:
         assert "exceeds the bound" in check_result(res, 1, server.contract())
     finally:
         server.sizes_known, server.max_examples = True, 10**9
+
+
+# -- identities bound to node keys ---------------------------------------------------------------------------
+
+KEYS = [bytes([i]) * 32 for i in range(5)]
+
+
+def _events(run_dir, kind: str) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("event") == kind]
+
+
+def test_a_node_claiming_a_bound_client_is_rejected_and_changes_nothing(tmp_path) -> None:
+    """A fourth authenticated node answers as client 0 (same data, another key): client 0 is bound to the key
+    of the node that answered for it first, so the impostor's replies are rejected every round and the run
+    equals the run without the impostor bit for bit."""
+    cfg = validate(tiny(**{**CFG, "server.rounds": 2, "server.clients_per_round": 2}))
+    run_direct(cfg, tmp_path / "honest", tmp_path / "honest-nodes", keys=KEYS[:3])
+    run_direct(cfg, tmp_path / "attacked", tmp_path / "attacked-nodes", num_nodes=4, keys=KEYS[:4],
+               node_extra=[{}, {}, {}, {"partition-id": 0}])
+    a = load_file(str(tmp_path / "honest" / "model.safetensors"))
+    b = load_file(str(tmp_path / "attacked" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rejected = _events(tmp_path / "attacked", "rejected_update")
+    assert rejected and all(e["node"] == 1003 and e["client"] == 0 and "bound to another node key" in e["reason"]
+                            for e in rejected)
+    assert not _events(tmp_path / "attacked", "client_moved")
+    bound = json.loads((tmp_path / "attacked" / "identities.json").read_text())
+    assert bound == {str(c): KEYS[c].hex() for c in range(3)}
+
+
+@pytest.mark.parametrize("same_key", [True, False])
+def test_a_restarted_node_reclaims_its_client_only_with_its_key(tmp_path, same_key) -> None:
+    """Client 1's SuperNode dies after round 1 and comes back under a new node id: with the same key it
+    reclaims its client (``client_moved``); with another key it is refused and the client is lost."""
+    from flwr.app import Context, RecordDict
+
+    cfg = validate(tiny(**{**CFG, "server.rounds": 2}))
+
+    def restart(grid):
+        if sum(t == "train" for t, _ in grid.sent) >= 3 and 1003 not in grid.contexts:
+            old = grid.contexts[1001]
+            grid.dead.add(1001)
+            grid.contexts[1003] = Context(run_id=7, node_id=1003, node_config=dict(old.node_config),
+                                          state=RecordDict(), run_config=dict(old.run_config))
+            grid.keys[1003] = KEYS[1] if same_key else KEYS[4]
+
+    run_direct(cfg, tmp_path / "run", tmp_path / "nodes", keys=KEYS[:3], nodes_hook=restart,
+               options={"round-timeout": 0.5})
+    moved = _events(tmp_path / "run", "client_moved")
+    lost = _events(tmp_path / "run", "client_lost")
+    if same_key:
+        assert [(e["client"], e["to_node"]) for e in moved] == [(1, 1003)] and not lost
+    else:
+        assert not moved and [e["client"] for e in lost] == [1]
+        assert [e["node"] for e in _events(tmp_path / "run", "rejected_update")] == [1003]

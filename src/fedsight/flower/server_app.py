@@ -47,6 +47,7 @@ from flwr.app import Context, Message, MessageType
 from flwr.serverapp import Grid, ServerApp
 
 from ..cost import model_cost
+from ..runs import atomic_write_text
 from ..device import to_device
 from ..engine.loop import ClientEvaluation
 from ..engine.plan import Reply
@@ -154,6 +155,8 @@ class FlowerBackend:
     def __init__(self, server: Any, grid: Grid, opts: ServerOptions, task_info: dict[str, Any], dp: Any = None):
         self.server, self.grid, self.opts, self.task_info, self.dp = server, grid, opts, task_info, dp
         self.node_of: dict[int, int] = {}  # FedSight client id -> Flower node id
+        self.key_of: dict[int, str] = {}  # FedSight client id -> the public key of the node bound to it
+        self._keys: dict[int, str] = {}  # node id -> public key, as last listed
         self.max_reply_bytes = int(opts.max_reply_mb * 2**20)
         # the reply contract's sizes: the server's own partition, or (nodes' own data) a bound
         server.sizes_known = opts.data == "partition"
@@ -172,17 +175,49 @@ class FlowerBackend:
                 return [{"round": 0, "event": "nodes_missing", "online": online, "expected": want}]
             time.sleep(1.0)
 
-    def _learn(self, node: int, content, r: int) -> list[dict[str, Any]]:
-        """Map the replying node to its partition; a partition answered by a new node (a restarted
-        SuperNode gets a new id) moves to it."""
+    def _node_keys(self) -> dict[int, str]:
+        """Node id -> its authenticated public key (hex) as the SuperLink lists it; empty without node
+        authentication (and on grids that list no keys)."""
+        try:
+            return {int(n.node_id): bytes(n.public_key).hex() for n in self.grid.get_nodes()
+                    if getattr(n, "public_key", b"")}
+        except Exception:  # a grid without node listings: identities fall back to node ids
+            return {}
+
+    def _why_not(self, node: int, pid: int) -> str | None:
+        """Why ``node`` may not answer for client ``pid`` (None: it may). With node authentication a client
+        is bound to the key of the first node that answered for it (``identities.json`` in the run
+        directory): only that key may answer for it again (from any node id: a restarted SuperNode reclaims
+        its client), and a key answers for one client only."""
+        key, bound = self._keys.get(node), self.key_of.get(pid)
+        if bound is not None:
+            return None if key == bound else f"node {node} answers for client {pid}, which is bound to another node key"
+        if key is not None:
+            holder = next((c for c, k in self.key_of.items() if k == key), None)
+            if holder is not None:
+                return f"node {node} is bound to client {holder}, not {pid}"
+        return None
+
+    def _learn(self, node: int, content, r: int) -> tuple[list[dict[str, Any]], str | None]:
+        """Map the replying node to the partition it names (binding the node's key on the first answer);
+        a partition answered by a new node of the same identity (a restarted SuperNode gets a new id) moves
+        to it. Returns the events and why the node may not answer for that partition (then nothing moves)."""
         pid = FR.reply_partition(content)
         if pid is None:
-            return []
+            return [], None
+        why = self._why_not(node, pid)
+        if why is not None:
+            return [], why
+        key = self._keys.get(node)
+        if key is not None and pid not in self.key_of:
+            self.key_of[pid] = key
+            atomic_write_text(Path(self.opts.run_dir) / "identities.json",
+                              json.dumps({str(c): k for c, k in sorted(self.key_of.items())}, indent=1) + "\n")
         other = self.node_of.get(pid)
         self.node_of[pid] = node
         if other is not None and other != node:
-            return [{"round": r, "event": "client_moved", "client": pid, "from_node": other, "to_node": node}]
-        return []
+            return [{"round": r, "event": "client_moved", "client": pid, "from_node": other, "to_node": node}], None
+        return [], None
 
     def enter_round(self, r: int) -> None:
         pass
@@ -192,6 +227,7 @@ class FlowerBackend:
             return [], []
         r, opts = plan.round, self.opts
         self._online = set(int(n) for n in self.grid.get_node_ids())
+        self._keys = self._node_keys()
         known = set(self.node_of.values())
         # the nodes of the sampled clients (if Flower still lists them online) and every unidentified node
         targets = sorted({self.node_of[c] for c in plan.sampled if self.node_of.get(c) in self._online} | (self._online - known))
@@ -200,7 +236,8 @@ class FlowerBackend:
         wanted = set(plan.sampled)
 
         def enough(replies: dict[int, Message]) -> bool:  # every sampled client answered (a restarted node may)
-            return wanted <= {FR.reply_partition(m.content) for m in replies.values() if not FR.is_skipped(m.content)}
+            return wanted <= {pid for n, m in replies.items() if not FR.is_skipped(m.content)
+                              and (pid := FR.reply_partition(m.content)) is not None and self._why_not(n, pid) is None}
 
         replies, failed = exchange(self.grid, targets, content, MessageType.TRAIN, str(r), opts.round_timeout,
                                    opts.poll_interval, enough)
@@ -208,7 +245,12 @@ class FlowerBackend:
         events: list[dict[str, Any]] = []
         got: dict[int, Reply] = {}
         for node, reply in replies.items():
-            events += self._learn(node, reply.content, r)
+            learned, why = self._learn(node, reply.content, r)
+            events += learned
+            if why is not None:
+                events.append({"round": r, "event": "rejected_update", "client": FR.reply_partition(reply.content),
+                               "node": node, "reason": why})
+                continue
             if FR.is_skipped(reply.content):
                 continue
             pid = FR.reply_partition(reply.content)
@@ -275,6 +317,7 @@ class FlowerBackend:
             return out
         server, skip = self.server, self._failed
         online = set(int(n) for n in self.grid.get_node_ids())
+        self._keys = self._node_keys()
         known = set(self.node_of.values())
         nodes = sorted({n for n in known if n not in skip and n in online} | (online - known - skip))
         content = FR.instruction_content(r, [], server.global_model.state_dict(), None, local=local, personal=personal,
@@ -283,8 +326,11 @@ class FlowerBackend:
                                    self.opts.poll_interval)
         metrics = server.task.metrics
         for node, reply in replies.items():
-            out.events += self._learn(node, reply.content, r)
+            learned, why = self._learn(node, reply.content, r)
+            out.events += learned
             try:
+                if why is not None:
+                    raise FR.MalformedReply(why)
                 pid, tensors, n, pers = FR.read_eval(reply.content)
                 state = metrics.state_from(tensors)
                 metrics.compute(state)  # a state that cannot give the metrics (wrong entries, shapes) is refused
@@ -333,7 +379,7 @@ class FlowerServer:
         from ..api import finish, record_round, start_run_dir
         from ..engine.loop import run_round
         from ..models.base import save_weights
-        from ..runs import RunDir, atomic_write_text
+        from ..runs import RunDir
 
         server, cfg, opts = self.server, self.cfg, self.opts
         backend = FlowerBackend(server, grid, opts, self.task_info, self.dp)
