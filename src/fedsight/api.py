@@ -24,7 +24,7 @@ from .engine.simulation import Simulation
 from .metric_table import metric_directions
 from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
-from .runs import RunDir, atomic_write_text
+from .runs import Replacement, RunDir, atomic_write_text
 from .state import ClientStateStore
 from .tasks.base import Task
 from .training.local import SGD_TRAINER, LocalTraining
@@ -268,15 +268,23 @@ def execute(
                 "or pass --overwrite to replace it"
             )
         resume = True
-    elif overwrite and run.path.exists():  # only reached when the user asked for it
-        import shutil
-
-        shutil.rmtree(run.path)
     # load data and build everything first: bad input must fail before a run directory is written
     sim = build_simulation(cfg, run_dir=run.path)
     if resume and run.read_status().get("state") == "complete":
         rows = [r for r in run.read_metrics() if "event" not in r]
         return Outcome(run.path, "skipped", rows[-1] if rows else None)
+    # --overwrite: the old run is set aside now and deleted once the new one has recorded a round
+    replaced = Replacement(run.path) if overwrite and not resume else None
+    try:
+        return _execute_built(cfg, run, sim, resume, stop_after, on_round, replaced)
+    except BaseException:
+        if replaced is not None:
+            replaced.undo()
+        raise
+
+
+def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: int | None,
+                   on_round: OnRound | None, replaced: Replacement | None) -> Outcome:
     start_run_dir(run, cfg, sim.task, sim.server.device)
     if resume:
         ckpt = run.load_latest_checkpoint()
@@ -290,6 +298,8 @@ def execute(
 
     def _on_round(r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
         record_round(run, sim.server, cfg, r, row, events)
+        if replaced is not None:
+            replaced.done()
         last.clear()
         last.update(row)
         if on_round is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,41 @@ def unpack_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
             items = [unpack_state(v, tensors) for v in obj["__list__"]]
             return tuple(items) if obj.get("tuple") else items
     return obj
+
+
+class Replacement:
+    """A run directory replaced by a new run (``overwrite``), deleted only once the new run is under way.
+
+    ``Replacement(path)`` moves the FedSight run directory at ``path`` to a hidden sibling (nothing is
+    deleted yet); ``done()`` deletes it once the new run has recorded its first round; ``undo()`` (the new
+    run failed before that) deletes what the new run wrote and puts the old directory back. A path that
+    exists but is not a FedSight run directory (no ``config.json``) and is not empty is refused with
+    ``FileExistsError``: nothing else is ever replaced."""
+
+    def __init__(self, path: StrPath):
+        self.path = Path(path)
+        self.aside: Path | None = None
+        if not self.path.exists():
+            return
+        if not (self.path / "config.json").is_file():
+            if self.path.is_dir() and not any(self.path.iterdir()):
+                return
+            raise FileExistsError(f"{self.path} exists and is not a FedSight run directory; refusing to replace it")
+        self.aside = self.path.with_name(f".{self.path.name}.replaced")
+        if self.aside.exists():  # left by a replacement that died before its first round: the older run
+            shutil.rmtree(self.aside)
+        os.replace(self.path, self.aside)
+
+    def done(self) -> None:
+        if self.aside is not None:
+            shutil.rmtree(self.aside, ignore_errors=True)
+            self.aside = None
+
+    def undo(self) -> None:
+        if self.aside is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.replace(self.aside, self.path)
+            self.aside = None
 
 
 class RunDir:

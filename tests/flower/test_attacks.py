@@ -255,3 +255,23 @@ def test_a_restarted_node_reclaims_its_client_only_with_its_key(tmp_path, same_k
     else:
         assert not moved and [e["client"] for e in lost] == [1]
         assert [e["node"] for e in _events(tmp_path / "run", "rejected_update")] == [1003]
+
+
+# -- destructive options ---------------------------------------------------------------------------------------
+
+
+def test_flower_overwrite_replaces_only_a_run_directory(tmp_path) -> None:
+    """``overwrite = true`` on the ServerApp refuses a directory that is not a FedSight run (its files stay),
+    and replaces a run directory only after the new run recorded a round (nothing is left aside)."""
+    cfg = validate(tiny(**CFG))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="not a FedSight run directory"):
+        run_direct(cfg, other, tmp_path / "n1", options={"overwrite": True})
+    assert (other / "notes.txt").read_text() == "keep"
+    run_direct(cfg, tmp_path / "run", tmp_path / "n2")
+    run_direct(validate(tiny(**{**CFG, "server.rounds": 2})), tmp_path / "run", tmp_path / "n3",
+               options={"overwrite": True})
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["server"]["rounds"] == 2
+    assert not list(tmp_path.glob(".run.replaced"))

@@ -47,7 +47,7 @@ from flwr.app import Context, Message, MessageType
 from flwr.serverapp import Grid, ServerApp
 
 from ..cost import model_cost
-from ..runs import atomic_write_text
+from ..runs import Replacement, atomic_write_text
 from ..device import to_device
 from ..engine.loop import ClientEvaluation
 from ..engine.plan import Reply
@@ -376,20 +376,27 @@ class FlowerServer:
         self.task_info["model-cost"] = [float(cost.forward), float(cost.head)]
 
     def run(self, grid: Grid, on_round=None) -> Path:
+        from ..runs import RunDir
+
+        opts = self.opts
+        backend = FlowerBackend(self.server, grid, opts, self.task_info, self.dp)
+        run = RunDir(opts.run_dir)
+        if run.exists() and not opts.overwrite:
+            raise FileExistsError(f"{run.path} already holds a run; choose another run-dir or set overwrite = true")
+        # overwrite: the old run is set aside (never another kind of directory) and deleted after round 1
+        replaced = Replacement(run.path)
+        try:
+            return self._run(grid, run, backend, replaced, on_round)
+        except BaseException:
+            replaced.undo()
+            raise
+
+    def _run(self, grid: Grid, run: Any, backend: "FlowerBackend", replaced: Any, on_round=None) -> Path:
         from ..api import finish, record_round, start_run_dir
         from ..engine.loop import run_round
         from ..models.base import save_weights
-        from ..runs import RunDir
 
         server, cfg, opts = self.server, self.cfg, self.opts
-        backend = FlowerBackend(server, grid, opts, self.task_info, self.dp)
-        run = RunDir(opts.run_dir)
-        if run.exists():
-            if not opts.overwrite:
-                raise FileExistsError(f"{run.path} already holds a run; choose another run-dir or set overwrite = true")
-            import shutil
-
-            shutil.rmtree(run.path)
         run.path.mkdir(parents=True, exist_ok=True)
         # with the nodes' own data (data-dir) the server's partition describes nothing
         start_run_dir(run, cfg, server.task, server.device, partition=opts.data == "partition")
@@ -398,6 +405,7 @@ class FlowerServer:
         for r in range(1, cfg.server.rounds + 1):
             row, events = run_round(server, backend, r)
             record_round(run, server, cfg, r, row, events)
+            replaced.done()
             if on_round is not None:
                 on_round(r, row, events)
         if server.store.state_dict():

@@ -1,0 +1,69 @@
+"""--overwrite never loses a run to bad input or a failing new run, and never deletes anything but a FedSight
+run directory: the old run is set aside, deleted once the new run has recorded a round, and put back if the new
+run fails before that (in-process and on the Flower path)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedsight.api import execute
+from fedsight.config import validate
+from fedsight.registry import COMPONENTS, NoParams
+from fedsight.training import Component
+
+from helpers import tiny
+
+
+def _snapshot(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture()
+def old_run(tmp_path):
+    execute(validate(tiny(**{"server.rounds": 2})), tmp_path / "r")
+    return tmp_path / "r", _snapshot(tmp_path / "r")
+
+
+def test_bad_input_with_overwrite_leaves_the_old_run_intact(old_run, tmp_path) -> None:
+    path, before = old_run
+    bad = validate(tiny(**{"server.rounds": 3, "data": {"name": "imagefolder", "train_dir": str(tmp_path / "missing")}}))
+    with pytest.raises(Exception, match="missing"):
+        execute(bad, path, overwrite=True)
+    assert _snapshot(path) == before
+    assert not list(tmp_path.glob(".r.replaced"))
+
+
+class Boom(Component):
+    name = "boom"
+
+    def server_round_end(self, sctx, results, weights):
+        raise RuntimeError("boom in round 1")
+
+
+def test_a_new_run_failing_before_its_first_round_puts_the_old_run_back(old_run, tmp_path) -> None:
+    path, before = old_run
+    if "boom" not in COMPONENTS.names():
+        COMPONENTS.register("boom", params=NoParams)(lambda params: Boom())
+    with pytest.raises(RuntimeError, match="boom"):
+        execute(validate(tiny(**{"server.rounds": 3, "recipe.components": ["boom"]})), path, overwrite=True)
+    assert _snapshot(path) == before
+    assert not list(tmp_path.glob(".r.replaced"))
+
+
+def test_overwrite_replaces_a_run_and_leaves_nothing_aside(old_run, tmp_path) -> None:
+    path, _ = old_run
+    out = execute(validate(tiny(**{"server.rounds": 3})), path, overwrite=True)
+    assert out.status == "complete"
+    assert json.loads((path / "config.json").read_text())["server"]["rounds"] == 3
+    assert not list(tmp_path.glob(".r.replaced"))
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path) -> None:
+    other = tmp_path / "thesis"
+    other.mkdir()
+    (other / "chapter1.tex").write_text("precious")
+    with pytest.raises(FileExistsError, match="not a FedSight run directory"):
+        execute(validate(tiny(**{"server.rounds": 1})), other, overwrite=True)
+    assert (other / "chapter1.tex").read_text() == "precious" and not (other / "config.json").exists()
