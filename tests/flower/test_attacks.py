@@ -275,3 +275,43 @@ def test_flower_overwrite_replaces_only_a_run_directory(tmp_path) -> None:
                options={"overwrite": True})
     assert json.loads((tmp_path / "run" / "config.json").read_text())["server"]["rounds"] == 2
     assert not list(tmp_path.glob(".run.replaced"))
+
+
+@st.composite
+def tamperings(draw):
+    """A random edit of a train reply's records: a tensor's shape, dtype or values, a key, a count or a
+    metric of the wrong kind."""
+    kind = draw(st.sampled_from(["shape", "dtype", "values", "key", "count", "metric"]))
+    if kind == "shape":
+        shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=4)))
+        return kind, lambda c: c["delta"].__setitem__(_first_key(c["delta"]), Array(np.zeros(shape, np.float32)))
+    if kind == "dtype":
+        dt = draw(st.sampled_from([np.float16, np.float64, np.int32, np.int64, np.bool_, np.complex64]))
+        return kind, lambda c: c["delta"].__setitem__(
+            _first_key(c["delta"]), Array(c["delta"][_first_key(c["delta"])].numpy().astype(dt)))
+    if kind == "values":
+        v = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+        return kind, lambda c: c["delta"].__setitem__(
+            _first_key(c["delta"]), Array(np.full_like(c["delta"][_first_key(c["delta"])].numpy(), v)))
+    if kind == "key":
+        name = draw(st.text(min_size=1, max_size=12).filter(lambda s: not s.startswith(("backbone", "head"))))
+        return kind, lambda c: c["delta"].__setitem__(name, Array(np.zeros(2, np.float32)))
+    if kind == "count":
+        field = draw(st.sampled_from(["num-examples", "num-steps", "client-id", "partition-id"]))
+        value = draw(st.one_of(st.integers(-10**12, -1), st.integers(10**7, 10**15), st.floats(0.1, 0.9)))
+        return kind, lambda c: _set_meta(c, field, value)
+    value = draw(st.one_of(st.lists(st.floats(allow_nan=False), min_size=1, max_size=3),
+                           st.lists(st.integers(-5, 5), min_size=1, max_size=3)))
+    return kind, lambda c: c.__setitem__("metrics", MetricRecord({"train/loss": value}))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tampering=tamperings())
+def test_random_tamperings_never_end_the_run_nor_move_the_model(tmp_path_factory, tampering, without_victim) -> None:
+    kind, attack = tampering
+    d = tmp_path_factory.mktemp("hyp")
+    model, rows = _run(d, "attacked", app=tampering_app(attack))
+    assert json.loads((d / "attacked" / "status.json").read_text())["state"] == "complete"
+    assert [e["node"] for e in rows if e.get("event") == "rejected_update"] == [1000 + VICTIM], (kind, rows)
+    for k in without_victim:
+        assert torch.equal(model[k], without_victim[k]), (kind, k)
