@@ -23,9 +23,11 @@ The normalising factor ||a_k||_1 of the local solver (Sec. 4 "examples" and the 
                                         ||a_k||_1 = [tau_k - rho (1 - rho^tau_k) / (1 - rho)] / (1 - rho)
   (the gradient of step j moves the final model by eta sum_{i=0}^{tau_k-1-j} rho^i; summing over j)
 * proximal SGD (FedProx, prox_mu > 0):  ||a_k||_1 = [1 - (1 - eta mu)^tau_k] / (eta mu)
-* momentum and proximal term together: the exact value for this linear recursion, computed by
-  running the scalar recursion v <- rho v + (1 + mu w), w <- w - eta v from w = v = 0 for tau_k
-  steps (||a_k||_1 = -w / eta); it reduces to the closed forms above.
+* momentum and proximal term together: the exact value for this linear recursion. The gradient of the
+  step m steps before the end moves the final model by -eta a(m), the impulse response of the scalar
+  recursion v <- rho v + mu w, w <- w - eta v started from v = 1, w = -eta; ||a_k||_1 = sum_m |a(m)|. With
+  both terms some a(m) are negative (the proximal pull overshoots with momentum), so the norm is not the
+  signed sum of the coefficients; it reduces to the closed forms above when every a(m) is positive.
 
 ``tau_k`` and ``rho`` come from the client context (``ctx.num_steps``, ``ctx.local.momentum``); set
 ``prox_mu`` to the FedProx ``mu`` when both components are used (FedNova cannot see other
@@ -61,11 +63,13 @@ def normalizing_factor(steps: int, lr: float, momentum: float = 0.0, prox_mu: fl
     if rho == 0.0:
         q = 1.0 - lr * prox_mu
         return (1.0 - q**steps) / (lr * prox_mu)
-    w = v = 0.0
-    for _ in range(steps):
-        v = rho * v + (1.0 + prox_mu * w)
+    v, w = 1.0, -lr  # a unit gradient in the first of m remaining steps: a(1) = 1
+    total = 1.0
+    for _ in range(steps - 1):
+        v = rho * v + prox_mu * w
         w = w - lr * v
-    return -w / lr
+        total += abs(w / lr)
+    return total
 
 
 class FedNovaAggregator(Aggregator):
