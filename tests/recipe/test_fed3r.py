@@ -168,3 +168,23 @@ def test_closed_form_stage_trains_nothing_and_logs_flops():
     assert all(torch.equal(v, sim.global_model.backbone.state_dict()[k]) for k, v in before.items())
     # ToyLinear's extractor is the identity (0 FLOPs): the cost is n (p(p+1) + p) with p = d + 1 = 4
     assert row["cost/flops"] == 9 * (4 * 5 + 4)
+
+
+def test_fed3r_rf_head_follows_the_models_dtype():
+    """A float64 model gets a float64 random-features head (it used to be built in the default dtype)."""
+    from torch import nn
+
+    class Double(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(3, 4).double()
+            self.head = nn.Linear(4, 2).double()
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    model = Double()
+    Fed3R(Fed3RParams(rff_dim=16, rff_sigma=1.0)).adapt_model(model, seed=0)
+    assert isinstance(model.head, RFFHead) and model.head.linear.weight.dtype == torch.float64
+    out = model(torch.randn(5, 3, dtype=torch.float64))
+    assert out.dtype == torch.float64 and out.shape == (5, 2)

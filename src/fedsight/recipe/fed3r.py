@@ -203,7 +203,9 @@ class Fed3R(ClosedFormClassifier):
         rff = RandomFourierFeatures(
             linear.in_features, self.p.rff_dim, self.p.rff_sigma, derive_seed(seed, "fed3r-rff"), self.p.rff_convention
         )
-        model.head = RFFHead(rff, nn.Linear(self.p.rff_dim, linear.out_features, bias=linear.bias is not None))
+        head = nn.Linear(self.p.rff_dim, linear.out_features, bias=linear.bias is not None)
+        # in the model's dtype and on its device (a float64 model keeps a float64 head)
+        model.head = RFFHead(rff, head).to(device=linear.weight.device, dtype=linear.weight.dtype)
 
     def statistics(self, z, y, num_classes):
         return client_statistics(augment(z) if self.p.bias else z, y, num_classes, full_b=self.p.sync)
