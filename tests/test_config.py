@@ -99,3 +99,19 @@ def test_sweep_grid_runs_every_combination():
     raw["sweep"] = {"grid": {"partition.alpha": [0.0]}}
     with pytest.raises(ConfigError, match="alpha=0.0.*partition.alpha"):
         expand(raw, "cfg")
+
+
+@pytest.mark.parametrize("where", ["run", "variant"])
+@pytest.mark.parametrize("name", [".", ".."])
+def test_run_and_variant_names_cannot_leave_output_dir(tmp_path, where, name):
+    """``run.name = ".."`` (or a variant named "..") would put the run directory outside output_dir, where an
+    --overwrite could replace another run: refused with a message naming the key."""
+    from fedsight.config import expand
+
+    raw = tiny()
+    if where == "run":
+        raw["run"] = {**raw.get("run", {}), "name": name}
+    else:
+        raw["variants"] = [{"name": name}]
+    with pytest.raises(ConfigError, match="leave output_dir"):
+        expand(raw, "config")

@@ -69,6 +69,13 @@ class RunSection(Params):
     output_dir: str = "runs"
     checkpoint_keep: int = Field(2, ge=0, description="checkpoints kept on disk (0 = all)")
 
+    @field_validator("name")
+    @classmethod
+    def _inside_output_dir(cls, v: str) -> str:
+        if set(v) <= {"."}:
+            raise ValueError(f"{v!r} is not a run name: the run directory would leave output_dir")
+        return v
+
 
 class TrainSection(Params):
     """Local training: plain SGD, ``epochs`` passes, a fixed number of ``steps``, or a number of steps
