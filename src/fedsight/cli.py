@@ -372,12 +372,36 @@ from .flower.cli import flower_app  # noqa: E402  (flwr itself is imported only 
 app.add_typer(flower_app, name="flower")
 
 
+#: set to show the traceback of an unexpected error instead of its one-line summary
+DEBUG_ENV = "FEDSIGHT_DEBUG"
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for an error that escaped a command: the file and the OS's reason for file-system errors,
+    else the exception's type and message."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        what = f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+        return what + (f" -> {exc.filename2}" if exc.filename2 else "")
+    if isinstance(exc, MemoryError):
+        return "out of memory (a size in the config or the data is too large for this machine)"
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def main() -> None:
+    """The ``fedsight`` entry point: every error a command lets through becomes one line on stderr (exit 2
+    for configuration errors, 1 otherwise); ``FEDSIGHT_DEBUG=1`` shows the traceback instead."""
     try:
         app()
     except KeyboardInterrupt:
         err_console.print("interrupted; resume with `fedsight resume RUN_DIR`")
         sys.exit(130)
+    except Exception as exc:  # the one error boundary: no traceback unless asked for
+        if os.environ.get(DEBUG_ENV):
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(describe_error(exc))}", highlight=False, soft_wrap=True)
+        err_console.print(f"(set {DEBUG_ENV}=1 for the traceback)", style="dim", highlight=False)
+        sys.exit(2 if isinstance(exc, ConfigError) else 1)
 
 
 if __name__ == "__main__":

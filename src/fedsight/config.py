@@ -354,9 +354,17 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
     try:
-        return tomllib.loads(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}); TOML files must be UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: invalid TOML: nested too deeply") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -555,7 +563,10 @@ def expand(raw: dict[str, Any], source: str, overrides: list[str] = ()) -> list[
         if name in names:
             raise ConfigError(f"{source}: variants[{i}].name = {name!r} is used twice")
         names.append(name)
-    seeds = sweep.seeds or [int(raw.get("seed", 0))]
+    seed = raw.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"{source}: seed = {seed!r} is not an integer")
+    seeds = sweep.seeds or [seed]
     variants = variants_raw or [None]
     base_name = validate_base_name(raw.get("run"), source)
     specs = []

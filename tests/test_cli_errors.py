@@ -1,0 +1,52 @@
+"""The CLI's one error boundary, through real processes: bad input gives one line on stderr, a non-zero exit
+and no traceback (``FEDSIGHT_DEBUG=1`` shows it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import tomli_w
+
+from helpers import tiny
+
+
+def fedsight(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from fedsight.cli import main; main()", *args],
+                          capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+
+
+def _lines(text: str) -> list[str]:
+    return [x for x in text.splitlines() if x.strip()]
+
+
+def test_a_config_that_is_not_utf8_is_one_line_naming_the_file(tmp_path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_bytes(b"# caf\xe9\nseed = 0\n")
+    out = fedsight("run", str(cfg))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "not UTF-8" in out.stderr and str(cfg.name) in out.stderr
+
+
+def test_an_output_dir_that_is_a_file_is_one_line_and_the_file_survives(tmp_path) -> None:
+    blocker = tmp_path / "runs"
+    blocker.write_text("not a folder")
+    raw = tiny(**{"server.rounds": 1, "run.output_dir": str(blocker)})
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(raw))
+    out = fedsight("run", str(cfg))
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert len(_lines(out.stderr)) <= 3 and str(blocker) in out.stderr, out.stderr
+    assert blocker.read_text() == "not a folder"
+    debug = fedsight("run", str(cfg), env={"FEDSIGHT_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize("text", ["seed = [1, 2]\n", "[[[x\n", "a = " + "[" * 5000 + "]" * 5000 + "\n"])
+def test_malformed_configs_are_one_line(tmp_path, text) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text)
+    out = fedsight("run", str(cfg))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
