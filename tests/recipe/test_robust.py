@@ -486,3 +486,33 @@ def test_norm_bound_needs_exactly_one_rule() -> None:
     for bad in ({}, {"bound": 1.0, "quantile": 0.5}):
         with pytest.raises(ConfigError, match="exactly one of bound or quantile"):
             validate(tiny(**{"recipe.components": [{"name": "norm_bound", **bad}]}))
+
+
+def test_krum_with_too_few_updates_skips_the_round_instead_of_ending_the_run() -> None:
+    """f = 1 needs K > 4: with 5 sampled clients and one non-finite (rejected) update, round 1 is skipped
+    with an event naming Krum's precondition and the global model is left as it was; the run goes on."""
+
+    from fedsight.engine.plan import sample_clients
+
+    first = sample_clients(0, 1, 6, 5)[0]
+
+    class Nan(Component):
+        name = "nan_once"
+
+        def client_end(self, ctx, result):
+            if ctx.round == 1 and ctx.client_id == first:
+                result.delta = {k: torch.full_like(v, float("nan")) for k, v in result.delta.items()}
+
+    raw = tiny(**{"server.rounds": 2, "server.clients_per_round": 5,
+                  "recipe.aggregator": {"name": "krum", "byzantine": 1}})
+    sim = build_simulation(validate(raw))
+    sim.server.stages[0].recipe.components.append(Nan())
+    before = {k: v.clone() for k, v in sim.global_model.state_dict().items()}
+    log = []
+    sim.run(on_round=lambda r, row, ev: log.append((dict(row), list(ev))), stop_after=1)
+    row, events = log[0]
+    assert [e["event"] for e in events] == ["rejected_update", "round_skipped"]
+    assert "2 * byzantine + 2" in events[1]["reason"] and row["clients/aggregated"] == 0
+    assert all(torch.equal(v, before[k]) for k, v in sim.global_model.state_dict().items())
+    sim.run(on_round=lambda r, row, ev: log.append((dict(row), list(ev))))
+    assert log[-1][0]["clients/aggregated"] == 5

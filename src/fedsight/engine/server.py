@@ -26,6 +26,7 @@ from ..state import ClientStateStore
 from ..tasks.base import Task, local_summary
 from ..training import EvalContext, ServerContext
 from .client_runtime import evaluate_split
+from ..recipe.aggregators import TooFewUpdates
 from .contract import ReplyContract, check_result
 from .plan import (
     Reply, RoundPlan, Schedule, Stage, StageLayout, build_models, sample_clients, stage_layout, stage_of_round,
@@ -201,11 +202,17 @@ class Server:
         t_train = time.perf_counter() - plan.t0
         row: dict[str, Any] = {"clients/sampled": len(plan.sampled), "clients/aggregated": len(results)}
         self.last_weights = None
+        delta = None
         if results:
             for c in self.recipe.components:
                 results = c.server_results(sctx, results)
             weights = self.recipe.weighting.weights(results, sctx)
-            delta = self.recipe.aggregator.aggregate(results, weights)
+            try:
+                delta = self.recipe.aggregator.aggregate(results, weights)
+            except TooFewUpdates as exc:  # e.g. Krum with K <= 2f + 2 updates left: the round is not aggregated
+                events.append({"round": r, "event": "round_skipped", "reason": str(exc)})
+                row["clients/aggregated"] = 0
+        if delta is not None:
             self.recipe.server_optimizer.step(delta)
             if self.layout.shared_buffers:
                 buffers = weighted_mean_state([res.buffers for res in results], weights)
@@ -220,7 +227,7 @@ class Server:
             if trained:
                 n = sum(res.num_examples for res in trained)
                 row["train/loss"] = sum(res.metrics["train/loss"] * res.num_examples for res in trained) / n
-        elif plan.sampled:  # (no client sampled: a server-only round)
+        elif plan.sampled and not results:  # (no client sampled: a server-only round)
             events.append({"round": r, "event": "round_skipped", "reason": "no valid client update"})
         for c in self.recipe.components:
             c.server_step(sctx)

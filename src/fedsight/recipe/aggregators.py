@@ -9,6 +9,11 @@ from ..records import ClientResult
 from ..registry import AGGREGATORS, NoParams
 
 
+class TooFewUpdates(ValueError):
+    """An aggregator cannot combine this round's number of updates (Krum's K > 2f + 2): the server skips the
+    round's aggregation with a ``round_skipped`` event instead of failing the run."""
+
+
 class Aggregator:
     """Turns the round's client results and their (unnormalised) weights into one delta."""
 

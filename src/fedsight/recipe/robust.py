@@ -38,7 +38,7 @@ from ..records import ClientResult
 from ..metrics import MetricSpec
 from ..registry import AGGREGATORS, COMPONENTS, NoParams, Params
 from ..rng import np_rng, torch_gen
-from .aggregators import Aggregator
+from .aggregators import Aggregator, TooFewUpdates
 from ..training import ClientContext, Component, ServerContext
 
 
@@ -109,9 +109,12 @@ class KrumAggregator(Aggregator):
     def aggregate(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
         keys = _keys(results)
         k = len(results)
-        check_krum(k, self.byzantine)
+        try:
+            check_krum(k, self.byzantine)
+        except ValueError as exc:
+            raise TooFewUpdates(str(exc)) from None
         if self.multi > k:
-            raise ValueError(f"krum: multi = {self.multi} exceeds the K = {k} client updates of this round")
+            raise TooFewUpdates(f"krum: multi = {self.multi} exceeds the K = {k} client updates of this round")
         flat = torch.stack(
             [torch.cat([r.delta[key].reshape(-1).to(torch.float64) for key in keys]) for r in results]
         )
