@@ -67,3 +67,18 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path) -> None:
     with pytest.raises(FileExistsError, match="not a FedSight run directory"):
         execute(validate(tiny(**{"server.rounds": 1})), other, overwrite=True)
     assert (other / "chapter1.tex").read_text() == "precious" and not (other / "config.json").exists()
+
+
+def test_resume_sweeps_what_a_killed_writer_left_and_ends_identical(tmp_path) -> None:
+    cfg = validate(tiny(**{"server.rounds": 3, "run.checkpoint_keep": 1}))
+    whole = execute(cfg, tmp_path / "whole")
+    part = tmp_path / "part"
+    execute(cfg, part, stop_after=2)
+    ck = part / "checkpoints"
+    (ck / ".ckpt.abc.tmp").write_bytes(b"half a checkpoint")
+    (part / ".status.json.x1.tmp").write_text("{")
+    (ck / "round-000001.safetensors").write_bytes(b"orphan of a pruning")
+    out = execute(cfg, part, resume=True)
+    assert out.status == "complete"
+    assert not list(part.rglob("*.tmp")) and not (ck / "round-000001.safetensors").exists()
+    assert (whole.run_dir / "model.safetensors").read_bytes() == (part / "model.safetensors").read_bytes()

@@ -287,6 +287,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
                    on_round: OnRound | None, replaced: Replacement | None) -> Outcome:
     start_run_dir(run, cfg, sim.task, sim.server.device)
     if resume:
+        run.sweep_leftovers()
         ckpt = run.load_latest_checkpoint()
         if ckpt is not None:
             sim.load_state_dict(ckpt[1])

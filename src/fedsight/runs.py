@@ -312,10 +312,29 @@ class RunDir:
         meta = {"round": round, "sha256": hashlib.sha256(data).hexdigest(), "state": packed}
         atomic_write_text(stem.with_suffix(".json"), json.dumps(meta))
         if keep_last > 0:
-            for old in self.checkpoints()[:-keep_last]:
+            for old in self.checkpoints()[:-keep_last]:  # the marker last: a kill in between leaves a marker
+                old.with_suffix(".safetensors").unlink(missing_ok=True)  # whose tensors fail the check (skipped)
                 old.with_suffix(".json").unlink(missing_ok=True)
-                old.with_suffix(".safetensors").unlink(missing_ok=True)
         return stem
+
+    def sweep_leftovers(self) -> list[str]:
+        """Delete what an interrupted writer leaves behind (FedSight is a run directory's only writer, so
+        on resume nothing is mid-write): temporary files of atomic writes and checkpoints, and a checkpoint's
+        tensor file or marker without the other. Returns the names deleted."""
+        gone = []
+        leftovers = [*self.path.glob(".*.tmp")]
+        if self.ckpt_dir.is_dir():
+            leftovers += self.ckpt_dir.glob(".*.tmp")
+            for f in self.ckpt_dir.glob("round-*.safetensors"):
+                if not f.with_suffix(".json").is_file():
+                    leftovers.append(f)
+            for f in self.ckpt_dir.glob("round-*.json"):
+                if not f.with_suffix(".safetensors").is_file():
+                    leftovers.append(f)
+        for f in leftovers:
+            f.unlink(missing_ok=True)
+            gone.append(f.relative_to(self.path).as_posix())
+        return sorted(gone)
 
     def checkpoints(self) -> list[Path]:
         """Committed checkpoint stems (JSON marker present), oldest first."""
