@@ -115,3 +115,15 @@ def test_run_and_variant_names_cannot_leave_output_dir(tmp_path, where, name):
         raw["variants"] = [{"name": name}]
     with pytest.raises(ConfigError, match="leave output_dir"):
         expand(raw, "config")
+
+
+@pytest.mark.parametrize("key,value", [("train.lr", float("inf")), ("partition.alpha", float("nan")),
+                                       ("server.optimizer", {"name": "fedadam", "lr": float("-inf")}),
+                                       ("recipe.components", [{"name": "norm_bound", "bound": float("inf")}])])
+def test_no_float_field_accepts_inf_or_nan(key, value):
+    from fedsight.config import set_path
+
+    raw = tiny()
+    set_path(raw, key.split("."), value)
+    with pytest.raises(ConfigError, match="finite number"):
+        validate(raw)

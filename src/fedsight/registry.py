@@ -17,9 +17,10 @@ T = TypeVar("T")
 
 
 class Params(BaseModel):
-    """Base class of every component's parameter model: unknown keys are errors."""
+    """Base class of every component's parameter model: unknown keys are errors, and no float may be inf or
+    NaN (``lr = inf`` used to train)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class NoParams(Params):
