@@ -389,7 +389,10 @@ def test_event_lines_are_ignored(tmp_path: Path) -> None:
     r = row(table, "A", "test/acc")
     assert r.final_mean == pytest.approx(0.7) and r.best_mean == pytest.approx(0.8)
     summary = write_summary(d, plot=False).read_text()
-    assert "| client" not in summary and "| wall_s" not in summary and "99" not in summary
+    metrics, _, events = summary.partition("## Events")
+    assert "| client" not in metrics and "| wall_s" not in metrics and "99" not in summary
+    # events are listed in their own section, never as metrics
+    assert "| client_failed | 1 | 4 | — |" in events and "| done | 1 | — | — |" in events
     assert plot_run(d).read_bytes().startswith(PNG_MAGIC)
 
 

@@ -90,6 +90,10 @@ def build_schedule(cfg: Any, task: Task) -> Schedule:
         eval_every=cfg.eval.every,
         eval_batch_size=cfg.eval.batch_size,
         eval_local=cfg.eval.local,
+        min_clients=cfg.server.min_clients,
+        dropout=cfg.server.dropout,
+        speed_sigma=cfg.server.speed_sigma,
+        deadline=cfg.server.deadline,
     )
 
 

@@ -200,6 +200,13 @@ def _sections() -> dict[str, Any]:
         clients_per_round=(int | None, Field(None, ge=1)),
         fraction=(float | None, Field(None, gt=0, le=1)),
         optimizer=(spec_type(R.SERVER_OPTIMIZERS), Field("sgd", validate_default=True)),
+        min_clients=(int, Field(1, ge=1, description="fewer accepted updates: the round is not aggregated")),
+        dropout=(float, Field(0.0, ge=0, lt=1, description="in-process: probability that a sampled client drops "
+                                                          "out of a round (its update never arrives)")),
+        speed_sigma=(float, Field(0.0, ge=0, description="in-process stragglers: client speeds ~ LogNormal(0, "
+                                                          "sigma), one per client")),
+        deadline=(float | None, Field(None, gt=0, description="in-process: an update taking longer than this many "
+                                                               "local steps of a unit-speed client arrives too late")),
     )
     return {
         "seed": (int, Field(0, ge=0)),
@@ -246,6 +253,9 @@ def config_model() -> type[BaseModel]:
                 raise ValueError(
                     f"server.rounds = {s.rounds} but the stages' rounds sum to {sum(st.rounds for st in self.stages)}"
                 )
+            if s.min_clients > (s.clients_per_round or self.partition.num_clients):
+                raise ValueError(f"server.min_clients = {s.min_clients} exceeds the clients sampled per round "
+                                 f"(server.clients_per_round = {s.clients_per_round or self.partition.num_clients})")
             if s.clients_per_round is not None and s.clients_per_round > self.partition.num_clients:
                 raise ValueError(
                     f"server.clients_per_round = {s.clients_per_round} exceeds partition.num_clients = {self.partition.num_clients}"

@@ -18,8 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..metrics import MetricState
 from ..records import ClientResult
+from ..rng import np_rng
 from .client_runtime import ClientRuntime
 from .plan import Reply, RoundPlan
 from .server import Server
@@ -52,6 +55,11 @@ class Backend(Protocol):
         """Local-test states (``local``) and the clients' personal entries (``personal``)."""
 
 
+def client_speed(seed: int, client: int, sigma: float) -> float:
+    """A client's simulated speed: exp(N(0, sigma^2)) from the stream (seed, "speed", client); 1 at sigma 0."""
+    return float(np.exp(sigma * np_rng(seed, "speed", client).standard_normal())) if sigma > 0 else 1.0
+
+
 class InProcessBackend:
     """Every client trains and evaluates in this process, on one ``ClientRuntime``."""
 
@@ -62,11 +70,26 @@ class InProcessBackend:
         self.runtime.enter_round(r)
 
     def train(self, plan: RoundPlan) -> tuple[list[Reply], list[dict[str, Any]]]:
+        """Every sampled client's update, with the schedule's simulated failures: a client that drops out
+        (probability ``dropout``, from the stream (seed, "dropout", round, client)) does not train; one whose
+        simulated time, its local steps over its speed (LogNormal(0, ``speed_sigma``), drawn once per client
+        from (seed, "speed", client)), exceeds ``deadline`` trains but its update arrives too late and is not
+        kept (its state is not stored either). Both are ``client_lost`` events with the reason."""
+        sch, seed = self.server.schedule, self.server.seed
         gstate = self.server.global_state()
         out = []
         for cid in plan.sampled:
-            res, kept = self.runtime.train(plan.round, cid, gstate, plan.broadcast_for(cid))
-            out.append(Reply(cid, res, kept))
+            if sch.dropout > 0 and np_rng(seed, "dropout", plan.round, cid).random() < sch.dropout:
+                out.append(Reply(cid, None, False, f"dropped out (simulated, dropout = {sch.dropout:g})"))
+                continue
+            res, state = self.runtime.run(plan.round, cid, gstate, plan.broadcast_for(cid))
+            if sch.deadline is not None:
+                took = res.num_steps / client_speed(seed, cid, sch.speed_sigma)
+                if took > sch.deadline:
+                    out.append(Reply(cid, None, False, f"straggler: {took:.3g} unit-speed steps, past the deadline "
+                                                       f"of {sch.deadline:g}"))
+                    continue
+            out.append(Reply(cid, res, self.runtime.keep(res, state)))
         return out, []
 
     def admit(self, plan: RoundPlan, results: list[ClientResult], events: list[dict[str, Any]]) -> list[ClientResult]:
@@ -111,6 +134,10 @@ def run_round(server: Server, backend: Backend, r: int) -> tuple[dict[str, Any],
     replies, events = backend.train(plan)
     results, spent = server.collect(plan, replies, events)
     results = backend.admit(plan, results, events)
+    if results and len(results) < server.schedule.min_clients:
+        events.append({"round": r, "event": "too_few_clients", "accepted": len(results),
+                       "min_clients": server.schedule.min_clients})
+        results = []
     row = server.end_round(plan, results, events, spent)
     row.update(backend.round_metrics())
     if server.should_evaluate(r):

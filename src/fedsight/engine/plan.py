@@ -49,6 +49,12 @@ class Schedule:
     eval_every: int = 1
     eval_batch_size: int = 512
     eval_local: bool = True
+    #: a round with fewer accepted updates is not aggregated (``too_few_clients`` and ``round_skipped`` events)
+    min_clients: int = 1
+    #: simulated client failure in-process (``engine.failures``): dropout probability, speed spread, deadline
+    dropout: float = 0.0
+    speed_sigma: float = 0.0
+    deadline: float | None = None
 
 
 def clients_per_round(num_clients: int, count: int | None, fraction: float | None) -> int:

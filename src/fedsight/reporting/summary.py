@@ -126,6 +126,25 @@ def _config_digest(config: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def _events_section(records: list[dict]) -> list[str]:
+    """A table of the run's events (lost or rejected clients, skipped rounds, ...): how many, in which rounds,
+    and the most frequent reasons."""
+    from collections import Counter
+
+    events = [r for r in records if "event" in r]
+    if not events:
+        return []
+    lines = ["## Events", "", "| event | count | rounds | most frequent reasons |", "|---|---:|---|---|"]
+    for kind in sorted({str(e["event"]) for e in events}):
+        mine = [e for e in events if e["event"] == kind]
+        rounds = sorted({e.get("round") for e in mine if isinstance(e.get("round"), int)})
+        span = "—" if not rounds else (str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}–{rounds[-1]} ({len(rounds)})")
+        reasons = Counter(str(e["reason"]).split(":")[0] for e in mine if e.get("reason"))
+        why = "; ".join(f"{_md_escape(r)} ×{n}" for r, n in reasons.most_common(3)) or "—"
+        lines.append(f"| {_md_escape(kind)} | {len(mine)} | {span} | {why} |")
+    return lines + [""]
+
+
 def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
     """Write ``RUN_DIR/summary.md`` and return its path.
 
@@ -174,6 +193,7 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
                   "↑ higher is better, ↓ lower is better; no arrow: no direction, so no best.", ""]
     else:
         lines += ["No metrics recorded.", ""]
+    lines += _events_section(run.records)
     lines += ["## Curves", "", f"![training curves](plots/{CURVES_FILE})", ""]
     if (run.path / "plots" / CLIENT_WEIGHTS_FILE).is_file():
         lines += ["## Client weights", "", f"![client weights](plots/{CLIENT_WEIGHTS_FILE})", ""]
