@@ -82,3 +82,18 @@ def test_resume_sweeps_what_a_killed_writer_left_and_ends_identical(tmp_path) ->
     assert out.status == "complete"
     assert not list(part.rglob("*.tmp")) and not (ck / "round-000001.safetensors").exists()
     assert (whole.run_dir / "model.safetensors").read_bytes() == (part / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("verb,name", [("partition", "metrics.jsonl"), ("pretrain", "model.safetensors")])
+def test_out_never_writes_into_a_run_directory(old_run, verb, name, tmp_path) -> None:
+    import tomli_w
+    from typer.testing import CliRunner
+
+    from fedsight.cli import app
+
+    path, before = old_run
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(tiny(**{"pretrain.source": "samples"}) if verb == "pretrain" else tiny()))
+    res = CliRunner().invoke(app, [verb, str(cfg), "--out", str(path / name)])
+    assert res.exit_code == 2 and "inside the run directory" in res.output, res.output
+    assert _snapshot(path) == before

@@ -36,6 +36,15 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _refuse_inside_run(out: Path | None) -> None:
+    """``--out`` may never write into a run directory (it would replace the run's results)."""
+    from .runs import enclosing_run
+
+    run = enclosing_run(out) if out is not None else None
+    if run is not None:
+        _fail(f"--out {out} is inside the run directory {run}; choose a path outside it")
+
+
 def _short(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
     """The progress line's metrics: ``keys`` from ``api.progress_keys`` (the task's primary metric first)."""
     return "  ".join(f"{label} {row[key]:.4f}" for key, label in keys if key in row)
@@ -253,6 +262,7 @@ def partition(
     out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: partition.png beside the runs).")] = None,
 ) -> None:
     """Show how a config partitions its data: per-client statistics and a clients x classes heatmap."""
+    _refuse_inside_run(out)
     from . import config as C
     from .api import build_task
     from .data.partition import partition_summary
@@ -316,6 +326,7 @@ def pretrain_(
 
     `fedsight run` on the same config loads this file, and pre-trains by itself when the file is missing.
     """
+    _refuse_inside_run(out)
     from . import config as C
     from .api import build_task
     from .pretrain import pretrain, pretrain_key, pretrain_weights_path, sidecar_path

@@ -175,6 +175,16 @@ def unpack_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def enclosing_run(path: StrPath) -> Path | None:
+    """The FedSight run directory ``path`` lies in (or is), if any: a folder with ``config.json`` and
+    ``status.json``. Commands that write a file by ``--out`` refuse paths inside a run."""
+    p = Path(path).absolute()
+    for folder in (p, *p.parents):
+        if (folder / "config.json").is_file() and (folder / "status.json").is_file():
+            return folder
+    return None
+
+
 class Replacement:
     """A run directory replaced by a new run (``overwrite``), deleted only once the new run is under way.
 
