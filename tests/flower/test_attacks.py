@@ -296,9 +296,10 @@ def tamperings(draw):
     if kind == "key":
         name = draw(st.text(min_size=1, max_size=12).filter(lambda s: not s.startswith(("backbone", "head"))))
         return kind, lambda c: c["delta"].__setitem__(name, Array(np.zeros(2, np.float32)))
-    if kind == "count":
+    if kind == "count":  # (a large num-steps is not drawn: only cost metrics read it, so it is accepted)
         field = draw(st.sampled_from(["num-examples", "num-steps", "client-id", "partition-id"]))
-        value = draw(st.one_of(st.integers(-10**12, -1), st.integers(10**7, 10**15), st.floats(0.1, 0.9)))
+        large = st.integers(10**7, 10**15) if field != "num-steps" else st.nothing()
+        value = draw(st.one_of(st.integers(-10**12, -1), large, st.floats(0.1, 0.9)))
         return kind, lambda c: _set_meta(c, field, value)
     value = draw(st.one_of(st.lists(st.floats(allow_nan=False), min_size=1, max_size=3),
                            st.lists(st.integers(-5, 5), min_size=1, max_size=3)))
