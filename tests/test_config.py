@@ -1,5 +1,7 @@
 """Every config error is one line naming its key (and the allowed values where there is a set)."""
 
+from pathlib import Path
+
 import pytest
 
 from fedsight.config import ConfigError, expand, parse_override, validate
@@ -127,3 +129,13 @@ def test_no_float_field_accepts_inf_or_nan(key, value):
     set_path(raw, key.split("."), value)
     with pytest.raises(ConfigError, match="finite number"):
         validate(raw)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "examples").glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_config_expands_and_validates(path):
+    """Every run of every README example (variants x seeds) is a valid config, so a README command cannot fail
+    on its config."""
+    from fedsight.config import load
+
+    specs = load(path)
+    assert specs and len({s.run_dir for s in specs}) == len(specs)
