@@ -97,3 +97,14 @@ def test_out_never_writes_into_a_run_directory(old_run, verb, name, tmp_path) ->
     res = CliRunner().invoke(app, [verb, str(cfg), "--out", str(path / name)])
     assert res.exit_code == 2 and "inside the run directory" in res.output, res.output
     assert _snapshot(path) == before
+
+
+def test_a_copied_run_directory_resumes_from_its_new_place(tmp_path) -> None:
+    """Where the run directory lies (run.output_dir) is not part of the experiment: a run copied elsewhere and
+    run there with its new output_dir resumes (here: is complete) instead of being 'a different config'."""
+    import shutil
+
+    execute(validate(tiny(**{"server.rounds": 2, "run.output_dir": str(tmp_path / "a")})), tmp_path / "a" / "r")
+    shutil.copytree(tmp_path / "a" / "r", tmp_path / "b" / "r")
+    out = execute(validate(tiny(**{"server.rounds": 2, "run.output_dir": str(tmp_path / "b")})), tmp_path / "b" / "r")
+    assert out.status == "skipped"

@@ -192,10 +192,14 @@ def resolved(cfg: Any) -> dict[str, Any]:
 
 
 def experiment(config: dict[str, Any]) -> dict[str, Any]:
-    """A resolved config without ``[engine]``: what a run computes, not where or how fast. A run started
-    on a GPU resumes on a CPU (and vice versa, or with other threads); ``run.json`` records each
-    session's engine."""
-    return {k: v for k, v in config.items() if k != "engine"}
+    """A resolved config without ``[engine]`` nor where the run directory lies and how many checkpoints it
+    keeps: what a run computes, not where or how fast. A run started on a GPU resumes on a CPU (and vice
+    versa, or with other threads); a copied or moved run directory resumes from its new place; ``run.json``
+    records each session's engine."""
+    out = {k: v for k, v in config.items() if k != "engine"}
+    if isinstance(out.get("run"), dict):
+        out["run"] = {k: v for k, v in out["run"].items() if k not in ("output_dir", "checkpoint_keep")}
+    return out
 
 
 def toml_safe(obj: Any) -> Any:
