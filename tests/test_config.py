@@ -139,3 +139,11 @@ def test_every_example_config_expands_and_validates(path):
 
     specs = load(path)
     assert specs and len({s.run_dir for s in specs}) == len(specs)
+
+
+def test_setting_the_run_name_keeps_the_other_run_keys():
+    """``--set run.name=X`` used to be taken for a component switch and dropped output_dir and checkpoint_keep."""
+    raw = tiny()
+    raw["run"] = {"name": "a", "output_dir": "elsewhere", "checkpoint_keep": 5}
+    (spec,) = expand(raw, "config", ["run.name=b"])
+    assert (spec.config.run.name, spec.config.run.output_dir, spec.config.run.checkpoint_keep) == ("b", "elsewhere", 5)

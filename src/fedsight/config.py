@@ -403,8 +403,8 @@ def set_path(raw: dict[str, Any], path: list[str], value: Any) -> None:
             nxt = {}
         cur[part] = nxt
         cur = nxt
-    if path[-1] == "name" and isinstance(cur.get("name"), str) and cur.get("name") != value:
-        # switching component: drop the old component's parameters
+    if path[-1] == "name" and path[:-1] != ["run"] and isinstance(cur.get("name"), str) and cur.get("name") != value:
+        # switching component: drop the old component's parameters ([run] has a name but is no component)
         for k in list(cur):
             if k not in ("name", "num_clients", "local_test_fraction"):
                 del cur[k]
@@ -418,7 +418,7 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         if isinstance(b, str) and isinstance(v, dict):
             b = {"name": b}
         if isinstance(b, dict) and isinstance(v, dict):
-            if "name" in v and b.get("name") != v["name"]:
+            if "name" in v and b.get("name") != v["name"] and k != "run":
                 keep = {kk: vv for kk, vv in b.items() if kk in ("num_clients", "local_test_fraction")}
                 out[k] = {**keep, **copy.deepcopy(v)}
             else:
