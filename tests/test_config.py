@@ -147,3 +147,8 @@ def test_setting_the_run_name_keeps_the_other_run_keys():
     raw["run"] = {"name": "a", "output_dir": "elsewhere", "checkpoint_keep": 5}
     (spec,) = expand(raw, "config", ["run.name=b"])
     assert (spec.config.run.name, spec.config.run.output_dir, spec.config.run.checkpoint_keep) == ("b", "elsewhere", 5)
+
+
+def test_component_parameters_without_a_name_say_so():
+    with pytest.raises(ConfigError, match=r"server.optimizer has parameters but no name"):
+        expand(tiny(), "config", ["server.optimizer.lr=0.5"])

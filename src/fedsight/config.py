@@ -348,6 +348,9 @@ def format_validation_error(exc: ValidationError, raw: dict[str, Any], model_cls
             lines.append(f"{source}: unknown key '{where}'{hint}")
         elif err["type"] == "missing":
             lines.append(f"{source}: missing required key '{where}'")
+        elif err["type"] == "union_tag_not_found":  # a component table without its name
+            lines.append(f"{source}: {where} has parameters but no name; name the component too, e.g. "
+                         f"--set {where}.name=... or {where} = {{ name = \"...\", ... }}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             value = err.get("input")
