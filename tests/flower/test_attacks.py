@@ -316,3 +316,19 @@ def test_random_tamperings_never_end_the_run_nor_move_the_model(tmp_path_factory
     assert [e["node"] for e in rows if e.get("event") == "rejected_update"] == [1000 + VICTIM], (kind, rows)
     for k in without_victim:
         assert torch.equal(model[k], without_victim[k]), (kind, k)
+
+
+@pytest.mark.parametrize("args,msg", [(["--round-timeout", "-5"], "--round-timeout = -5.0 must be > 0"),
+                                      (["--dp-noise", "nan"], "--dp-noise = nan must be a finite number"),
+                                      (["--min-clients", "50"], "--min-clients = 50 exceeds")])
+def test_flower_options_are_validated_before_anything_starts(tmp_path, args, msg) -> None:
+    import tomli_w
+    from typer.testing import CliRunner
+
+    from fedsight.cli import app
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(tiny(**CFG)))
+    res = CliRunner().invoke(app, ["flower", "local", str(cfg), "--run-dir", str(tmp_path / "r"), *args])
+    assert res.exit_code != 0 and msg in res.output, res.output
+    assert not (tmp_path / "r").exists()

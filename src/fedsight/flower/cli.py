@@ -64,13 +64,28 @@ def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
     return spec.config, (run_dir or spec.run_dir).absolute()
 
 
-def _options(round_timeout: float, min_clients: int, dp_noise: float, dp_clip: float, dp_delta: float,
+def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, dp_clip: float, dp_delta: float,
              overwrite: bool = False) -> dict[str, Any]:
+    from .server_app import ServerOptions
+
+    if min_clients > cfg.partition.num_clients:
+        _fail(f"--min-clients = {min_clients} exceeds the federation's {cfg.partition.num_clients} clients "
+              "(partition.num_clients)")
+
     out: dict[str, Any] = {"round-timeout": round_timeout, "min-clients": min_clients, "overwrite": overwrite}
-    if dp_noise > 0:
+    if dp_noise != 0:
         if dp_clip <= 0:
             _fail("--dp-clip must be positive with --dp-noise")
         out.update({"dp-noise-multiplier": dp_noise, "dp-clipping-norm": dp_clip, "dp-delta": dp_delta})
+    try:  # the ServerApp's own checks, before anything starts
+        ServerOptions.from_run_config({**out, "run-dir": "."})
+    except ValueError as exc:
+        flag = {"round-timeout": "--round-timeout", "min-clients": "--min-clients", "dp-noise-multiplier": "--dp-noise",
+                "dp-clipping-norm": "--dp-clip", "dp-delta": "--dp-delta"}
+        msg = str(exc)
+        for key, opt in flag.items():
+            msg = msg.replace(f"run config {key} ", f"{opt} ")
+        _fail(msg)
     return out
 
 
@@ -111,7 +126,7 @@ def app_cmd(
     from .app import write_app
 
     cfg, rd = _one_config(config, set_, run_dir)
-    opts = _options(round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
+    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
     if data_dir_nodes:
         opts["data"] = "data-dir"
     try:
@@ -149,7 +164,7 @@ def local_cmd(
     from .local import FlowerRunError, run_local
 
     cfg, rd = _one_config(config, set_, run_dir)
-    opts = _options(round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
+    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
     keys = progress_keys(cfg)
@@ -186,7 +201,7 @@ def simulate_cmd(
     from .simulation import flower_simulate
 
     cfg, rd = _one_config(config, set_, run_dir)
-    opts = _options(600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
+    opts = _options(cfg, 600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
     try:

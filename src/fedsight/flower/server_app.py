@@ -105,7 +105,32 @@ class ServerOptions:
             overwrite=bool(vals["overwrite"]),
             max_reply_mb=float(vals["max-reply-mb"]),
             max_examples=int(vals["max-examples"]),
-        )
+        ).checked()
+
+    def checked(self) -> "ServerOptions":
+        """These options, or a ``ValueError`` naming the first invalid one (run-config key)."""
+        import math
+
+        rules = [
+            ("round-timeout", self.round_timeout > 0, "must be > 0 seconds"),
+            ("min-clients", self.min_clients >= 1, "must be >= 1"),
+            ("min-nodes", self.min_nodes >= 0, "must be >= 0"),
+            ("node-wait-timeout", self.node_wait_timeout >= 0, "must be >= 0 seconds"),
+            ("poll-interval", self.poll_interval >= 0, "must be >= 0 seconds"),
+            ("dp-noise-multiplier", math.isfinite(self.dp_noise_multiplier) and self.dp_noise_multiplier >= 0,
+             "must be a finite number >= 0"),
+            ("dp-clipping-norm", math.isfinite(self.dp_clipping_norm) and self.dp_clipping_norm > 0,
+             "must be a finite number > 0"),
+            ("dp-delta", math.isfinite(self.dp_delta) and 0 <= self.dp_delta < 1, "must be in [0, 1)"),
+            ("data", self.data in ("partition", "data-dir"), "must be 'partition' or 'data-dir'"),
+            ("max-reply-mb", math.isfinite(self.max_reply_mb) and self.max_reply_mb > 0, "must be a finite number > 0"),
+            ("max-examples", self.max_examples >= 1, "must be >= 1"),
+        ]
+        for key, ok, why in rules:
+            if not ok:
+                value = getattr(self, key.replace("-", "_"))
+                raise ValueError(f"run config {key} = {value!r} {why}")
+        return self
 
 
 def exchange(
@@ -359,6 +384,9 @@ class FlowerServer:
         from ..api import build_server
 
         self.cfg, self.opts = cfg, options
+        if options.min_clients > cfg.partition.num_clients:
+            raise ValueError(f"run config min-clients = {options.min_clients} exceeds the federation's "
+                             f"{cfg.partition.num_clients} clients (partition.num_clients)")
         self.server = build_server(cfg)  # in-memory client store: client state lives on the nodes
         self.dp = None
         if options.dp_noise_multiplier > 0:
