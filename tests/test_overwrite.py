@@ -108,3 +108,29 @@ def test_a_copied_run_directory_resumes_from_its_new_place(tmp_path) -> None:
     shutil.copytree(tmp_path / "a" / "r", tmp_path / "b" / "r")
     out = execute(validate(tiny(**{"server.rounds": 2, "run.output_dir": str(tmp_path / "b")})), tmp_path / "b" / "r")
     assert out.status == "skipped"
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume_and_said(tmp_path) -> None:
+    cfg = validate(tiny(**{"server.rounds": 3}))
+    whole = execute(cfg, tmp_path / "whole")
+    part = tmp_path / "part"
+    execute(cfg, part, stop_after=2)
+    with open(part / "metrics.jsonl", "a") as f:
+        f.write('{"round": 3, "stage": "federated", "train/lo')  # a crash in the middle of an append
+    assert execute(cfg, part, resume=True).status == "complete"
+    rows = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    notes = [r for r in rows if r.get("event") == "run_repaired"]
+    assert len(notes) == 1 and "torn last line" in notes[0]["note"]
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs if "event" not in r]  # noqa: E731
+    assert strip(rows) == strip(json.loads(x) for x in (whole.run_dir / "metrics.jsonl").read_text().splitlines())
+
+
+def test_a_damaged_line_before_the_last_is_named(tmp_path) -> None:
+    cfg = validate(tiny(**{"server.rounds": 3}))
+    part = tmp_path / "part"
+    execute(cfg, part, stop_after=2)
+    lines = (part / "metrics.jsonl").read_text().splitlines()
+    lines[0] = "{not json"
+    (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: invalid JSON"):
+        execute(cfg, part, resume=True)

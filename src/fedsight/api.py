@@ -299,7 +299,8 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
         ckpt = run.load_latest_checkpoint()
         if ckpt is not None:
             sim.load_state_dict(ckpt[1])
-        run.truncate_metrics(sim.round)
+        for note in run.truncate_metrics(sim.round):
+            run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
     else:
         run.metrics_path.unlink(missing_ok=True)
         run.weights_path.unlink(missing_ok=True)

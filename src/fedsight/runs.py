@@ -275,13 +275,30 @@ class RunDir:
         meta = {"format": 1, "primary": primary, "metrics": dict(sorted(metrics.items())), "sessions": sessions}
         atomic_write_text(self.path / RUN_META_FILE, json.dumps(meta, indent=1) + "\n")
 
-    def truncate_metrics(self, last_round: int) -> None:
-        """Drop rows of rounds after ``last_round`` (written after the last checkpoint of a killed run)."""
+    def truncate_metrics(self, last_round: int) -> list[str]:
+        """Drop rows of rounds after ``last_round`` (written after the last checkpoint of a killed run), and a
+        torn last line (a crash in the middle of an append). Returns what was repaired; any other line that is
+        not a JSON object is a ``ValueError`` naming ``file:line``."""
+        repaired = []
         for path in (self.metrics_path, self.weights_path):
-            if path.is_file():
-                rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-                kept = [r for r in rows if int(r.get("round", 0)) <= last_round]
-                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+            if not path.is_file():
+                continue
+            lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+            rows = []
+            for j, (i, line) in enumerate(lines):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    if j == len(lines) - 1:
+                        repaired.append(f"{path.name}:{i}: a torn last line was dropped")
+                        continue
+                    raise ValueError(f"{path}:{i}: invalid JSON: {exc.msg}") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+                rows.append(row)
+            kept = [r for r in rows if not isinstance(r.get("round"), int) or r["round"] <= last_round]
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        return repaired
 
     @property
     def weights_path(self) -> Path:
