@@ -200,13 +200,11 @@ def _sections() -> dict[str, Any]:
         clients_per_round=(int | None, Field(None, ge=1)),
         fraction=(float | None, Field(None, gt=0, le=1)),
         optimizer=(spec_type(R.SERVER_OPTIMIZERS), Field("sgd", validate_default=True)),
+        # client failure (in-process; engine.loop.InProcessBackend.train documents the streams)
         min_clients=(int, Field(1, ge=1, description="fewer accepted updates: the round is not aggregated")),
-        dropout=(float, Field(0.0, ge=0, lt=1, description="in-process: probability that a sampled client drops "
-                                                          "out of a round (its update never arrives)")),
-        speed_sigma=(float, Field(0.0, ge=0, description="in-process stragglers: client speeds ~ LogNormal(0, "
-                                                          "sigma), one per client")),
-        deadline=(float | None, Field(None, gt=0, description="in-process: an update taking longer than this many "
-                                                               "local steps of a unit-speed client arrives too late")),
+        dropout=(float, Field(0.0, ge=0, lt=1, description="probability a sampled client drops out of a round")),
+        speed_sigma=(float, Field(0.0, ge=0, description="stragglers: client speeds ~ LogNormal(0, sigma)")),
+        deadline=(float | None, Field(None, gt=0, description="updates over this many unit-speed steps are lost")),
     )
     return {
         "seed": (int, Field(0, ge=0)),
@@ -253,9 +251,8 @@ def config_model() -> type[BaseModel]:
                 raise ValueError(
                     f"server.rounds = {s.rounds} but the stages' rounds sum to {sum(st.rounds for st in self.stages)}"
                 )
-            if s.min_clients > (s.clients_per_round or self.partition.num_clients):
-                raise ValueError(f"server.min_clients = {s.min_clients} exceeds the clients sampled per round "
-                                 f"(server.clients_per_round = {s.clients_per_round or self.partition.num_clients})")
+            if s.min_clients > (per := s.clients_per_round or self.partition.num_clients):
+                raise ValueError(f"server.min_clients = {s.min_clients} exceeds the clients sampled per round ({per})")
             if s.clients_per_round is not None and s.clients_per_round > self.partition.num_clients:
                 raise ValueError(
                     f"server.clients_per_round = {s.clients_per_round} exceeds partition.num_clients = {self.partition.num_clients}"
@@ -349,8 +346,7 @@ def format_validation_error(exc: ValidationError, raw: dict[str, Any], model_cls
         elif err["type"] == "missing":
             lines.append(f"{source}: missing required key '{where}'")
         elif err["type"] == "union_tag_not_found":  # a component table without its name
-            lines.append(f"{source}: {where} has parameters but no name; name the component too, e.g. "
-                         f"--set {where}.name=... or {where} = {{ name = \"...\", ... }}")
+            lines.append(f"{source}: {where} has parameters but no name; name the component too (--set {where}.name=...)")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             value = err.get("input")
@@ -374,10 +370,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{p}: invalid TOML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{p}: invalid TOML: nested too deeply") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{p}: invalid TOML: {'nested too deeply' if isinstance(exc, RecursionError) else exc}") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -576,8 +570,7 @@ def expand(raw: dict[str, Any], source: str, overrides: list[str] = ()) -> list[
         if name in names:
             raise ConfigError(f"{source}: variants[{i}].name = {name!r} is used twice")
         names.append(name)
-    seed = raw.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed := raw.get("seed", 0), bool) or not isinstance(seed, int):
         raise ConfigError(f"{source}: seed = {seed!r} is not an integer")
     seeds = sweep.seeds or [seed]
     variants = variants_raw or [None]
