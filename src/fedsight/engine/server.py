@@ -155,13 +155,14 @@ class Server:
                                 self.recipe.trainer.trains, max_examples=self.max_examples,
                                 sizes=self.task.num_train_examples if self.sizes_known else None)
 
-    def rejection(self, reply: Reply) -> str | None:
-        """Why a reply's update cannot be used (None: it can). Every backend's replies pass here."""
+    def rejection(self, reply: Reply, contract: ReplyContract | None = None) -> str | None:
+        """Why a reply's update cannot be used (None: it can). Every backend's replies pass here, checked
+        against ``contract`` (the current stage's, built once per round by ``collect``)."""
         if reply.result is None:
             return reply.reason or "no result"
         if not reply.accepted:
             return "non-finite values"  # the client refused its own update (and stored no state)
-        return check_result(reply.result, reply.client, self.contract())
+        return check_result(reply.result, reply.client, contract or self.contract())
 
     def collect(
         self, plan: RoundPlan, replies: Sequence[Reply], events: list[dict[str, Any]]
@@ -173,6 +174,7 @@ class Server:
         results: list[ClientResult] = []
         device = self.device
         spent = {"up_bytes": 0.0, "flops": 0.0}
+        contract = self.contract()
         for cid in plan.sampled:
             rep = by_client.get(cid)
             if rep is not None and rep.rejected:
@@ -186,7 +188,7 @@ class Server:
                 continue
             spent["up_bytes"] += result_bytes(rep.result)
             spent["flops"] += rep.result.flops
-            why = self.rejection(rep)
+            why = self.rejection(rep, contract)
             if why is not None:
                 events.append({"round": plan.round, "event": "rejected_update", "client": cid, **rep.info, "reason": why})
                 continue

@@ -60,10 +60,6 @@ def _entries(facts: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Ten
     return {k[len(prefix):]: v for k, v in facts.items() if k.startswith(prefix)}
 
 
-def _main(outputs: Any) -> torch.Tensor:
-    return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
-
-
 # ------------------------------------------------------------------------------------------ client styles
 
 

@@ -11,11 +11,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from ..device import to_device
+from ..device import model_device, to_device
 from ..functional.clustering import assign
 from ..functional.self_training import (
     IGNORE,
@@ -31,7 +30,8 @@ from ..models.base import swap_entries
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..training import ClientContext, Component, EvalContext, ServerContext
-from .ladd import CENTROIDS, GROUPS, HALF, THETA0, _entries, _main, cluster_prefix
+from ..tasks.segmentation import main_output, upsample
+from .ladd import CENTROIDS, GROUPS, HALF, THETA0, _entries, cluster_prefix
 
 
 def _groups(facts: dict[str, torch.Tensor], num_clients: int) -> np.ndarray:
@@ -148,14 +148,10 @@ class SelfTraining(Component):
 
     def loss_term(self, ctx: ClientContext, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         p, scratch, x = self.params, ctx.scratch[self.name], ctx.inputs
-        student = _main(outputs)
         size = targets.shape[-2:]
-        if tuple(student.shape[-2:]) != tuple(size):
-            student = F.interpolate(student, size=tuple(size), mode="bilinear", align_corners=False)
+        student = upsample(main_output(outputs), size)
         with torch.no_grad():
-            source = student if "teacher" not in scratch else _main(scratch["teacher"](x))
-            if tuple(source.shape[-2:]) != tuple(size):
-                source = F.interpolate(source, size=tuple(size), mode="bilinear", align_corners=False)
+            source = student if "teacher" not in scratch else upsample(main_output(scratch["teacher"](x)), size)
             labels = pseudo_labels(source.detach(), p.threshold, p.fraction)
         loss = pseudo_label_ce(student, labels, p.reduction)
         if p.entropy_lambda > 0:
@@ -163,9 +159,7 @@ class SelfTraining(Component):
                                               else entropy(student))
         if p.kd_lambda > 0:
             with torch.no_grad():
-                ref = _main(scratch["theta0"](x))
-                if tuple(ref.shape[-2:]) != tuple(size):
-                    ref = F.interpolate(ref, size=tuple(size), mode="bilinear", align_corners=False)
+                ref = upsample(main_output(scratch["theta0"](x)), size)
             kd = (soft_target_ce(student, ref, p.kd_alpha, labels != IGNORE) if p.kd_form == "soft_ce"
                   else kl_divergence(student, ref))
             loss = loss + p.kd_lambda * kd
@@ -286,7 +280,7 @@ class ClusterAggregation(Component):
         for s in np.unique(nearest[base]):
             members = base[nearest[base] == s]
             entries = _entries(ctx.facts, cluster_prefix(int(s)))
-            with swap_entries(model, to_device(entries, next(model.parameters()).device)) if entries \
+            with swap_entries(model, to_device(entries, model_device(model))) if entries \
                     else contextlib.nullcontext():
                 states.append(run(dataclasses.replace(ctx, subset=members)))
         return ctx.task.metrics.merge(states)
