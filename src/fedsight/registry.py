@@ -8,19 +8,62 @@ sees an untyped dict.
 
 from __future__ import annotations
 
+import types
+import typing
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 T = TypeVar("T")
 
 
 class Params(BaseModel):
-    """Base class of every component's parameter model: unknown keys are errors, and no float may be inf or
-    NaN (``lr = inf`` used to train)."""
+    """Base class of every component's parameter model: unknown keys are errors, no float may be inf or NaN
+    (``lr = inf`` used to train), and no value is coerced across types (strict mode: ``rounds = "2"``,
+    ``lr = true`` or ``nesterov = "yes"`` are errors; an integer where a float is expected is the one
+    widening allowed). TOML has arrays and strings but no tuples or paths, so a list given for a tuple field
+    and a string given for a path field are taken as written (their elements are still checked strictly)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _toml_shapes(cls, data: Any) -> Any:
+        conv = _shape_fields(cls)
+        if not conv or not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for key, kind in conv.items():
+            v = out.get(key)
+            if kind is tuple and isinstance(v, list):
+                out[key] = tuple(v)
+            elif kind is Path and isinstance(v, str):
+                out[key] = Path(v)
+        return out
+
+
+def _bare(ann: Any) -> set[Any]:
+    """The origins a field annotation admits (``Annotated`` and unions unwrapped)."""
+    while typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return set().union(*(_bare(a) for a in typing.get_args(ann)))
+    return {typing.get_origin(ann) or ann}
+
+
+@cache
+def _shape_fields(cls: type[BaseModel]) -> dict[str, type]:
+    out: dict[str, type] = {}
+    for name, f in cls.model_fields.items():
+        kinds = _bare(f.annotation)
+        if tuple in kinds and list not in kinds:
+            out[f.alias or name] = tuple
+        elif any(isinstance(k, type) and issubclass(k, Path) for k in kinds):
+            out[f.alias or name] = Path
+    return out
 
 
 class NoParams(Params):

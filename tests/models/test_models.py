@@ -287,7 +287,7 @@ def test_mobilenetv2_uses_relu6_and_dropout():
 
 
 def test_mobilenetv2_bad_group_count_is_a_clear_error():
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match="channels which 3 groups do not divide"):
         make("mobilenetv2", {"norm": "group", "group_norm_groups": 3})
 
 

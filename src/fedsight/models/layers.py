@@ -7,13 +7,18 @@ from torch import nn
 from fedsight.models.base import NORM_TYPES
 
 
+class NormGroupsError(ValueError):
+    """A group-norm group count that does not divide a layer's channels (found at config time by building the
+    model on the meta device, ``fedsight.config.model_problems``)."""
+
+
 def norm_layer(kind: str, channels: int, groups: int = 2) -> nn.Module:
     """A 2-d normalisation layer: ``batch`` (BatchNorm2d), ``group`` (GroupNorm) or ``none`` (Identity)."""
     if kind == "batch":
         return nn.BatchNorm2d(channels)
     if kind == "group":
         if channels % groups:
-            raise ValueError(f"group norm: {channels} channels are not divisible into {groups} groups")
+            raise NormGroupsError(f"a layer has {channels} channels which {groups} groups do not divide")
         return nn.GroupNorm(groups, channels)
     if kind == "none":
         return nn.Identity()

@@ -1,0 +1,95 @@
+"""Config error messages: pydantic's validation errors turned into one line per key, naming the key as the
+config spells it (``recipe.components[1].lr``, not pydantic's location with discriminator tags) and, for an
+unknown key, the keys allowed there."""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Annotated, Any, Union
+
+from pydantic import BaseModel, ValidationError
+
+
+def _allowed_keys(model_cls: Any, loc: tuple, raw: Any) -> list[str] | None:
+    """Walk the model along ``loc`` (minus the last part) and list the fields accepted there."""
+    cls = model_cls
+    cur = raw
+    parts = list(loc[:-1])
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return None
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        cur = cur.get(part) if isinstance(cur, dict) else None
+        cls = _resolve_model(ann, cur)
+        if isinstance(cur, list) and i + 1 < len(parts) and isinstance(parts[i + 1], int):
+            cur = cur[parts[i + 1]] if parts[i + 1] < len(cur) else None
+            cls = _resolve_model(typing.get_args(ann)[0] if typing.get_args(ann) else ann, cur)
+            i += 1
+        if isinstance(cur, dict) and i + 1 < len(parts) and parts[i + 1] == cur.get("name"):
+            i += 1  # discriminator tag in the location
+        i += 1
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return sorted(k for k in cls.model_fields)
+    return None
+
+
+def _resolve_model(ann: Any, raw: Any) -> Any:
+    while typing.get_origin(ann) is Annotated:
+        ann = typing.get_args(ann)[0]
+    if typing.get_origin(ann) in (Union, types.UnionType):
+        for member in typing.get_args(ann):
+            m = _resolve_model(member, raw)
+            if isinstance(m, type) and issubclass(m, BaseModel):
+                name_field = m.model_fields.get("name")
+                if name_field is None or not isinstance(raw, dict):
+                    return m
+                if typing.get_args(name_field.annotation) == (raw.get("name"),):
+                    return m
+        return None
+    return ann
+
+
+def _display_loc(loc: tuple, raw: Any) -> str:
+    out: list[str] = []
+    cur = raw
+    for part in loc:
+        if isinstance(cur, dict) and part not in cur and cur.get("name") == part:
+            continue  # discriminator tag
+        if isinstance(part, int):
+            out[-1:] = [f"{out[-1]}[{part}]"] if out else [f"[{part}]"]
+        else:
+            out.append(str(part))
+        if isinstance(cur, dict):
+            cur = cur.get(part)
+        elif isinstance(cur, list) and isinstance(part, int) and part < len(cur):
+            cur = cur[part]
+        else:
+            cur = None
+    return ".".join(out) or "(top level)"
+
+
+def format_validation_error(exc: ValidationError, raw: dict[str, Any], model_cls: Any, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        where = _display_loc(loc, raw)
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model_cls, loc, raw)
+            hint = f" (allowed: {', '.join(a for a in allowed if a != 'name')})" if allowed else ""
+            lines.append(f"{source}: unknown key '{where}'{hint}")
+        elif err["type"] == "missing":
+            lines.append(f"{source}: missing required key '{where}'")
+        elif err["type"] == "union_tag_not_found":  # a component table without its name
+            lines.append(f"{source}: {where} has parameters but no name; name the component too (--set {where}.name=...)")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            value = err.get("input")
+            shown = f" = {value!r}" if isinstance(value, (int, float, str, bool)) else ""
+            lines.append(f"{source}: {where}{shown}: {msg}")
+    return "\n".join(lines)
