@@ -24,6 +24,7 @@ from .engine.simulation import Simulation
 from .metric_table import metric_directions
 from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
+from .errors import RunFileError
 from .runs import Replacement, RunDir, atomic_write_text
 from .state import ClientStateStore
 from .tasks.base import Task
@@ -278,7 +279,8 @@ def execute(
         resume = True
     # load data and build everything first: bad input must fail before a run directory is written
     sim = build_simulation(cfg, run_dir=run.path)
-    if resume and run.read_status().get("state") == "complete":
+    status = run.read_status() if resume else {}
+    if status.get("state") == "complete" and status["round"] >= cfg.server.rounds:
         rows = [r for r in run.read_metrics() if "event" not in r]
         return Outcome(run.path, "skipped", rows[-1] if rows else None)
     # --overwrite: the old run is set aside now and deleted once the new one has recorded a round
@@ -293,13 +295,16 @@ def execute(
 
 def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: int | None,
                    on_round: OnRound | None, replaced: Replacement | None) -> Outcome:
+    notes: list[str] = []
+    if resume:  # everything read and checked before anything is written
+        run.sweep_leftovers()
+        if restore(run, sim, notes) is None and (done := run.read_status().get("round", 0)) > 0:
+            raise RunFileError(f"{run.ckpt_dir}: no intact checkpoint of the {done} rounds recorded "
+                               f"({'; '.join(notes) or 'none left'}); nothing was changed: pass --overwrite to start "
+                               "the run over")
     start_run_dir(run, cfg, sim.task, sim.server.device)
     if resume:
-        run.sweep_leftovers()
-        ckpt = run.load_latest_checkpoint()
-        if ckpt is not None:
-            sim.load_state_dict(ckpt[1])
-        for note in run.truncate_metrics(sim.round):
+        for note in notes + run.truncate_metrics(sim.round):
             run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
     else:
         run.metrics_path.unlink(missing_ok=True)
@@ -315,7 +320,11 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
         if on_round is not None:
             on_round(r, row)
 
-    sim.run(on_round=_on_round, stop_after=stop_after)
+    try:
+        sim.run(on_round=_on_round, stop_after=stop_after)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI: the last completed round is checkpointed
+        run.write_status("interrupted", sim.round, cfg.server.rounds)
+        raise
     state = "complete" if sim.round >= cfg.server.rounds else "stopped"
     save_weights(sim.global_model, run.path / "model.safetensors")
     run.write_status(state, sim.round, cfg.server.rounds)
@@ -384,18 +393,38 @@ def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[in
         set_path(raw, path, value)
         changes[key] = value
     cfg = validate(raw, f"{run.path / 'config.json'} with --set")
-    ckpt = run.load_latest_checkpoint()
-    if ckpt is None:
-        raise FileNotFoundError(f"{run.path}: no intact checkpoint to evaluate (run it first, with run.checkpoint_keep >= 1)")
     sim = build_simulation(cfg, run_dir=run.path)
-    sim.load_state_dict(ckpt[1])
+    rnd = restore(run, sim)
+    if rnd is None:
+        raise FileNotFoundError(f"{run.path}: no intact checkpoint to evaluate (run it first, with run.checkpoint_keep >= 1)")
     metrics = sim.evaluate()
-    run.append_evaluation({"round": ckpt[0], "stage": sim.server.stage, "set": changes, **metrics})
-    return ckpt[0], metrics
+    run.append_evaluation({"round": rnd, "stage": sim.server.stage, "set": changes, **metrics})
+    return rnd, metrics
+
+
+def restore(run: RunDir, sim: Any, notes: list[str] | None = None) -> int | None:
+    """Load the newest intact checkpoint of ``run`` into ``sim``: its round, or None when there is none
+    (``notes``: the newer damaged ones skipped). A checkpoint whose tensors do not fit the model or the
+    recipe's state (another width, a missing client state) is a ``RunFileError`` naming it."""
+    ckpt = run.load_latest_checkpoint(notes)
+    if ckpt is None:
+        return None
+    try:
+        sim.load_state_dict(ckpt[1])
+    except RunFileError as exc:
+        if notes:  # an older checkpoint: the client states it indexes were superseded by the damaged newer one's
+            raise RunFileError(f"{exc}; {'; '.join(notes)}, and per-client state resumes only from the newest "
+                               "checkpoint: pass --overwrite to start the run over") from None
+        raise
+    except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError, FileNotFoundError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RunFileError(f"{run.ckpt_dir / f'round-{ckpt[0]:06d}.safetensors'}: does not fit this run's model or "
+                           f"state ({first[:200]})") from None
+    return ckpt[0]
 
 
 __all__ = [
     "EVALUATION_KEYS", "evaluate_run",
     "Outcome", "build_local", "build_recipe", "build_schedule", "build_server", "build_simulation", "build_stages",
-    "build_task", "execute", "load_run_config", "metric_directions", "record_round", "resolved",
+    "build_task", "execute", "load_run_config", "metric_directions", "record_round", "resolved", "restore",
 ]

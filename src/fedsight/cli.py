@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -14,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .errors import ConfigError
+from .errors import ConfigError, FedSightError
 
 app = typer.Typer(
     add_completion=False,
@@ -393,15 +394,22 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename is not None:
         what = f"{exc.strerror or type(exc).__name__}: {exc.filename}"
         return what + (f" -> {exc.filename2}" if exc.filename2 else "")
+    if isinstance(exc, FedSightError):  # phrased for the user already
+        return " ".join(str(exc).split())
     if isinstance(exc, MemoryError):
         return "out of memory (a size in the config or the data is too large for this machine)"
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     """The ``fedsight`` entry point: every error a command lets through becomes one line on stderr (exit 2
     for configuration errors, 1 otherwise); ``FEDSIGHT_DEBUG=1`` shows the traceback instead."""
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a scheduler's time limit: stop as Ctrl-C does
     try:
         app()
     except KeyboardInterrupt:

@@ -14,3 +14,9 @@ class FedSightError(Exception):
 class ConfigError(FedSightError, ValueError):
     """A configuration problem: a bad value, a missing key, or parts that do not fit together. The
     message names the key (and, for an incompatible combination, both sides)."""
+
+
+class RunFileError(FedSightError, ValueError):
+    """A file of a run directory that is damaged or does not fit the run (a checkpoint missing a tensor, a
+    client state of another shape, a status that is not an object). The message names the file and what to
+    do; nothing has been changed when it is raised."""

@@ -5,7 +5,7 @@ Layout::
     RUN_DIR/config.json          resolved config (also config.toml for reading)
     RUN_DIR/run.json             what the run logs: every metric's direction (higher or lower is better),
                                  the primary metric, and where each session ran (device, threads, versions)
-    RUN_DIR/status.json          {"state": "running" | "stopped" | "complete", "round": r, "rounds": R}
+    RUN_DIR/status.json          {"state": "running" | "stopped" | "interrupted" | "complete", "round": r, "rounds": R}
     RUN_DIR/metrics.jsonl        one JSON object per round (and ``{"event": ...}`` lines)
     RUN_DIR/client_weights.jsonl each round's aggregated clients and their normalised weights
     RUN_DIR/checkpoints/round-000007.safetensors + round-000007.json
@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load, save_file
+
+from .errors import RunFileError
 
 CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"
@@ -79,9 +82,9 @@ def _json_object(path: Path, text: str) -> dict[str, Any]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        raise RunFileError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+        raise RunFileError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
 
 
@@ -109,13 +112,13 @@ def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+            raise RunFileError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
         if not isinstance(rec, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            raise RunFileError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
         if "event" not in rec:
             rnd = rec.get("round")
             if not isinstance(rnd, int) or isinstance(rnd, bool):
-                raise ValueError(f"{path}:{lineno}: metrics line needs an integer 'round', got {rnd!r}")
+                raise RunFileError(f"{path}:{lineno}: metrics line needs an integer 'round', got {rnd!r}")
         records.append(rec)
     return records
 
@@ -127,14 +130,27 @@ def read_run_meta(run_dir: StrPath) -> dict[str, Any] | None:
         return None
     meta = _json_object(path, path.read_text(encoding="utf-8"))
     if not isinstance(meta.get("metrics", {}), dict):
-        raise ValueError(f"{path}: expected a JSON object with a 'metrics' table")
+        raise RunFileError(f"{path}: expected a JSON object with a 'metrics' table")
     return meta
 
 
+#: a run's states: "running" (or killed while running), "stopped" (``stop_after``), "interrupted" (Ctrl-C or
+#: SIGTERM, at its last completed round), "complete"
+STATES = ("running", "stopped", "interrupted", "complete")
+
+
 def read_status(run_dir: StrPath) -> dict[str, Any]:
-    """``RUN_DIR/status.json`` ({} before the first round)."""
+    """``RUN_DIR/status.json`` ({} before the first round); one whose state, round or rounds are not of the
+    recorded kinds is a ``RunFileError`` naming it."""
     path = Path(run_dir) / STATUS_FILE
-    return _json_object(path, path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    status = _json_object(path, path.read_text(encoding="utf-8"))
+    counts = [status.get(k) for k in ("round", "rounds")]
+    if status.get("state") not in STATES or not all(type(c) is int and c >= 0 for c in counts):
+        raise RunFileError(f"{path}: expected {{\"state\": one of {', '.join(STATES)}, \"round\": int, \"rounds\": int}}, "
+                           f"got {json.dumps(status)[:120]}")
+    return status
 
 
 # -- nested state <-> (JSON, flat tensors) ----------------------------------------------------------
@@ -292,9 +308,9 @@ class RunDir:
                     if j == len(lines) - 1:
                         repaired.append(f"{path.name}:{i}: a torn last line was dropped")
                         continue
-                    raise ValueError(f"{path}:{i}: invalid JSON: {exc.msg}") from None
+                    raise RunFileError(f"{path}:{i}: invalid JSON: {exc.msg}") from None
                 if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+                    raise RunFileError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
                 rows.append(row)
             kept = [r for r in rows if not isinstance(r.get("round"), int) or r["round"] <= last_round]
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -317,7 +333,17 @@ class RunDir:
     def read_client_weights(self) -> list[dict[str, Any]]:
         if not self.weights_path.is_file():
             return []
-        return [json.loads(line) for line in self.weights_path.read_text().splitlines() if line.strip()]
+        out = []
+        for lineno, line in enumerate(self.weights_path.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise RunFileError(f"{self.weights_path}:{lineno}: invalid JSON: {e.msg}") from None
+                if not isinstance(rec, dict):
+                    raise RunFileError(f"{self.weights_path}:{lineno}: expected a JSON object")
+                out.append(rec)
+        return out
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -369,16 +395,23 @@ class RunDir:
             return []
         return sorted(p.with_suffix("") for p in self.ckpt_dir.glob("round-*.json"))
 
-    def load_latest_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
-        """The newest checkpoint whose tensor file is intact, or None."""
+    def load_latest_checkpoint(self, notes: list[str] | None = None) -> tuple[int, dict[str, Any]] | None:
+        """(round, state) of the newest intact checkpoint, or None if there is none. A checkpoint is
+        intact when its marker is a JSON object whose round matches its file name and whose ``state`` refers
+        only to tensors present in a tensor file of the recorded SHA-256; the newer ones that are not are skipped
+        (never deleted: ``sweep_leftovers`` removes only half-written ones), each with a line in ``notes``."""
+        notes = [] if notes is None else notes
         for stem in reversed(self.checkpoints()):
+            name = stem.relative_to(self.path).as_posix()
             try:
-                meta = json.loads(stem.with_suffix(".json").read_text())
+                meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
                 data = stem.with_suffix(".safetensors").read_bytes()
-            except (OSError, json.JSONDecodeError):
-                continue
-            if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-                continue
-            tensors = load_file(str(stem.with_suffix(".safetensors")))
-            return int(meta["round"]), unpack_state(meta["state"], tensors)
+                ok = (isinstance(meta, dict) and meta.get("round") == int(stem.name.split("-")[1]) and "state" in meta
+                      and hashlib.sha256(data).hexdigest() == meta.get("sha256"))
+                if ok:
+                    return meta["round"], unpack_state(meta["state"], load(data))
+                notes.append(f"{name} is damaged (marker or tensors do not match); skipped")
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, ValueError, TypeError,
+                    AttributeError, SafetensorError) as exc:
+                notes.append(f"{name} is damaged ({type(exc).__name__}); skipped")
         return None

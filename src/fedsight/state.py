@@ -18,7 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from .errors import RunFileError
 
 #: client-state key of a client's personal (non-shared) model entries
 PERSONAL = "personal"
@@ -45,7 +48,9 @@ class ClientStateStore:
         try:
             return load_file(str(path))
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: client state missing (was the run directory pruned?)") from None
+            raise RunFileError(f"{path}: client state missing (was the run directory pruned?)") from None
+        except (SafetensorError, OSError) as exc:
+            raise RunFileError(f"{path}: damaged client state ({' '.join(str(exc).split())[:120]})") from None
 
     def put(self, key: str, client: int, round: int, tensors: dict[str, torch.Tensor]) -> None:
         if "/" in key or not key:
@@ -94,6 +99,10 @@ class ClientStateStore:
         if self.root is None:
             self._mem = {(key, int(c)): t for key, v in state.items() for c, t in v.get("memory", {}).items()}
             return
+        missing = [self._path(k, c, r) for k, idx in self._index.items() for c, r in idx.items()
+                   if not self._path(k, c, r).is_file()]
+        if missing:  # checked before anything is deleted
+            raise RunFileError(f"{missing[0]}: client state missing ({len(missing)} files the checkpoint refers to)")
         # versions written after the checkpoint (a killed round) are orphans: remove them
         for key_dir in self.root.glob("*") if self.root.is_dir() else []:
             idx = self._index.get(key_dir.name, {})
