@@ -14,7 +14,7 @@ import pytest
 import scipy.stats
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -22,6 +22,7 @@ from fedsight import registry as R
 from fedsight.api import build_simulation
 from fedsight.config import ConfigError, validate
 from fedsight.functional.robust import coordinate_median, krum_scores, krum_select, trimmed_mean
+from fedsight.recipe.aggregators import TooFewUpdates
 from fedsight.training import Component
 from fedsight.records import ClientResult
 from fedsight.rng import np_rng
@@ -516,3 +517,33 @@ def test_krum_with_too_few_updates_skips_the_round_instead_of_ending_the_run() -
     assert all(torch.equal(v, before[k]) for k, v in sim.global_model.state_dict().items())
     sim.run(on_round=lambda r, row, ev: log.append((dict(row), list(ev))))
     assert log[-1][0]["clients/aggregated"] == 5
+
+
+@given(st.integers(1, 3).flatmap(lambda f: st.tuples(
+    st.just(f), arrays(np.float64, st.tuples(st.integers(3, 2 * f + 2), st.integers(1, 4)), elements=finite))))
+@settings(max_examples=30, deadline=None)
+def test_krum_degrade_is_krum_with_the_largest_valid_f(fx) -> None:
+    """``too_few = "degrade"``: a round with K <= 2f + 2 updates is aggregated as Krum with the largest f' that
+    K > 2f' + 2 allows (the brute-force Krum of that f'), and says so; ``"skip"`` refuses it."""
+    f, x = fx
+    k = len(x)
+    f2 = (k - 3) // 2
+    assert k > 2 * f2 + 2 and not k > 2 * (f2 + 1) + 2  # the largest valid f', by the precondition itself
+    rows = [{"a": r} for r in x]
+    agg = R.build(R.AGGREGATORS, "krum", {"byzantine": f, "too_few": "degrade"})
+    out = agg.aggregate(results_from(rows, ids=list(range(k))), torch.ones(k))
+    _, ref, _ = brute_multi_krum(x, f2, 1)
+    np.testing.assert_allclose(out["a"].numpy(), ref, rtol=1e-9, atol=1e-9)
+    assert agg.degraded and f"byzantine {f} -> {f2}" in agg.degraded
+    with pytest.raises(TooFewUpdates):
+        R.build(R.AGGREGATORS, "krum", {"byzantine": f}).aggregate(results_from(rows, ids=list(range(k))), torch.ones(k))
+
+
+def test_krum_degrade_round_is_an_event_and_the_config_allows_it() -> None:
+    raw = tiny(**{"server.rounds": 1, "server.clients_per_round": 4,
+                  "recipe.aggregator": {"name": "krum", "byzantine": 2, "too_few": "degrade"}})
+    log = []
+    build_simulation(validate(raw)).run(on_round=lambda r, row, ev: log.append((dict(row), list(ev))))
+    row, events = log[0]
+    assert [e["event"] for e in events] == ["aggregator_degraded"] and row["clients/aggregated"] == 4
+    assert "byzantine 2 -> 0" in events[0]["reason"]

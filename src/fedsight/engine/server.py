@@ -214,6 +214,8 @@ class Server:
             except TooFewUpdates as exc:  # e.g. Krum with K <= 2f + 2 updates left: the round is not aggregated
                 events.append({"round": r, "event": "round_skipped", "reason": str(exc)})
                 row["clients/aggregated"] = 0
+            if delta is not None and getattr(self.recipe.aggregator, "degraded", None):
+                events.append({"round": r, "event": "aggregator_degraded", "reason": self.recipe.aggregator.degraded})
         if delta is not None:
             self.recipe.server_optimizer.step(delta)
             if self.layout.shared_buffers:

@@ -18,6 +18,9 @@ class Aggregator:
     """Turns the round's client results and their (unnormalised) weights into one delta."""
 
     name = "aggregator"
+    #: set by ``aggregate`` when it combined the round in a weaker way than configured (Krum with fewer updates
+    #: than its ``byzantine`` needs, ``too_few = "degrade"``); the server records it as an event
+    degraded: str | None = None
 
     def aggregate(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -102,23 +102,28 @@ class KrumAggregator(Aggregator):
 
     name = "krum"
 
-    def __init__(self, byzantine: int = 1, multi: int = 1, weighted: bool = False):
-        self.byzantine, self.multi, self.weighted = byzantine, multi, weighted
+    def __init__(self, byzantine: int = 1, multi: int = 1, weighted: bool = False, too_few: str = "skip"):
+        self.byzantine, self.multi, self.weighted, self.too_few = byzantine, multi, weighted, too_few
         self.last_selected: list[int] = []
 
     def aggregate(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
         keys = _keys(results)
         k = len(results)
+        f, m = self.byzantine, self.multi
+        self.degraded = None
+        if self.too_few == "degrade" and k >= 3 and (k <= 2 * f + 2 or m > k):
+            f, m = min(f, (k - 3) // 2), min(m, k)  # the largest f with K > 2f + 2
+            self.degraded = f"krum: {k} updates; byzantine {self.byzantine} -> {f}, multi {self.multi} -> {m}"
         try:
-            check_krum(k, self.byzantine)
+            check_krum(k, f)
         except ValueError as exc:
             raise TooFewUpdates(str(exc)) from None
-        if self.multi > k:
-            raise TooFewUpdates(f"krum: multi = {self.multi} exceeds the K = {k} client updates of this round")
+        if m > k:
+            raise TooFewUpdates(f"krum: multi = {m} exceeds the K = {k} client updates of this round")
         flat = torch.stack(
             [torch.cat([r.delta[key].reshape(-1).to(torch.float64) for key in keys]) for r in results]
         )
-        sel = krum_select(flat, self.byzantine, self.multi)
+        sel = krum_select(flat, f, m)
         self.last_selected = [results[i].client_id for i in sel]
         chosen = [results[i].delta for i in sel]
         if len(sel) == 1:
@@ -138,6 +143,9 @@ class KrumParams(Params):
     byzantine: int = Field(1, ge=0, description="f, the number of Byzantine clients tolerated (needs K > 2f + 2)")
     multi: int = Field(1, ge=1, description="m: 1 = Krum, m > 1 = Multi-Krum averaging the m best-scored updates")
     weighted: bool = Field(False, description="Multi-Krum: average the selected updates with the client weights")
+    too_few: Literal["skip", "degrade"] = Field(
+        "skip", description="a round with K <= 2f + 2 updates (dropout, rejected updates): 'skip' its aggregation, "
+        "or 'degrade' to the largest f with K > 2f + 2 (and multi <= K), with an event; below 3 updates it is skipped")
 
 
 @AGGREGATORS.register("median", params=NoParams, help="coordinate-wise median of client deltas (Yin et al. 2018)")
@@ -150,9 +158,30 @@ def _trimmed_mean(params: TrimmedMeanParams) -> TrimmedMeanAggregator:
     return TrimmedMeanAggregator(params.trim)
 
 
-@AGGREGATORS.register("krum", params=KrumParams, help="Krum / Multi-Krum selection (Blanchard et al. 2017)")
+def _krum_check(spec: KrumParams, cfg: Any) -> str | None:
+    """Krum against the clients a round samples: with ``K <= 2f + 2`` (or ``multi > K``) every round would be
+    skipped (``too_few = "skip"``), so such a config is refused before it starts (rounds that lose clients to dropout or rejection
+    are still skipped one by one, with an event)."""
+    from ..engine.plan import clients_per_round
+
+    s = cfg.server
+    k = clients_per_round(cfg.partition.num_clients, s.clients_per_round, s.fraction)
+    key = "server.clients_per_round" if s.clients_per_round is not None else (
+        "server.fraction" if s.fraction is not None else "partition.num_clients")
+    if spec.too_few == "degrade" and k >= 3:  # every short round runs with a smaller f, as asked
+        return None
+    if k <= 2 * spec.byzantine + 2:
+        return (f"byzantine = {spec.byzantine} needs more than 2 * byzantine + 2 = {2 * spec.byzantine + 2} updates a "
+                f"round, but {key} gives {k}")
+    if spec.multi > k:
+        return f"multi = {spec.multi} exceeds the {k} updates a round ({key})"
+    return None
+
+
+@AGGREGATORS.register("krum", params=KrumParams, help="Krum / Multi-Krum selection (Blanchard et al. 2017)",
+                      check=_krum_check)
 def _krum(params: KrumParams) -> KrumAggregator:
-    return KrumAggregator(params.byzantine, params.multi, params.weighted)
+    return KrumAggregator(params.byzantine, params.multi, params.weighted, params.too_few)
 
 
 # -- adversarial clients ----------------------------------------------------------------------------
