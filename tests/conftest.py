@@ -20,3 +20,16 @@ from hypothesis import settings  # noqa: E402
 # CI machines are small and shared: no per-example deadline, a bounded number of examples
 settings.register_profile("fedsight", deadline=None, max_examples=50)
 settings.load_profile("fedsight")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz suite's executed cases (tests/fuzz_helpers.py), when it ran: the README quotes these counts."""
+    import sys
+
+    fuzz = sys.modules.get("fuzz_helpers")
+    if fuzz is not None and fuzz.COUNTS:
+        mode = "slow (FEDSIGHT_FUZZ_SLOW=1)" if fuzz.SLOW else "fast (CI)"
+        terminalreporter.write_sep("-", f"fuzz cases executed, {mode} mode")
+        for name, n in sorted(fuzz.COUNTS.items()):
+            terminalreporter.write_line(f"{name}: {n}")
+        terminalreporter.write_line(f"total: {sum(fuzz.COUNTS.values())}")

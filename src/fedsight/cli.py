@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import click
 import numpy as np
 import typer
 from rich.console import Console
@@ -271,9 +273,12 @@ def partition(
 
     try:
         cfg = C.load(config, set_ or [])[0].config
+    except ConfigError as exc:
+        _fail(str(exc))
+    try:
         task = build_task(cfg)  # the same data, validation carve-out and partition a run uses
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 1)
+        _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1)
     describe = getattr(task, "data_description", None)
     if describe is None:
         _fail(f"task {cfg.task.name!r} has no per-client label statistics to show", 1)
@@ -388,6 +393,10 @@ app.add_typer(flower_app, name="flower")
 DEBUG_ENV = "FEDSIGHT_DEBUG"
 
 
+#: torch's allocation failures are RuntimeErrors ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory")
+_ALLOC_FAILED = re.compile(r"can't allocate memory|out of memory|alloc_cpu|DefaultCPUAllocator", re.IGNORECASE)
+
+
 def describe_error(exc: BaseException) -> str:
     """One line for an error that escaped a command: the file and the OS's reason for file-system errors,
     else the exception's type and message."""
@@ -396,7 +405,9 @@ def describe_error(exc: BaseException) -> str:
         return what + (f" -> {exc.filename2}" if exc.filename2 else "")
     if isinstance(exc, FedSightError):  # phrased for the user already
         return " ".join(str(exc).split())
-    if isinstance(exc, MemoryError):
+    if isinstance(exc, FileNotFoundError) and exc.filename is None and str(exc):  # FedSight's own, naming the file
+        return " ".join(str(exc).split())
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and _ALLOC_FAILED.search(str(exc))):
         return "out of memory (a size in the config or the data is too large for this machine)"
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -411,8 +422,15 @@ def main() -> None:
     for configuration errors, 1 otherwise); ``FEDSIGHT_DEBUG=1`` shows the traceback instead."""
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a scheduler's time limit: stop as Ctrl-C does
     try:
-        app()
-    except KeyboardInterrupt:
+        code = app(standalone_mode=False)  # click's usage errors come here, to be printed as one line
+    except click.exceptions.NoArgsIsHelpError:  # `fedsight` alone: the help was shown
+        sys.exit(2)
+    except click.UsageError as exc:
+        where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+        err_console.print(f"[bold red]error:[/] {escape(exc.format_message())}{escape(where)}", highlight=False,
+                          soft_wrap=True)
+        sys.exit(2)
+    except (click.Abort, KeyboardInterrupt):
         err_console.print("interrupted; resume with `fedsight resume RUN_DIR`")
         sys.exit(130)
     except Exception as exc:  # the one error boundary: no traceback unless asked for
@@ -421,6 +439,7 @@ def main() -> None:
         err_console.print(f"[bold red]error:[/] {escape(describe_error(exc))}", highlight=False, soft_wrap=True)
         err_console.print(f"(set {DEBUG_ENV}=1 for the traceback)", style="dim", highlight=False)
         sys.exit(2 if isinstance(exc, ConfigError) else 1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

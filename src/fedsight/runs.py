@@ -72,9 +72,17 @@ def _run_file(run_dir: StrPath, name: str) -> tuple[Path, str]:
     """(path, text) of a run directory's file; a missing one says the folder may not be a run."""
     path = Path(run_dir) / name
     try:
-        return path, path.read_text(encoding="utf-8")
+        return path, read_text(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file (is {Path(run_dir)} a FedSight run directory?)") from None
+
+
+def read_text(path: Path) -> str:
+    """A run file's text; one that is not UTF-8 is a ``RunFileError`` naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RunFileError(f"{path}: not UTF-8 text (byte {exc.start}); the file is damaged") from None
 
 
 def _json_object(path: Path, text: str) -> dict[str, Any]:
@@ -128,7 +136,7 @@ def read_run_meta(run_dir: StrPath) -> dict[str, Any] | None:
     path = Path(run_dir) / RUN_META_FILE
     if not path.is_file():
         return None
-    meta = _json_object(path, path.read_text(encoding="utf-8"))
+    meta = _json_object(path, read_text(path))
     if not isinstance(meta.get("metrics", {}), dict):
         raise RunFileError(f"{path}: expected a JSON object with a 'metrics' table")
     return meta
@@ -145,7 +153,7 @@ def read_status(run_dir: StrPath) -> dict[str, Any]:
     path = Path(run_dir) / STATUS_FILE
     if not path.is_file():
         return {}
-    status = _json_object(path, path.read_text(encoding="utf-8"))
+    status = _json_object(path, read_text(path))
     counts = [status.get(k) for k in ("round", "rounds")]
     if status.get("state") not in STATES or not all(type(c) is int and c >= 0 for c in counts):
         raise RunFileError(f"{path}: expected {{\"state\": one of {', '.join(STATES)}, \"round\": int, \"rounds\": int}}, "
@@ -256,8 +264,8 @@ class RunDir:
 
     def write_config(self, resolved: dict[str, Any], toml_text: str) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path / "config.toml", toml_text)  # first: config.json marks the directory as a run
         atomic_write_text(self.path / "config.json", json.dumps(resolved, indent=2, sort_keys=True) + "\n")
-        atomic_write_text(self.path / "config.toml", toml_text)
 
     def append_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
@@ -294,12 +302,13 @@ class RunDir:
     def truncate_metrics(self, last_round: int) -> list[str]:
         """Drop rows of rounds after ``last_round`` (written after the last checkpoint of a killed run), and a
         torn last line (a crash in the middle of an append). Returns what was repaired; any other line that is
-        not a JSON object is a ``ValueError`` naming ``file:line``."""
-        repaired = []
+        not a JSON object is a ``RunFileError`` naming ``file:line``, raised before either file is rewritten."""
+        repaired, keep = [], {}
         for path in (self.metrics_path, self.weights_path):
             if not path.is_file():
                 continue
-            lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+            text = read_text(path)
+            lines = [(i, line) for i, line in enumerate(text.splitlines(), start=1) if line.strip()]
             rows = []
             for j, (i, line) in enumerate(lines):
                 try:
@@ -312,9 +321,25 @@ class RunDir:
                 if not isinstance(row, dict):
                     raise RunFileError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
                 rows.append(row)
-            kept = [r for r in rows if not isinstance(r.get("round"), int) or r["round"] <= last_round]
+            keep[path] = [r for r in rows if not isinstance(r.get("round"), int) or r["round"] <= last_round]
+        for path, kept in keep.items():
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         return repaired
+
+    #: what a run writes, by kind: a file or a folder already there in place of one stops the run before it starts
+    OUTPUTS = {"file": ("config.json", "config.toml", METRICS_FILE, "client_weights.jsonl", STATUS_FILE, RUN_META_FILE,
+                        "partition.json", "model.safetensors", "summary.md", "plots/curves.png",
+                        "plots/client_weights.png"),
+               "folder": (CKPT_DIR, "client_state", "plots")}
+
+    def check_layout(self) -> None:
+        """A ``RunFileError`` if something other than a file (a folder) stands where the run writes a file, or
+        a file where it keeps a folder: found before the run starts, not after a round is recorded."""
+        for kind, names in self.OUTPUTS.items():
+            for name in names:
+                p = self.path / name
+                if p.exists() and not (p.is_file() if kind == "file" else p.is_dir()):
+                    raise RunFileError(f"{p}: not a {kind}, but the run writes its {name} there; move it away")
 
     @property
     def weights_path(self) -> Path:
@@ -334,14 +359,16 @@ class RunDir:
         if not self.weights_path.is_file():
             return []
         out = []
-        for lineno, line in enumerate(self.weights_path.read_text(encoding="utf-8").splitlines(), start=1):
+        for lineno, line in enumerate(read_text(self.weights_path).splitlines(), start=1):
             if line.strip():
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise RunFileError(f"{self.weights_path}:{lineno}: invalid JSON: {e.msg}") from None
-                if not isinstance(rec, dict):
-                    raise RunFileError(f"{self.weights_path}:{lineno}: expected a JSON object")
+                if not (isinstance(rec, dict) and type(rec.get("round")) is int and isinstance(rec.get("clients"), list)
+                        and isinstance(rec.get("weights"), (list, dict))):
+                    raise RunFileError(f"{self.weights_path}:{lineno}: expected {{\"round\": int, \"clients\": [...], "
+                                       "\"weights\": [...]}")
                 out.append(rec)
         return out
 
@@ -375,7 +402,7 @@ class RunDir:
         on resume nothing is mid-write): temporary files of atomic writes and checkpoints, and a checkpoint's
         tensor file or marker without the other. Returns the names deleted."""
         gone = []
-        leftovers = [*self.path.glob(".*.tmp")]
+        leftovers = [*self.path.glob(".*.tmp"), *self.path.glob("client_state/*/.*.tmp"), *self.path.glob("plots/.*.tmp")]
         if self.ckpt_dir.is_dir():
             leftovers += self.ckpt_dir.glob(".*.tmp")
             for f in self.ckpt_dir.glob("round-*.safetensors"):

@@ -8,20 +8,23 @@ and are read only for the clients sampled in a round:
     RUN_DIR/client_state/<key>/<client:07d>-r<round:06d>.safetensors
 
 Writes are copy-on-write: a new version never overwrites the one the last checkpoint refers to. The
-index is part of the engine's checkpoint; after the checkpoint of round r commits, versions superseded
-in round r are deleted (``commit``); on resume, versions newer than the checkpoint are deleted
-(``load_state_dict``). Without a run directory (tests, benchmarks) the store keeps tensors in memory.
+index (with each version's SHA-256) is part of the engine's checkpoint; after the checkpoint of round r commits,
+versions superseded in round r are deleted (``commit``); on resume, every version the checkpoint refers to is
+checked (present, same SHA-256) before versions newer than the checkpoint are deleted (``load_state_dict``), so a
+damaged or missing file stops the resume before anything changes. Without a run directory (tests, benchmarks)
+the store keeps tensors in memory.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 
 from .errors import RunFileError
+from .runs import atomic_write_bytes
 
 #: client-state key of a client's personal (non-shared) model entries
 PERSONAL = "personal"
@@ -31,6 +34,7 @@ class ClientStateStore:
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root) if root is not None else None
         self._index: dict[str, dict[int, int]] = {}  # key -> client -> round of the current version
+        self._sha: dict[tuple[str, int], bytes] = {}  # (key, client) -> SHA-256 of the current version's file
         self._mem: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self._superseded: list[Path] = []
 
@@ -44,13 +48,22 @@ class ClientStateStore:
             return None
         if self.root is None:
             return {k: v.clone() for k, v in self._mem[(key, client)].items()}
+        return load(self._read(key, client, rnd))
+
+    def _read(self, key: str, client: int, rnd: int) -> bytes:
+        """The bytes of a version, checked against its recorded SHA-256 (versions of checkpoints written before
+        the hashes were recorded have none)."""
         path = self._path(key, client, rnd)
         try:
-            return load_file(str(path))
+            data = path.read_bytes()
         except FileNotFoundError:
             raise RunFileError(f"{path}: client state missing (was the run directory pruned?)") from None
-        except (SafetensorError, OSError) as exc:
-            raise RunFileError(f"{path}: damaged client state ({' '.join(str(exc).split())[:120]})") from None
+        except OSError as exc:
+            raise RunFileError(f"{path}: cannot read client state ({exc.strerror or exc})") from None
+        sha = self._sha.get((key, client))
+        if sha is not None and hashlib.sha256(data).digest() != sha:
+            raise RunFileError(f"{path}: damaged client state (its SHA-256 differs from the checkpoint's)")
+        return data
 
     def put(self, key: str, client: int, round: int, tensors: dict[str, torch.Tensor]) -> None:
         if "/" in key or not key:
@@ -59,11 +72,9 @@ class ClientStateStore:
         if self.root is None:
             self._mem[(key, client)] = {k: v.detach().cpu().clone() for k, v in tensors.items()}
         else:
-            path = self._path(key, client, round)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-            tmp.replace(path)
+            data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+            atomic_write_bytes(self._path(key, client, round), data)
+            self._sha[(key, client)] = hashlib.sha256(data).digest()
             if old is not None and old != round:
                 self._superseded.append(self._path(key, client, old))
         self._index[key][client] = round
@@ -87,6 +98,9 @@ class ClientStateStore:
                 "clients": torch.tensor(clients, dtype=torch.int64),
                 "rounds": torch.tensor([idx[c] for c in clients], dtype=torch.int64),
             }
+            if self.root is not None and all((key, c) in self._sha for c in clients):
+                out[key]["sha256"] = torch.tensor([list(self._sha[(key, c)]) for c in clients],
+                                                  dtype=torch.uint8).reshape(len(clients), 32)
             if self.root is None:
                 out[key]["memory"] = {str(c): self._mem[(key, c)] for c in clients}
         return out
@@ -99,10 +113,15 @@ class ClientStateStore:
         if self.root is None:
             self._mem = {(key, int(c)): t for key, v in state.items() for c, t in v.get("memory", {}).items()}
             return
+        self._sha = {(key, int(c)): bytes(h.tolist()) for key, v in state.items() if "sha256" in v
+                     for c, h in zip(v["clients"].tolist(), v["sha256"], strict=True)}
         missing = [self._path(k, c, r) for k, idx in self._index.items() for c, r in idx.items()
                    if not self._path(k, c, r).is_file()]
         if missing:  # checked before anything is deleted
             raise RunFileError(f"{missing[0]}: client state missing ({len(missing)} files the checkpoint refers to)")
+        for k, idx in self._index.items():
+            for c, r in idx.items():
+                self._read(k, c, r)
         # versions written after the checkpoint (a killed round) are orphans: remove them
         for key_dir in self.root.glob("*") if self.root.is_dir() else []:
             idx = self._index.get(key_dir.name, {})

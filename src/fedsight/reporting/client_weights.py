@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..runs import read_config
+from ..runs import RunDir, read_config
 from .partition import _tick_positions, read_partition
 from .plots import _save
 from .runs_view import StrPath, _Run
@@ -62,7 +61,7 @@ def plot_client_weights(run_dir: StrPath, label_counts: np.ndarray | Sequence[Se
     wpath = run_path / "client_weights.jsonl"
     if not wpath.is_file():
         raise FileNotFoundError(f"{wpath}: no client weights logged")
-    rows = [json.loads(line) for line in wpath.read_text().splitlines() if line.strip()]
+    rows = RunDir(run_path).read_client_weights()
     if not rows:
         raise ValueError(f"{wpath}: no rounds logged")
     part = read_partition(run_path) if label_counts is None else None

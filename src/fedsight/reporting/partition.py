@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import RunFileError
+
 from ..data.partition import partition_summary
 from .runs_view import StrPath
 
@@ -24,9 +26,12 @@ def read_partition(run_dir: StrPath) -> dict[str, Any] | None:
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{p}: invalid JSON ({exc})") from None
+        out = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RunFileError(f"{p}: invalid JSON ({exc})") from None
+    if not isinstance(out, dict):
+        raise RunFileError(f"{p}: expected a JSON object")
+    return out
 
 
 def _tick_positions(n: int, max_ticks: int) -> np.ndarray:

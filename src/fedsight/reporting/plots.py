@@ -4,7 +4,6 @@ overlaid curves of run groups that ``plot_comparison`` and ``report`` draw."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -94,11 +93,14 @@ def _style_axes(ax: Any, title: str, ylabel: str) -> None:
 def _save(fig: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=_DPI, format="png")
+    import io
+
+    from ..runs import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=_DPI, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, buf.getvalue())  # a failed replace (a folder in the way) leaves no temporary file
     return path
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..runs import atomic_write_text
 from .client_weights import CLIENT_WEIGHTS_FILE
 from .fmt import _fmt, _fmt_duration, _md_escape, _metric_label
 from .partition import read_partition
@@ -198,7 +198,5 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
     if (run.path / "plots" / CLIENT_WEIGHTS_FILE).is_file():
         lines += ["## Client weights", "", f"![client weights](plots/{CLIENT_WEIGHTS_FILE})", ""]
     path = run.path / SUMMARY_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "\n".join(lines))
     return path
