@@ -25,7 +25,7 @@ from .metric_table import metric_directions
 from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
 from .errors import RunFileError
-from .runs import Replacement, RunDir, atomic_write_text
+from .runs import Replacement, RunDir, atomic_write_text, read_run_meta
 from .state import ClientStateStore
 from .tasks.base import Task
 from .training.local import SGD_TRAINER, LocalTraining
@@ -221,9 +221,11 @@ class Outcome:
 OnRound = Callable[[int, dict[str, Any]], None]
 
 
-def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True) -> None:
+def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True,
+                  backend: str = "in-process") -> None:
     """Write a run's config (first session only), its partition description (``partition``: the task's
-    partition is the clients' data) and its ``run.json``."""
+    partition is the clients' data) and its ``run.json`` (``backend``: where the clients train; a run that
+    trained on Flower never resumes in-process)."""
     res = resolved(cfg)
     if not run.exists():
         run.write_config(res, tomli_w.dumps(toml_safe(res)))
@@ -231,7 +233,7 @@ def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, parti
     if describe_data:  # per-client label counts and the server-held splits, for plots
         atomic_write_text(run.path / "partition.json", json.dumps(describe_data) + "\n")
     metrics, primary = metric_directions(cfg)
-    run.write_run_meta(metrics, primary, session_info(device))
+    run.write_run_meta(metrics, primary, {**session_info(device), "backend": backend})
 
 
 def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
@@ -277,10 +279,16 @@ def execute(
                 "or pass --overwrite to replace it"
             )
         resume = True
+    meta = read_run_meta(run.path) if resume else None
+    if meta and any(s.get("backend") == "flower" for s in meta.get("sessions", []) if isinstance(s, dict)):
+        raise RunFileError(f"{run.path} is a Flower run: it cannot continue in-process (its client state lives on "
+                           "the nodes, and central DP's noise would be dropped); run it again with `fedsight flower "
+                           "... --overwrite`")
     # load data and build everything first: bad input must fail before a run directory is written
     sim = build_simulation(cfg, run_dir=run.path)
     status = run.read_status() if resume else {}
     if status.get("state") == "complete" and status["round"] >= cfg.server.rounds:
+        run.sweep_leftovers()  # a kill while its plots or summary were written
         rows = [r for r in run.read_metrics() if "event" not in r]
         return Outcome(run.path, "skipped", rows[-1] if rows else None)
     # --overwrite: the old run is set aside now and deleted once the new one has recorded a round
@@ -296,15 +304,21 @@ def execute(
 def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: int | None,
                    on_round: OnRound | None, replaced: Replacement | None) -> Outcome:
     notes: list[str] = []
+    run.check_layout()
     if resume:  # everything read and checked before anything is written
-        run.sweep_leftovers()
-        if restore(run, sim, notes) is None and (done := run.read_status().get("round", 0)) > 0:
+        done = run.read_status().get("round", 0)
+        if done > 0 and not run.metrics_path.is_file():
+            raise RunFileError(f"{run.metrics_path}: missing, but the run recorded {done} rounds; nothing was changed: "
+                               "pass --overwrite to start the run over")
+        if restore(run, sim, notes) is None and done > 0:
             raise RunFileError(f"{run.ckpt_dir}: no intact checkpoint of the {done} rounds recorded "
                                f"({'; '.join(notes) or 'none left'}); nothing was changed: pass --overwrite to start "
                                "the run over")
+        notes += run.truncate_metrics(sim.round)
+    run.sweep_leftovers()  # also for a new run in a folder a killed run left before its config was written
     start_run_dir(run, cfg, sim.task, sim.server.device)
     if resume:
-        for note in notes + run.truncate_metrics(sim.round):
+        for note in notes:
             run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
     else:
         run.metrics_path.unlink(missing_ok=True)

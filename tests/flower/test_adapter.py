@@ -299,3 +299,42 @@ def test_a_client_gets_its_own_broadcast_merged_over_the_common_one() -> None:
     assert torch.equal(for5["teacher"]["a"], torch.ones(2)) and "other" in for5
     _, _, anyone = FR.read_instruction(content)
     assert set(anyone) == {"teacher", "scaffold"} and torch.equal(anyone["teacher"]["a"], torch.ones(2))
+
+
+@pytest.mark.parametrize("stop", [SystemExit(0), KeyboardInterrupt(), RuntimeError("task-token authentication failed")])
+def test_a_run_ended_mid_way_is_left_interrupted_at_its_last_round(tmp_path, stop):
+    """SIGINT/SIGTERM reach the ServerApp as SystemExit (Flower's exit handler) or KeyboardInterrupt; after
+    `flwr stop` the Grid's next call fails (Flower answers 401). Raised while round 2's replies are awaited,
+    each leaves the run directory 'interrupted' at round 1 (not 'running', never 'complete'), with round 1's
+    row only."""
+    cfg = validate(tiny(**{"partition.num_clients": 3, "server.clients_per_round": 2, "server.rounds": 3,
+                           "eval.local": False, "engine.threads": 1}))
+
+    def hook(grid, message):
+        if message.metadata.group_id == "2":
+            raise stop
+
+    with pytest.raises(type(stop)):
+        run_direct(cfg, tmp_path / "run", tmp_path / "nodes", kill_hook=hook)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status == {"state": "interrupted", "round": 1, "rounds": 3}
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows if "event" not in r] == [1]
+    assert not (tmp_path / "run" / "model.safetensors").exists() and not (tmp_path / "run" / "flower.json").exists()
+
+
+def test_fedsight_resume_refuses_an_interrupted_flower_run(tmp_path):
+    from fedsight.api import execute, load_run_config
+    from fedsight.config import ConfigError
+
+    cfg = validate(tiny(**{"partition.num_clients": 3, "server.clients_per_round": 2, "server.rounds": 2,
+                           "eval.local": False, "engine.threads": 1}))
+
+    def hook(grid, message):
+        if message.metadata.group_id == "2":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_direct(cfg, tmp_path / "run", tmp_path / "nodes", kill_hook=hook)
+    with pytest.raises((ConfigError, ValueError), match="Flower run"):
+        execute(load_run_config(tmp_path / "run"), tmp_path / "run", resume=True)

@@ -1,18 +1,27 @@
-"""Real Flower processes on loopback: 1 SuperLink + 3 SuperNodes running a SCAFFOLD recipe for 2
-rounds, a SuperNode killed mid-run (over TLS with SuperNode authentication), and TLS/auth refusals.
+"""Real Flower processes on loopback, three deployments: `fedsight flower local` with 1 SuperLink + 3
+SuperNodes running a SCAFFOLD recipe for 2 rounds (bit-identical to the in-process simulator), a SuperNode
+killed mid-run (over TLS with SuperNode authentication), and `fedsight flower local` interrupted with SIGINT
+(over TLS with SuperNode authentication; the TLS/auth refusals are checked on that deployment while it runs).
+
+A deployment's time is mostly Flower's latency (polling sleeps, a fresh ClientApp process per message, a
+round timeout), not CPU, so the three run at once: a module fixture starts them together (the two CLI ones
+as subprocesses, the killed-node one in a thread) and each test checks its own.
 
 Every deployment has its own free ports and a private FLWR_HOME under tmp_path, runtime dependency
 installation off, status polling with a timeout, and every process it started is stopped by PID
 (checked: none of them, nor any flower process under this test process, is alive afterwards).
 A deployment round costs about 15 s (Flower's 3 s polling and a fresh ClientApp process per message),
 so these runs skip Flower-side local evaluation (``eval.local = false``; the adapter's local
-evaluation is compared with the simulator in test_adapter.py and test_simulation.py)."""
+evaluation is compared with the simulator in test_adapter.py and test_simulation.py) and use the fewest
+nodes and rounds their property needs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +50,7 @@ pytestmark = [pytest.mark.flower,
 
 RUN = {"partition.num_clients": 3, "server.clients_per_round": 2, "server.rounds": 2, "eval.every": 1, "eval.local": False,
        "recipe.components": ["scaffold"], "recipe.weighting": "uniform", "engine.threads": 1}
-TIMEOUT = 300  # seconds for a whole run: generous for a loaded 2-core CI machine
+TIMEOUT = 400  # seconds for a whole run: generous for a loaded 2-core CI machine running three deployments
 
 
 def _flower_processes_alive() -> list[str]:
@@ -64,42 +73,78 @@ def _core(rows):
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "flower/"))} for r in rows]
 
 
-def test_loopback_deployment_equals_in_process(tmp_path):
-    """`fedsight flower local CONFIG --nodes 3`: final global parameters bit-identical to the in-process
-    simulator, same metrics rows, progress streamed, client state only on the nodes, no process left."""
+def _processes_with_home(home: Path) -> dict[int, str]:
+    """Live processes (any parent) whose FLWR_HOME is ``home``: pid -> command line."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if f"FLWR_HOME={home}".encode() in env and alive(int(entry)):
+            out[int(entry)] = cmd
+    return out
+
+
+def _refusals(tmp_path: Path, home: Path) -> None:
+    """On the running TLS + node-auth SuperLink of ``home``: plaintext clients (the flwr CLI with an insecure
+    connection, a plain HTTP request) are refused; the two registered nodes are online; a node with an
+    unregistered key is turned away (Flower exit code 305)."""
+    import tomllib
+    import urllib.request
+
+    address = tomllib.loads((home / "config.toml").read_text())["superlink"]["fedsight-local"]["address"]
+    probe = LocalDeployment(tmp_path / "probe", tls=make_tls(tmp_path / "tls"), node_auth=True)
+    probe.port = int(address.rsplit(":", 1)[1])
+    try:
+        probe.write_connection()  # TLS, trusting only our CA
+        probe.write_connection("plain", insecure=True)
+        plain = probe._json_or_text("supernode", "list", "plain")
+        assert plain.get("success") is False and "unavailable" in plain.get("error-message", ""), plain
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{address}/health", timeout=5)
+        assert len(probe.nodes_online()) == 2
+        stranger = make_node_key(tmp_path / "keys", "stranger")
+        rogue = probe.start_supernode(9, {"partition-id": 0, "num-partitions": 2}, auth_key=stranger)
+        rc = rogue.popen.wait(timeout=90)
+        assert rc != 0 and "Exit Code: 305" in probe.tail("supernode-9"), probe.tail("supernode-9")
+    finally:
+        probe.stop()
+    assert all(not alive(p) for p in probe.all_pids())
+
+
+def _cli(args: list[str], cwd: Path) -> subprocess.Popen:
+    """`fedsight ARGS` in a subprocess, stdout and stderr merged, one line at a time."""
+    return subprocess.Popen([sys.executable, "-c", "from fedsight.cli import main; main()", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=cwd)
+
+
+def _loopback(d: Path) -> dict:
+    """`fedsight flower local CONFIG --nodes 3`, and the in-process run of the same config while it runs."""
     raw = tiny(**RUN)
-    cfg_file = tmp_path / "run.toml"
-    cfg_file.write_text(tomli_w.dumps(raw))
-    execute(validate(raw), tmp_path / "inproc")
+    (d / "run.toml").write_text(tomli_w.dumps(raw))
     t0 = time.monotonic()
-    result = CliRunner().invoke(flower_app, [
-        "local", str(cfg_file), "--nodes", "3", "--run-dir", str(tmp_path / "flower"), "--workdir", str(tmp_path / "work"),
-        "--timeout", str(TIMEOUT), "--round-timeout", "120",
-    ])
-    elapsed = time.monotonic() - t0
-    assert result.exit_code == 0, result.output
-    assert "round 1" in result.output and "round 2" in result.output and "finished:completed" in result.output
-    a, b = load_file(str(tmp_path / "inproc" / "model.safetensors")), load_file(str(tmp_path / "flower" / "model.safetensors"))
-    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert _core(_rows(tmp_path / "inproc")) == _core(_rows(tmp_path / "flower"))
-    assert not (tmp_path / "flower" / "client_state").exists()
-    state = sorted(p.relative_to(tmp_path / "work" / "node-state").parts[0] for p in (tmp_path / "work" / "node-state").rglob("*.safetensors"))
-    sampled = sorted({c for r in (1, 2) for c in sample_clients(0, r, 3, 2)})
-    assert sorted(set(state)) == [f"node{c}" for c in sampled]
-    flwr_home = tmp_path / "work" / "flwr-home"
-    assert (flwr_home / "config.toml").is_file()  # the private FLWR_HOME was used
-    assert json.loads((tmp_path / "flower" / "flower-run.json").read_text())["status"] == "finished:completed"
-    assert not _flower_processes_alive()
-    print(f"loopback deployment, 3 nodes, 2 rounds: {elapsed:.1f} s")
+    proc = _cli(["flower", "local", str(d / "run.toml"), "--nodes", "3", "--run-dir", str(d / "flower"),
+                 "--workdir", str(d / "work"), "--timeout", str(TIMEOUT), "--round-timeout", "120"], d)
+    try:
+        execute(validate(raw), d / "inproc")
+    except BaseException:
+        proc.send_signal(__import__("signal").SIGINT)  # the deployment stops what it started
+        proc.wait(timeout=120)
+        raise
+    output, _ = proc.communicate(timeout=TIMEOUT + 60)
+    return {"rc": proc.returncode, "output": output, "elapsed": time.monotonic() - t0}
 
 
-def test_killed_supernode_over_tls_with_node_auth(tmp_path):
-    """A SuperNode holding a client sampled in round 2 is killed when round 1 is logged: the run
-    finishes with the other client (min-clients 1), and metrics.jsonl names the lost client and round.
-    The whole run uses TLS and authenticated SuperNodes."""
-    cfg = validate(tiny(**RUN))
-    victim = sample_clients(0, 2, 3, 2)[0]
-    killed: dict = {}
+def _killed(d: Path) -> dict:
+    """run_local over TLS + node auth, 2 nodes; the node of a client sampled in round 2 is killed when round 1
+    is logged."""
+    cfg = validate(tiny(**{**RUN, "partition.num_clients": 2}))
+    victim = sample_clients(0, 2, 2, 2)[0]
+    killed: dict = {"victim": victim}
 
     def on_row(row, dep):  # called as metrics.jsonl grows (every 0.5 s); round 2 is already under way
         killed["dep"] = dep
@@ -107,51 +152,133 @@ def test_killed_supernode_over_tls_with_node_auth(tmp_path):
             killed["pids"] = [dep.nodes[victim].pid, *descendants(dep.nodes[victim].pid)]
             dep.kill_node(victim)
 
-    final = run_local(cfg, tmp_path / "flower", workdir=tmp_path / "work", options={"round-timeout": 30.0, "min-clients": 1},
-                      timeout=TIMEOUT, on_row=on_row, tls_dir=tmp_path / "tls", node_auth=True, keep_workdir=True)
-    assert final["status"] == "finished:completed"
-    rows = _rows(tmp_path / "flower")
+    killed["final"] = run_local(cfg, d / "flower", workdir=d / "work", options={"round-timeout": 60.0, "min-clients": 1},
+                                timeout=TIMEOUT, on_row=on_row, tls_dir=d / "tls", node_auth=True, keep_workdir=True)
+    return killed
+
+
+def _interrupted(d: Path) -> dict:
+    """`fedsight flower local` over TLS + node auth (2 nodes, 4 rounds); once round 1 is logged: the running
+    processes' command lines, the refusals (``_refusals``), then SIGINT."""
+    import queue
+    import signal
+    import threading
+
+    raw = tiny(**{**RUN, "partition.num_clients": 2, "server.rounds": 4, "recipe.components": []})
+    (d / "run.toml").write_text(tomli_w.dumps(raw))
+    work = d / "work"
+    proc = _cli(["flower", "local", str(d / "run.toml"), "--run-dir", str(d / "flower"), "--workdir", str(work),
+                 "--tls-dir", str(d / "tls"), "--node-auth", "--timeout", str(TIMEOUT)], d)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    seen: dict = {"out": []}
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not any(x.split("s  ", 1)[-1].startswith("round 1 ") for x in seen["out"]):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError("no round 1:\n" + "".join(seen["out"]))
+            with contextlib.suppress(queue.Empty):
+                seen["out"].append(lines.get(timeout=1))
+        seen["running"] = _processes_with_home(work / "flwr-home")
+        _refusals(d, work / "flwr-home")
+        proc.send_signal(signal.SIGINT)
+        seen["rc"] = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.5)
+    while not lines.empty():
+        seen["out"].append(lines.get())
+    return seen
+
+
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory):
+    """The three deployments, started together: name -> (its directory, a future of what it observed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = {"loopback": _loopback, "killed": _killed, "interrupted": _interrupted}
+    dirs = {name: tmp_path_factory.mktemp(name) for name in jobs}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        yield {name: (dirs[name], pool.submit(job, dirs[name])) for name, job in jobs.items()}
+
+
+def test_loopback_deployment_equals_in_process(deployments):
+    """`fedsight flower local CONFIG --nodes 3`: final global parameters bit-identical to the in-process
+    simulator, same metrics rows, progress streamed, client state only on the nodes, no process left."""
+    d, future = deployments["loopback"]
+    result = future.result(timeout=TIMEOUT + 120)
+    output = result["output"]
+    assert result["rc"] == 0, output
+    assert "round 1" in output and "round 2" in output and "finished:completed" in output
+    a, b = load_file(str(d / "inproc" / "model.safetensors")), load_file(str(d / "flower" / "model.safetensors"))
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert _core(_rows(d / "inproc")) == _core(_rows(d / "flower"))
+    assert not (d / "flower" / "client_state").exists()
+    state = sorted(p.relative_to(d / "work" / "node-state").parts[0] for p in (d / "work" / "node-state").rglob("*.safetensors"))
+    sampled = sorted({c for r in (1, 2) for c in sample_clients(0, r, 3, 2)})
+    assert sorted(set(state)) == [f"node{c}" for c in sampled]
+    flwr_home = d / "work" / "flwr-home"
+    assert (flwr_home / "config.toml").is_file()  # the private FLWR_HOME was used
+    assert json.loads((d / "flower" / "flower-run.json").read_text())["status"] == "finished:completed"
+    assert not _processes_with_home(flwr_home)
+    print(f"loopback deployment, 3 nodes, 2 rounds: {result['elapsed']:.1f} s (with two other deployments running)")
+
+
+def test_killed_supernode_over_tls_with_node_auth(deployments):
+    """A SuperNode holding a client sampled in round 2 is killed when round 1 is logged: the run
+    finishes with the other client (min-clients 1), and metrics.jsonl names the lost client and round.
+    The whole run uses TLS and authenticated SuperNodes (2 nodes, both sampled every round)."""
+    d, future = deployments["killed"]
+    killed = future.result(timeout=TIMEOUT + 120)
+    victim = killed["victim"]
+    assert killed["final"]["status"] == "finished:completed"
+    rows = _rows(d / "flower")
     lost = [r for r in rows if r.get("event") == "client_lost"]
     assert [(e["round"], e["client"]) for e in lost] == [(2, victim)]
-    assert "no reply within 30 s" in lost[0]["reason"]
+    # whichever comes first: the round timeout, or Flower's own verdict (the node missed two heartbeats)
+    assert "no reply within 60 s" in lost[0]["reason"] or "Node Unavailable" in lost[0]["reason"], lost
     rounds = [r for r in rows if "event" not in r]
     assert [(r["round"], r["clients/sampled"], r["clients/aggregated"]) for r in rounds] == [(1, 2, 2), (2, 2, 1)]
-    weights = [json.loads(x) for x in (tmp_path / "flower" / "client_weights.jsonl").read_text().splitlines()]
-    assert weights[1]["clients"] == [c for c in sample_clients(0, 2, 3, 2) if c != victim]
+    weights = [json.loads(x) for x in (d / "flower" / "client_weights.jsonl").read_text().splitlines()]
+    assert weights[1]["clients"] == [c for c in sample_clients(0, 2, 2, 2) if c != victim]
     # TLS and authentication were on: the SuperLink served TLS and required node keys
-    link_log = (tmp_path / "work" / "logs" / "superlink.log").read_text()
+    link_log = (d / "work" / "logs" / "superlink.log").read_text()
     assert "--insecure" not in link_log
     dep = killed["dep"]
     assert dep.tls is not None and dep.node_auth
     assert all(not alive(p) for p in killed["pids"] + dep.all_pids())
-    assert not _flower_processes_alive()
+    assert not _processes_with_home(d / "work" / "flwr-home")
 
 
-def test_tls_refuses_insecure_clients_and_admits_registered_nodes(tmp_path):
-    """A TLS SuperLink with SuperNode authentication: plaintext clients (the flwr CLI with an insecure
-    connection, a plain HTTP request) are refused; a node whose key was registered comes online; a node
-    with an unregistered key is turned away (Flower exit code 305)."""
-    import urllib.request
-
-    tls = make_tls(tmp_path / "tls")
-    with LocalDeployment(tmp_path / "work", tls=tls, node_auth=True) as dep:
-        dep.start_superlink()  # waits for /health over https, trusting only our CA
-        good = make_node_key(tmp_path / "keys", "node0")
-        stranger = make_node_key(tmp_path / "keys", "stranger")
-        dep.register_node(Path(f"{good}.pub"), name="node0")
-        dep.start_supernode(0, {"partition-id": 0, "num-partitions": 2}, auth_key=good)
-        rogue = dep.start_supernode(1, {"partition-id": 1, "num-partitions": 2}, auth_key=stranger)
-        dep.write_connection("plain", insecure=True)
-        plain = dep._json_or_text("supernode", "list", "plain")
-        assert plain.get("success") is False and "unavailable" in plain.get("error-message", ""), plain
-        with pytest.raises(OSError):
-            urllib.request.urlopen(f"http://{dep.address}/health", timeout=5)
-        deadline = time.monotonic() + 90
-        while not dep.nodes_online() and time.monotonic() < deadline:
-            time.sleep(1)
-        assert len(dep.nodes_online()) == 1
-        rc = rogue.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
-        assert rc != 0 and "Exit Code: 305" in dep.tail("supernode-1"), dep.tail("supernode-1")
-        assert len(dep.nodes_online()) == 1
-    assert all(not alive(p) for p in dep.all_pids())
+def test_sigint_stops_the_run_on_the_superlink_first_and_marks_it_interrupted(deployments):
+    """`fedsight flower local` (a subprocess, TLS + SuperNode authentication) gets SIGINT once round 1 is
+    logged: the Flower run is stopped on the SuperLink first (its ServerApp exits), then the SuperNodes,
+    then the SuperLink; the exit code is 130 with one line saying where the run stopped and that a Flower
+    run cannot be resumed; status.json is 'interrupted' at the last recorded round, never 'complete'; no
+    process is left; running the command again refuses the interrupted run directory in one line. While
+    it ran, the SuperLink served TLS only and admitted only registered node keys (``_refusals``)."""
+    d, future = deployments["interrupted"]
+    seen = future.result(timeout=TIMEOUT + 120)
+    work, rd = d / "work", d / "flower"
+    link = [c for c in seen["running"].values() if "flower-superlink" in c]
+    nodes = [c for c in seen["running"].values() if "flower-supernode" in c]
+    assert len(link) == 1 and "--ssl-certfile" in link[0] and "--insecure" not in link[0]
+    assert len(nodes) == 2 and all("--auth-supernode-private-key" in c for c in nodes)
+    text = "".join(seen["out"])
+    said = [x for x in seen["out"] if x.startswith("interrupted: ")]
+    assert seen["rc"] == 130 and len(said) == 1, text
+    status = json.loads((rd / "status.json").read_text())
+    assert status["state"] == "interrupted" and 1 <= status["round"] < 4 and status["rounds"] == 4
+    assert f"at round {status['round']} of 4" in said[0] and "cannot be resumed" in said[0]
+    assert [r["round"] for r in _rows(rd) if "event" not in r] == list(range(1, status["round"] + 1))
+    order = [x.split(" ", 1)[1] for x in (work / "logs" / "shutdown.log").read_text().splitlines()]
+    assert order[0].startswith("run ") and order[1] == "serverapp"
+    assert sorted(order[2:4]) == ["supernode-0", "supernode-1"] and order[4:] == ["superlink"], order
+    assert not _processes_with_home(work / "flwr-home")
+    again = CliRunner().invoke(flower_app, ["local", str(d / "run.toml"), "--run-dir", str(rd)])
+    assert again.exit_code == 2 and "a Flower run cannot be resumed: pass --overwrite" in " ".join(again.output.split())
+    assert f"interrupted at round {status['round']} of 4" in " ".join(again.output.split())
+    for _, other in deployments.values():  # the last test: every deployment is over, nothing of them is left
+        other.exception(timeout=TIMEOUT + 120)
     assert not _flower_processes_alive()

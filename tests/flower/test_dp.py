@@ -1,6 +1,8 @@
 """Central DP through Flower's DP wrapper (``fedsight.flower.dp``), checked against hand computations:
 clipping to L2 norm C over the whole update, the noise's standard deviation z C / m, and the reported
-epsilon against the R'enyi-DP bound of the Gaussian mechanism computed here from its closed form."""
+epsilon against references computed here: the R'enyi-DP bound of the Gaussian mechanism from its closed
+form, the exact (eps, delta) curve of the composed Gaussian mechanism (Balle & Wang 2018), and
+dp-accounting's RDP and PLD accountants fed the releases' DpEvents one by one."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ from helpers import tiny
 pytestmark = pytest.mark.flower
 
 
-def _dp(global_params, m, z, c, delta=1e-5, seed=0):
+def _dp(global_params, m, z, c, delta=1e-5, seed=0, population=10, **acc):
     set_identity()
-    return CentralDP(lambda: global_params, noise_multiplier=z, clipping_norm=c, num_sampled=m, population=10, delta=delta, seed=seed)
+    return CentralDP(lambda: global_params, noise_multiplier=z, clipping_norm=c, num_sampled=m, population=population,
+                     delta=delta, seed=seed, **acc)
 
 
 def test_clipped_mean_is_the_hand_computed_one():
@@ -97,7 +100,9 @@ def test_dp_run_reports_epsilon_each_round_and_is_reproducible(tmp_path):
     cfg = validate(tiny(**DP_RUN))
     for name in ("a", "b"):
         run_direct(cfg, tmp_path / name, tmp_path / f"nodes-{name}", options=DP_OPTS)
-    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in lines if "event" not in r]
+    assert [(r["event"], r["accountant"], r["sampling"]) for r in lines if "event" in r] == [("dp_accounting", "rdp", "none")]
     assert [r["dp/releases"] for r in rows] == [1, 2]
     assert [r["dp/epsilon"] for r in rows] == pytest.approx([_rdp_epsilon(1.0, t, 1e-4) for t in (1, 2)], rel=1e-3)
     info = json.loads((tmp_path / "a" / "flower.json").read_text())["dp"]
@@ -116,3 +121,160 @@ def test_dp_refuses_recipes_it_does_not_cover(tmp_path):
         run_direct(validate(tiny(**{**DP_RUN, "model.norm": "batch"})), tmp_path / "bn", tmp_path / "n2", options=DP_OPTS)
     with pytest.raises(ValueError, match="scaffold"):  # SCAFFOLD's control variates would leave un-noised
         run_direct(validate(tiny(**{**DP_RUN, "recipe.components": ["scaffold"]})), tmp_path / "s", tmp_path / "n3", options=DP_OPTS)
+
+
+# -- the accountant choice: rdp / pld, no amplification / sampling without replacement ---------------
+
+
+def _released(m: int, z: float, releases: int, **kw) -> CentralDP:
+    """A CentralDP after ``releases`` releases of m updates (norm 1e-3 * sqrt(3) < C: nothing clipped)."""
+    dp = _dp({"w": torch.zeros(3)}, m, z, 1.0, **kw)
+    res = [ClientResult(k, 1, {"w": torch.full((3,), 1e-3)}) for k in range(m)]
+    for _ in range(releases):
+        dp.aggregate(res, torch.ones(m))
+    return dp
+
+
+def _by_dp_accounting(kind: str, events: list, delta: float = 1e-5) -> float:
+    """dp-accounting's own accountant, fed one DpEvent per release (the reference for the reported epsilon)."""
+    from dp_accounting.pld import PLDAccountant
+    from dp_accounting.privacy_accountant import NeighboringRelation
+    from dp_accounting.rdp import RdpAccountant
+
+    replace = type(events[0]).__name__ == "SampledWithoutReplacementDpEvent"
+    rel = NeighboringRelation.REPLACE_ONE if replace else NeighboringRelation.ADD_OR_REMOVE_ONE
+    acc = RdpAccountant(neighboring_relation=rel) if kind == "rdp" else PLDAccountant(neighboring_relation=rel)
+    for e in events:
+        acc.compose(e)
+    return acc.get_epsilon(delta)
+
+
+def _gaussian_delta(eps: float, mu: float) -> float:
+    """The exact delta(eps) of the Gaussian mechanism with sensitivity / noise = mu (Balle & Wang 2018,
+    Thm. 8): Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu). T releases of noise multiplier z compose to
+    mu = sqrt(T) / z (Dong, Roth & Su 2019, Cor. 3.3)."""
+    from scipy.stats import norm
+
+    return float(norm.cdf(mu / 2 - eps / mu) - math.exp(eps) * norm.cdf(-mu / 2 - eps / mu))
+
+
+def test_epsilon_equals_dp_accountings_accountants_fed_the_release_events():
+    from dp_accounting.dp_event import GaussianDpEvent, SampledWithoutReplacementDpEvent
+    from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
+
+    z, m, n, t = 1.1, 3, 10, 3
+    rdp = _released(m, z, t)
+    assert rdp.privacy_spent()["dp/releases"] == t
+    assert rdp.privacy_spent()["dp/epsilon"] == pytest.approx(_by_dp_accounting("rdp", [GaussianDpEvent(z)] * t), rel=1e-9)
+    # the same number Flower's RdpAccountant (what FedSight used before the choice existed) reports
+    flower = RdpAccountant(PrivacyConfig(1e-5, n, NeighboringRelation.ADD_OR_REMOVE_ONE, SamplingMethod.NO_AMPLIFICATION))
+    for _ in range(t):
+        flower.compose(GaussianPrivacyEvent(z, m, n))
+    assert rdp.privacy_spent()["dp/epsilon"] == pytest.approx(flower.get_privacy_spent().epsilon, rel=1e-9)
+
+    pld = _released(m, z, t, accountant="pld")
+    eps = pld.privacy_spent()["dp/epsilon"]
+    ref = _by_dp_accounting("pld", [GaussianDpEvent(z)] * t)  # discretised, pessimistic: at or just above the exact
+    assert eps <= ref <= eps * (1 + 1e-6)
+    assert _gaussian_delta(eps, math.sqrt(t) / z) == pytest.approx(1e-5, rel=1e-6)  # exact: delta(eps) is the target
+
+    # amplification by sampling m of n without replacement: replace-one neighbours, sensitivity 2 C / m
+    wor = _released(m, z, t, sampling="without-replacement")
+    events = [SampledWithoutReplacementDpEvent(n, m, GaussianDpEvent(z / 2))] * t
+    assert wor.privacy_spent()["dp/epsilon"] == pytest.approx(_by_dp_accounting("rdp", events), rel=1e-9)
+    # the factor 2, independently: sampling everyone is no sampling, and the RDP of a Gaussian with sensitivity
+    # 2 C / m and noise z C / m is a (2 / z)^2 / 2 per release (closed form)
+    everyone = _released(n, z, t, sampling="without-replacement")
+    ref = _rdp_epsilon(z / 2, t, 1e-5)
+    assert ref <= everyone.privacy_spent()["dp/epsilon"] <= ref * 1.001
+    info = wor.describe()
+    assert (info["accountant"], info["sampling"], info["neighbouring_relation"]) == ("rdp", "without-replacement", "replace-one")
+    assert "secret" in info["note"] and "3 of 10" in info["note"]
+
+
+def test_pld_is_tighter_than_rdp_and_sampling_amplifies():
+    z, t = 1.0, 10
+    rdp, pld = (_released(2, z, t, population=200, accountant=a).privacy_spent()["dp/epsilon"] for a in ("rdp", "pld"))
+    assert 1.03 * pld < rdp < 1.10 * pld  # RDP's conversion costs a few percent over the exact value
+    wor = [_released(m, z, t, population=200, sampling="without-replacement").privacy_spent()["dp/epsilon"] for m in (2, 20)]
+    assert wor[0] < wor[1] < rdp and wor[0] < rdp / 2  # q = 1 %: under half (with replace-one's doubled sensitivity)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--dp-noise", "1", "--dp-sampling", "poisson"], "--dp-sampling = 'poisson' is not how FedSight samples"),
+    (["--dp-noise", "1", "--dp-sampling", "fixed"], "--dp-sampling = 'fixed' must be 'none' or 'without-replacement'"),
+    (["--dp-noise", "1", "--dp-accountant", "prv"], "--dp-accountant = 'prv' must be 'rdp' or 'pld'"),
+    (["--dp-noise", "1", "--dp-accountant", "pld", "--dp-sampling", "without-replacement"],
+     "--dp-accountant = 'pld' has no bound for --dp-sampling = 'without-replacement'"),
+    (["--dp-accountant", "pld"], "--dp-accountant and --dp-sampling account central DP: set --dp-noise > 0"),
+])
+def test_invalid_accounting_is_refused_in_one_line_naming_the_flag(tmp_path, args, msg):
+    import tomli_w
+    from typer.testing import CliRunner
+
+    from fedsight.cli import app
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(tiny(**DP_RUN)))
+    res = CliRunner().invoke(app, ["flower", "app", str(cfg), str(tmp_path / "app"), "--run-dir", str(tmp_path / "r"), *args])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and msg in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "app").exists()
+
+
+def test_amplification_is_refused_when_a_component_picks_the_clients(tmp_path):
+    from fedsight.flower.dp import install_central_dp
+
+    from types import SimpleNamespace as NS
+
+    from fedsight.training.component import Component
+
+    class Picker(Component):  # a component that chooses the round's clients itself (as Fed3R and LADD do)
+        name = "picker"
+
+        def sample(self, round, num_clients, m, seed):
+            return [0, 1]
+
+    recipe = NS(weighting=NS(name="uniform"), aggregator=NS(name="mean"), components=[Picker()])
+    # the parts of an engine Server that install_central_dp reads
+    sim = NS(stages=[NS(name="main", clients_per_round=2, recipe=recipe)], shared_buffers=[], seed=0,
+             schedule=NS(clients_per_round=2), task=NS(num_clients=5), global_model=None, shared_params=[])
+    with pytest.raises(ConfigError, match="dp-sampling = 'without-replacement' assumes uniform sampling, but picker"):
+        install_central_dp(sim, noise_multiplier=1.0, clipping_norm=1.0, delta=None, sampling="without-replacement")
+    assert install_central_dp(sim, noise_multiplier=1.0, clipping_norm=1.0, delta=None).num_sampled == 2
+
+
+@pytest.mark.parametrize("accountant,sampling", [("pld", "none"), ("rdp", "without-replacement")])
+def test_cli_accounting_options_reach_the_run(tmp_path, accountant, sampling):
+    """`fedsight flower app --dp-accountant/--dp-sampling` -> the app's run config -> the ServerApp: every row's
+    epsilon is that accountant's, and the run says which accountant and assumption produced it."""
+    import tomllib
+
+    import tomli_w
+    from typer.testing import CliRunner
+
+    from fedsight.cli import app
+
+    raw = tiny(**{**DP_RUN, "partition.num_clients": 4, "server.clients_per_round": 2})
+    (tmp_path / "c.toml").write_text(tomli_w.dumps(raw))
+    res = CliRunner().invoke(app, ["flower", "app", str(tmp_path / "c.toml"), str(tmp_path / "app"), "--run-dir",
+                                   str(tmp_path / "run"), "--dp-noise", "1.0", "--dp-clip", "0.5", "--dp-delta", "1e-4",
+                                   "--dp-accountant", accountant, "--dp-sampling", sampling])
+    assert res.exit_code == 0, res.output
+    rc = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert (rc["dp-accountant"], rc["dp-sampling"]) == (accountant, sampling)
+    run_direct(validate(raw), tmp_path / "run", tmp_path / "nodes",
+               options={k: v for k, v in rc.items() if k not in ("fedsight-config", "run-dir")})
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    [event] = [r for r in rows if r.get("event") == "dp_accounting"]
+    assert (event["accountant"], event["sampling"], event["round"]) == (accountant, sampling, 0)
+    assert event["neighbouring_relation"] == ("add-or-remove-one" if sampling == "none" else "replace-one")
+    eps = [r["dp/epsilon"] for r in rows if "event" not in r]
+    from dp_accounting.dp_event import GaussianDpEvent, SampledWithoutReplacementDpEvent
+
+    one = GaussianDpEvent(1.0) if sampling == "none" else SampledWithoutReplacementDpEvent(4, 2, GaussianDpEvent(0.5))
+    refs = [_by_dp_accounting(accountant, [one] * t, delta=1e-4) for t in (1, 2)]
+    assert eps == pytest.approx(refs, rel=1e-5)
+    info = json.loads((tmp_path / "run" / "flower.json").read_text())["dp"]
+    assert (info["accountant"], info["sampling"], info["dp/epsilon"]) == (accountant, sampling, eps[-1])
+    assert f"epsilon by {accountant.upper()}" in (tmp_path / "run" / "summary.md").read_text()

@@ -29,7 +29,7 @@ def test_ray_simulation_equals_in_process(tmp_path, monkeypatch):
     cfg_file.write_text(tomli_w.dumps(raw))
     execute(validate(raw), tmp_path / "inproc")
     result = CliRunner().invoke(flower_app, ["simulate", str(cfg_file), "--run-dir", str(tmp_path / "ray"),
-                                             "--cpus-per-client", "1", "--ray-cpus", "2"])
+                                             "--cpus-per-client", "1", "--ray-cpus", "1"])
     assert result.exit_code == 0, result.output
     a, b = load_file(str(tmp_path / "inproc" / "model.safetensors")), load_file(str(tmp_path / "ray" / "model.safetensors"))
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)

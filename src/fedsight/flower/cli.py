@@ -6,6 +6,7 @@ Wired into the main CLI as ``app.add_typer(flower_app, name="flower")``.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -43,6 +44,11 @@ MinClients = Annotated[int, typer.Option(min=1, help="Fewer accepted updates in 
 DpNoise = Annotated[float, typer.Option(min=0.0, help="Central DP noise multiplier z (0: off). Needs weighting 'uniform'.")]
 DpClip = Annotated[float, typer.Option(min=0.0, help="Central DP clipping norm C of a client update.")]
 DpDelta = Annotated[float, typer.Option(min=0.0, help="Central DP delta (0: min(1e-5, 1/(10 N))).")]
+DpAccountant = Annotated[str, typer.Option(help="Central DP accountant: 'rdp' (Renyi DP, an upper bound) or 'pld' "
+                                                "(privacy loss distribution, tight).")]
+DpSampling = Annotated[str, typer.Option(help="Central DP sampling assumption: 'none' (no amplification) or "
+                                              "'without-replacement' (amplification by FedSight's fixed-size sampling, "
+                                              "replace-one neighbours; needs a secret seed).")]
 Overwrite = Annotated[bool, typer.Option(help="Replace a run directory that already holds a run.")]
 
 
@@ -65,7 +71,7 @@ def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
 
 
 def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, dp_clip: float, dp_delta: float,
-             overwrite: bool = False) -> dict[str, Any]:
+             overwrite: bool = False, dp_accountant: str = "rdp", dp_sampling: str = "none") -> dict[str, Any]:
     from .server_app import ServerOptions
 
     if min_clients > cfg.partition.num_clients:
@@ -76,21 +82,29 @@ def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, 
     if dp_noise != 0:
         if dp_clip <= 0:
             _fail("--dp-clip must be positive with --dp-noise")
-        out.update({"dp-noise-multiplier": dp_noise, "dp-clipping-norm": dp_clip, "dp-delta": dp_delta})
+        out.update({"dp-noise-multiplier": dp_noise, "dp-clipping-norm": dp_clip, "dp-delta": dp_delta,
+                    "dp-accountant": dp_accountant, "dp-sampling": dp_sampling})
     try:  # the ServerApp's own checks, before anything starts
-        ServerOptions.from_run_config({**out, "run-dir": "."})
+        ServerOptions.from_run_config({"dp-accountant": dp_accountant, "dp-sampling": dp_sampling, **out, "run-dir": "."})
     except ValueError as exc:
         flag = {"round-timeout": "--round-timeout", "min-clients": "--min-clients", "dp-noise-multiplier": "--dp-noise",
-                "dp-clipping-norm": "--dp-clip", "dp-delta": "--dp-delta"}
+                "dp-clipping-norm": "--dp-clip", "dp-delta": "--dp-delta", "dp-accountant": "--dp-accountant",
+                "dp-sampling": "--dp-sampling"}
         msg = str(exc)
-        for key, opt in flag.items():
-            msg = msg.replace(f"run config {key} ", f"{opt} ")
+        for key, opt in flag.items():  # the option at fault, and any other one the message names ("key = value")
+            msg = re.sub(rf"(run config |(?<![\w-])){re.escape(key)} ", f"{opt} ", msg)
         _fail(msg)
+    if dp_noise == 0 and (dp_accountant, dp_sampling) != ("rdp", "none"):
+        _fail("--dp-accountant and --dp-sampling account central DP: set --dp-noise > 0")
     return out
 
 
 def _check_free(run_dir: Path, overwrite: bool) -> None:
     if (run_dir / "config.json").is_file() and not overwrite:
+        st = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").is_file() else {}
+        if st.get("state") == "interrupted":
+            _fail(f"{run_dir} holds a Flower run interrupted at round {st.get('round')} of {st.get('rounds')}; a Flower run "
+                  "cannot be resumed: pass --overwrite to start it again (or --run-dir for another directory)")
         _fail(f"{run_dir} already holds a run; pass --overwrite to replace it or --run-dir for another directory")
 
 
@@ -119,6 +133,8 @@ def app_cmd(
     dp_noise: DpNoise = 0.0,
     dp_clip: DpClip = 1.0,
     dp_delta: DpDelta = 0.0,
+    dp_accountant: DpAccountant = "rdp",
+    dp_sampling: DpSampling = "none",
     data_dir_nodes: Annotated[bool, typer.Option("--data-dir-nodes", help="SuperNodes read their own data-dir (no partition.json).")] = False,
     overwrite: Overwrite = False,
 ) -> None:
@@ -126,7 +142,7 @@ def app_cmd(
     from .app import write_app
 
     cfg, rd = _one_config(config, set_, run_dir)
-    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
+    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling)
     if data_dir_nodes:
         opts["data"] = "data-dir"
     try:
@@ -156,15 +172,17 @@ def local_cmd(
     dp_noise: DpNoise = 0.0,
     dp_clip: DpClip = 1.0,
     dp_delta: DpDelta = 0.0,
+    dp_accountant: DpAccountant = "rdp",
+    dp_sampling: DpSampling = "none",
     overwrite: Overwrite = False,
 ) -> None:
     """Start a SuperLink and N SuperNodes on loopback, run CONFIG as a Flower app, stream progress,
     collect the FedSight run directory, and stop every process started."""
     from ..api import progress_keys
-    from .local import FlowerRunError, run_local
+    from .local import FlowerInterrupted, FlowerRunError, run_local
 
     cfg, rd = _one_config(config, set_, run_dir)
-    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
+    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
     keys = progress_keys(cfg)
@@ -178,6 +196,9 @@ def local_cmd(
                           tls_dir=tls_dir, node_auth=node_auth, data_dirs=data_dir, keep_workdir=workdir is not None)
     except (FlowerRunError, ValueError, FileNotFoundError) as exc:
         _fail(str(exc), 1)
+    except FlowerInterrupted as exc:  # the run stopped on the SuperLink first, then every process (local.run_local)
+        err.print(f"interrupted: {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(130)
     console.print(f"run {final['run-id']} {final['status']} in {time.monotonic() - t0:.1f} s; run directory: {rd}")
     console.print(f"summary: {rd / 'summary.md'}")
 
@@ -194,6 +215,8 @@ def simulate_cmd(
     dp_noise: DpNoise = 0.0,
     dp_clip: DpClip = 1.0,
     dp_delta: DpDelta = 0.0,
+    dp_accountant: DpAccountant = "rdp",
+    dp_sampling: DpSampling = "none",
     overwrite: Overwrite = False,
 ) -> None:
     """Run CONFIG on Flower's Ray-backed simulation engine (one virtual SuperNode per client)."""
@@ -201,7 +224,7 @@ def simulate_cmd(
     from .simulation import flower_simulate
 
     cfg, rd = _one_config(config, set_, run_dir)
-    opts = _options(cfg, 600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite)
+    opts = _options(cfg, 600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
     try:

@@ -6,18 +6,50 @@ the wrapper Flower implements): each client update ``Delta_k`` is clipped to L2 
 (``Delta_k * min(1, C / ||Delta_k||)``, the norm over every uploaded tensor together), the clipped
 updates are averaged with equal weights over the ``m`` sampled clients, and Gaussian noise
 ``N(0, (z C / m)^2)`` is added to the average (``z`` the noise multiplier). Each round is one release of
-the Gaussian mechanism with L2 sensitivity ``C / m``; Flower's ``RdpAccountant`` (R'enyi DP, Mironov
-2017; no sampling amplification, add/remove-one neighbouring) composes the releases and reports the
-cumulative ``(epsilon, delta)``.
+the Gaussian mechanism.
 
-Everything above is Flower's: ``DifferentialPrivacyServerSideFixedClipping`` wraps Flower's stock
-``FedAvg`` (the only strategy its accountant accepts); FedSight hands it one reply per client
-(``global + Delta_k`` with equal weights) and receives the noised average. The FedSight side stays as it
-is: the noised average update goes to the recipe's server optimizer and the components' server hooks
-in ``Simulation.end_round``. ``CentralDP`` plugs in as the recipe's aggregator, so the recipe must
-average uniformly (``recipe.weighting = "uniform"``, ``recipe.aggregator = "mean"``; other weightings
-change the sensitivity) and must not upload anything the mechanism does not cover (shared BatchNorm
-statistics, components' extra tensors such as SCAFFOLD's control variates).
+Accounting (``Accountant``; client-level DP, a client's whole data set is the unit). Two choices, both
+from Google's dp-accounting (the library behind Flower's ``RdpAccountant``):
+
+* ``sampling``: ``"none"`` (default) claims no amplification by client sampling. Neighbouring relation:
+  add or remove one client; the sensitivity of the fixed-denominator mean is ``C / m``, so each release
+  is ``GaussianDpEvent(z)``. ``"without-replacement"`` uses the amplification of FedSight's sampling,
+  ``m`` distinct clients drawn uniformly from the ``N`` (``engine.plan.sample_clients``), which is a valid
+  bound only under the replace-one (substitution) relation with ``N`` public (Wang, Balle &
+  Kasiviswanathan 2019, "Subsampled Renyi Differential Privacy and Analytical Moments Accountant",
+  Thm. 27; Balle, Barthe & Gaboardi 2018, "Privacy Amplification by Subsampling"). Replacing a client
+  moves the clipped sum by up to ``2 C`` (two vectors of norm at most ``C``), so the release is
+  ``SampledWithoutReplacementDpEvent(N, m, GaussianDpEvent(z / 2))`` under ``REPLACE_ONE``. The epsilons of the two
+  relations are not the same guarantee: add/remove-one (eps, delta)-DP implies replace-one
+  (2 eps, ...)-DP, not the converse. Amplification also assumes that the sample is secret: FedSight draws
+  it from the run seed (``("sample", round)``), which ``config.json`` and the Flower app's run config hold;
+  whoever knows the seed knows the sample, and against them only ``"none"`` holds. Poisson sampling
+  (each client independently with probability ``q``) is not what FedSight does, so its bound is refused.
+* ``accountant``: ``"rdp"`` (default): Renyi DP (Mironov 2017) of each release at dp-accounting's default
+  orders, composed additively and converted to (eps, delta) with Balle et al. 2020 ("Hypothesis Testing
+  Interpretations and Renyi Differential Privacy", Thm. 21; Canonne, Kamath & Steinke 2020, Prop. 12);
+  an upper bound, a few percent above the
+  exact value. ``"pld"``: the privacy loss distribution (Meiser & Mohammadi 2018; Koskela et al. 2020),
+  tight. Without amplification the composition of ``T`` releases is the Gaussian mechanism with noise
+  multiplier ``z / sqrt(T)`` (the PLD of a Gaussian composes in closed form), whose epsilon is computed
+  exactly (Balle & Wang 2018, "Improving the Gaussian Mechanism for Differential Privacy", Thm. 8;
+  ``dp_accounting.gaussian_mechanism.get_epsilon_gaussian``); dp-accounting's ``PLDAccountant`` gives the
+  same value to its discretisation (1e-4) but takes seconds per round once ``T / z^2`` reaches ~100.
+  dp-accounting 0.6.0's PLD accountant has no sampling-without-replacement event, so ``"pld"`` with
+  ``"without-replacement"`` is refused.
+
+Flower 1.41's wrapper accepts only no-amplification accountants, so the wrapper here has none and
+``CentralDP`` composes each successful release itself. ``describe()`` names the accountant, the sampling
+assumption and the relation; the ServerApp logs it (a ``dp_accounting`` event, ``flower.json``).
+
+The mechanism is Flower's: ``DifferentialPrivacyServerSideFixedClipping`` wraps Flower's stock
+``FedAvg``; FedSight hands it one reply per client (``global + Delta_k`` with equal weights) and receives
+the noised average. The FedSight side stays as it is: the noised average update goes to the recipe's
+server optimizer and the components' server hooks in ``Simulation.end_round``. ``CentralDP`` plugs in as
+the recipe's aggregator, so the recipe must average uniformly (``recipe.weighting = "uniform"``,
+``recipe.aggregator = "mean"``; other weightings change the sensitivity) and must not upload anything the
+mechanism does not cover (shared BatchNorm statistics, components' extra tensors such as SCAFFOLD's
+control variates).
 
 The noise is drawn by Flower from NumPy's global generator; ``CentralDP`` seeds it per round from the
 FedSight stream (seed, "dp-noise", round) and restores the generator afterwards, so a DP run is
@@ -40,6 +72,92 @@ from ..errors import ConfigError
 from ..records import ClientResult
 from ..rng import derive_seed
 from .records import record_to_tensors, tensors_to_record
+
+
+#: ``dp-accountant`` values: Renyi DP (default) or the privacy loss distribution
+ACCOUNTANTS = ("rdp", "pld")
+#: ``dp-sampling`` values: no amplification (default) or FedSight's fixed-size sampling without replacement
+SAMPLINGS = ("none", "without-replacement")
+_RELATION = {"none": "add-or-remove-one", "without-replacement": "replace-one"}
+
+
+def accounting_problem(accountant: str, sampling: str) -> tuple[str, str] | None:
+    """Why (``accountant``, ``sampling``) cannot account a FedSight DP run, as (the option at fault, why);
+    None: it can."""
+    if accountant not in ACCOUNTANTS:
+        return "dp-accountant", "must be 'rdp' or 'pld'"
+    if sampling == "poisson":
+        return "dp-sampling", ("is not how FedSight samples (exactly server.clients_per_round clients without replacement "
+                               "each round); use 'without-replacement' or 'none'")
+    if sampling not in SAMPLINGS:
+        return "dp-sampling", "must be 'none' or 'without-replacement'"
+    if accountant == "pld" and sampling == "without-replacement":
+        return "dp-accountant", ("has no bound for dp-sampling = 'without-replacement' (dp-accounting 0.6.0's PLD "
+                                 "accountant has no sampling-without-replacement event); use 'rdp' with it")
+    return None
+
+
+class Accountant:
+    """Cumulative (epsilon, delta) of ``T`` identical releases of the DP-FedAvg Gaussian mechanism (noise
+    multiplier ``z``, ``m`` of ``N`` clients a release), by ``accountant`` under ``sampling`` (module
+    docstring). ``epsilon(T)`` costs the same at every ``T``: the per-release RDP is computed once and
+    scaled, the PLD of ``T`` Gaussian releases is one Gaussian's."""
+
+    def __init__(self, accountant: str, sampling: str, *, noise_multiplier: float, num_sampled: int,
+                 population: int, delta: float):
+        problem = accounting_problem(accountant, sampling)
+        if problem is not None:
+            raise ValueError(f"{problem[0]} = {accountant if problem[0] == 'dp-accountant' else sampling!r} {problem[1]}")
+        if not 1 <= num_sampled <= population:
+            raise ValueError(f"{num_sampled} clients a release out of {population}: need 1 <= m <= N")
+        if not (noise_multiplier > 0 and 0 < delta < 1):
+            raise ValueError(f"need noise multiplier > 0 and 0 < delta < 1, got {noise_multiplier} and {delta}")
+        self.accountant, self.sampling, self.delta = accountant, sampling, float(delta)
+        self.noise_multiplier, self.num_sampled, self.population = float(noise_multiplier), int(num_sampled), int(population)
+        self.relation = _RELATION[sampling]
+        self._cache: dict[int, float] = {0: 0.0}
+        if accountant == "rdp":
+            from dp_accounting import privacy_accountant
+            from dp_accounting.rdp import RdpAccountant
+
+            rel = privacy_accountant.NeighboringRelation
+            acc = RdpAccountant(neighboring_relation=rel.REPLACE_ONE if self.relation == "replace-one" else rel.ADD_OR_REMOVE_ONE)
+            acc.compose(self.event())
+            self._orders, self._rdp = np.array(acc.orders), np.array(acc.rdp)  # one release
+
+    def event(self) -> Any:
+        """One release as a dp-accounting ``DpEvent`` (under the neighbouring relation ``self.relation``)."""
+        from dp_accounting import dp_event
+
+        if self.sampling == "none":
+            return dp_event.GaussianDpEvent(self.noise_multiplier)
+        # replace-one: the clipped sum moves by up to 2 C, so the noise is z / 2 sensitivities
+        return dp_event.SampledWithoutReplacementDpEvent(self.population, self.num_sampled,
+                                                         dp_event.GaussianDpEvent(self.noise_multiplier / 2))
+
+    def epsilon(self, releases: int) -> float:
+        """Epsilon at ``self.delta`` after ``releases`` releases (0 before the first)."""
+        if releases not in self._cache:
+            if self.accountant == "rdp":
+                from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+                eps = compute_epsilon(self._orders, releases * self._rdp, self.delta)[0]
+            else:  # T Gaussian releases = one with noise z / sqrt(T); exact epsilon of its PLD
+                from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
+
+                eps = get_epsilon_gaussian(self.noise_multiplier / float(np.sqrt(releases)), self.delta)
+            self._cache[releases] = float(eps)
+        return self._cache[releases]
+
+    def describe(self) -> dict[str, Any]:
+        """Which accountant and which assumption produce the reported epsilon (strings and numbers)."""
+        how = ("no amplification by client sampling" if self.sampling == "none" else
+               f"amplification by sampling {self.num_sampled} of {self.population} clients without replacement "
+               "(valid only if the sample, i.e. the run seed, is secret)")
+        return {"accountant": self.accountant, "sampling": self.sampling, "neighbouring_relation": self.relation,
+                "noise_multiplier": self.noise_multiplier, "num_sampled": self.num_sampled,
+                "population": self.population, "delta": self.delta,
+                "note": f"epsilon by {self.accountant.upper()}, {how}, {self.relation} neighbouring clients"}
 
 
 class _ReleaseGrid(Grid):
@@ -78,8 +196,9 @@ class CentralDP:
 
     ``global_params()`` returns the current global values of the shared trainable parameters (the
     point the updates are clipped around). ``num_sampled`` is the fixed number of updates per release;
-    a round with fewer updates must not be released (the server skips it). ``population`` and
-    ``delta`` configure the accountant."""
+    a round with fewer updates must not be released (the server skips it). ``population``, ``delta``,
+    ``accountant`` (``"rdp"``, ``"pld"``) and ``sampling`` (``"none"``, ``"without-replacement"``)
+    configure the ``Accountant``."""
 
     name = "central_dp"
 
@@ -93,24 +212,17 @@ class CentralDP:
         population: int,
         delta: float,
         seed: int,
+        accountant: str = "rdp",
+        sampling: str = "none",
     ):
-        from flwr.serverapp import NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
-
         self.global_params, self.seed, self.num_sampled = global_params, seed, num_sampled
         self.noise_multiplier, self.clipping_norm = float(noise_multiplier), float(clipping_norm)
-        self.accountant = RdpAccountant(
-            PrivacyConfig(
-                target_delta=float(delta),
-                population_size=int(population),
-                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-                sampling_method=SamplingMethod.NO_AMPLIFICATION,
-                max_epsilon=None,
-            )
-        )
+        self.accountant = Accountant(accountant, sampling, noise_multiplier=self.noise_multiplier,
+                                     num_sampled=num_sampled, population=population, delta=delta)
         inner = FedAvg(fraction_train=1.0, min_train_nodes=num_sampled, min_available_nodes=num_sampled)
-        self.strategy = DifferentialPrivacyServerSideFixedClipping(
-            inner, self.noise_multiplier, self.clipping_norm, num_sampled, accountant=self.accountant
-        )
+        # no accountant in Flower's wrapper (it accepts no-amplification ones only): releases are composed here
+        self.strategy = DifferentialPrivacyServerSideFixedClipping(inner, self.noise_multiplier, self.clipping_norm,
+                                                                   num_sampled)
         self.releases = 0
 
     def aggregate(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -129,8 +241,7 @@ class CentralDP:
                 )
         if len(results) != self.num_sampled:
             raise ValueError(f"a DP release needs exactly {self.num_sampled} updates, got {len(results)}")
-        self.releases += 1
-        r = self.releases
+        r = self.releases + 1
         current = {k: v.detach().clone() for k, v in self.global_params().items()}
         keys = list(current)
         py_state, np_state = random.getstate(), np.random.get_state()
@@ -150,15 +261,18 @@ class CentralDP:
             np.random.set_state(np_state)
         if arrays is None:
             raise RuntimeError("Flower's DP wrapper released no aggregate")
+        self.releases = r  # composed only once released
         noised = record_to_tensors(ArrayRecord(arrays) if not isinstance(arrays, ArrayRecord) else arrays)
         return {k: (noised[k].to(current[k]) - current[k]) for k in keys}
 
     def privacy_spent(self) -> dict[str, float]:
-        """Cumulative (epsilon, delta) of the releases so far (Flower's RDP accountant)."""
-        spent = self.strategy.privacy_spent()
-        if spent is None or spent.num_releases == 0:
-            return {"dp/epsilon": 0.0, "dp/delta": float(self.accountant.config.target_delta), "dp/releases": 0}
-        return {"dp/epsilon": float(spent.epsilon), "dp/delta": float(spent.delta), "dp/releases": int(spent.num_releases)}
+        """Cumulative (epsilon, delta) of the releases so far (``self.accountant``; ``describe()`` says how)."""
+        return {"dp/epsilon": self.accountant.epsilon(self.releases), "dp/delta": self.accountant.delta,
+                "dp/releases": self.releases}
+
+    def describe(self) -> dict[str, Any]:
+        """The mechanism and how its epsilon is accounted (``Accountant.describe``)."""
+        return {"clipping_norm": self.clipping_norm, **self.accountant.describe()}
 
     def state_dict(self) -> dict:
         return {"releases": self.releases}
@@ -168,10 +282,12 @@ class CentralDP:
             raise ValueError("a central-DP run cannot be resumed (the accountant's state is not checkpointed)")
 
 
-def install_central_dp(sim: Any, *, noise_multiplier: float, clipping_norm: float, delta: float | None) -> CentralDP:
+def install_central_dp(sim: Any, *, noise_multiplier: float, clipping_norm: float, delta: float | None,
+                       accountant: str = "rdp", sampling: str = "none") -> CentralDP:
     """Replace the aggregator of every stage of ``sim`` (an ``engine.server.Server``) by one
     ``CentralDP`` (one accountant for the run). The recipe must weight uniformly with the mean
-    aggregator and share no buffers."""
+    aggregator and share no buffers; amplification (``sampling = "without-replacement"``) needs FedSight's
+    own uniform sampling (no component that picks the clients)."""
     for st in sim.stages:
         w, a = st.recipe.weighting.name, st.recipe.aggregator.name
         if w != "uniform" or a != "mean":
@@ -187,15 +303,25 @@ def install_central_dp(sim: Any, *, noise_multiplier: float, clipping_norm: floa
     sizes = {st.clients_per_round or sim.schedule.clients_per_round for st in sim.stages}
     if len(sizes) != 1:
         raise ConfigError(f"central DP needs one clients-per-round for the whole run, got {sorted(sizes)}")
+    if sampling == "without-replacement":
+        from ..training.component import Component
+
+        pickers = sorted({c.name for st in sim.stages for c in st.recipe.components
+                          if type(c).sample is not Component.sample})
+        if pickers:
+            raise ConfigError(f"dp-sampling = 'without-replacement' assumes uniform sampling, but {', '.join(pickers)} "
+                              "picks the clients; use dp-sampling = 'none'")
     n = sim.task.num_clients
     dp = CentralDP(
         lambda: {k: sim.global_model.state_dict()[k] for k in sim.shared_params},
         noise_multiplier=noise_multiplier,
         clipping_norm=clipping_norm,
-        num_sampled=sizes.pop(),
+        num_sampled=min(sizes.pop(), n),  # sample_clients takes everyone when m >= N
         population=n,
         delta=delta if delta is not None else min(1e-5, 1.0 / (10 * n)),
         seed=sim.seed,
+        accountant=accountant,
+        sampling=sampling,
     )
     for st in sim.stages:
         st.recipe.aggregator = dp

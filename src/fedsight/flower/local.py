@@ -39,6 +39,11 @@ class FlowerRunError(RuntimeError):
     """The Flower run failed, or did not finish in time; the message carries Flower's reason."""
 
 
+class FlowerInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped ``run_local``: the Flower run was stopped on the SuperLink, then the
+    SuperNodes and the SuperLink; the message says where the run directory was left."""
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (bound together, so distinct, then released)."""
     socks = []
@@ -138,6 +143,8 @@ class LocalDeployment:
         self.superlink: Proc | None = None
         self.nodes: dict[int, Proc] = {}
         self.stopped: list[Proc] = []
+        #: what was stopped, in order ("run N", "serverapp", process names), also in logs/shutdown.log
+        self.shutdown: list[str] = []
 
     # -- processes --------------------------------------------------------------------------------
 
@@ -240,28 +247,76 @@ class LocalDeployment:
         self._stop(proc, sig=signal.SIGKILL)
 
     def _stop(self, proc: Proc, sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
-        tree = descendants(proc.pid)
-        proc.tree = [proc.pid, *tree]
-        _signal([proc.pid], sig)
-        _signal(tree, sig)
-        try:
-            proc.popen.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            _signal([proc.pid], signal.SIGKILL)
-            proc.popen.wait(timeout=grace)
+        self._stop_all([proc], sig, grace)
+
+    def _stop_all(self, procs: list[Proc], sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
+        """Signal ``procs`` and their descendants together, wait up to ``grace`` s, SIGKILL what is left."""
+        trees = {}
+        for proc in procs:
+            trees[proc.pid] = descendants(proc.pid)
+            proc.tree = [proc.pid, *trees[proc.pid]]
+        for proc in procs:
+            _signal([proc.pid], sig)
+            _signal(trees[proc.pid], sig)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal([proc.pid], signal.SIGKILL)
+                proc.popen.wait(timeout=grace)
         # descendants that ignored the signal (or appeared meanwhile)
-        late = [p for p in tree + descendants(proc.pid) if alive(p)]
+        late = [p for proc in procs for p in trees[proc.pid] + descendants(proc.pid) if alive(p)]
         deadline = time.monotonic() + grace
         while late and time.monotonic() < deadline:
             time.sleep(0.1)
             late = [p for p in late if alive(p)]
         _signal(late, signal.SIGKILL)
-        self.stopped.append(proc)
+        for proc in procs:
+            self.stopped.append(proc)
+            self._note(proc.name)
+
+    def _note(self, what: str) -> None:
+        self.shutdown.append(what)
+        with open(self.logs / "shutdown.log", "a") as f:
+            f.write(f"{time.time():.3f} {what}\n")
+
+    def serverapps(self) -> list[int]:
+        """PIDs of the live ``flwr-serverapp`` processes under the SuperLink (one per running run)."""
+        out = []
+        for pid in descendants(self.superlink.pid) if self.superlink is not None else []:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"flwr-serverapp" in cmd and alive(pid):
+                out.append(pid)
+        return out
+
+    def stop_run(self, run_id: int, grace: float = 15.0) -> None:
+        """Stop run ``run_id`` on the SuperLink (``flwr stop``), then wait ``grace`` s for its ServerApp
+        process to exit (it notices the stop at its next heartbeat), then SIGTERM it (Flower's exit handler
+        ends it gracefully; FedSight's ServerApp marks the run directory interrupted), SIGKILL as a last resort."""
+        self.flwr("stop", str(run_id), CONNECTION, check=False, timeout=60)
+        self._note(f"run {run_id}")
+        apps = self.serverapps()
+        deadline = time.monotonic() + grace
+        while apps and time.monotonic() < deadline:
+            time.sleep(0.2)
+            apps = [p for p in apps if alive(p)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            _signal(apps, sig)
+            deadline = time.monotonic() + 10.0
+            while apps and time.monotonic() < deadline:
+                time.sleep(0.2)
+                apps = [p for p in apps if alive(p)]
+        self._note("serverapp")
 
     def stop(self) -> None:
-        """Stop every process this deployment started (nodes first, then the SuperLink), by PID."""
-        for index in list(self.nodes):
-            self._stop(self.nodes.pop(index))
+        """Stop every process this deployment started (nodes first, then the SuperLink), by PID. A running
+        Flower run is stopped first with ``stop_run`` (``run_local`` does on SIGINT/SIGTERM)."""
+        if self.nodes:  # all at once (each takes seconds to shut down)
+            self._stop_all([self.nodes.pop(index) for index in list(self.nodes)])
         if self.superlink is not None:
             self._stop(self.superlink)
             self.superlink = None
@@ -411,6 +466,8 @@ def run_local(
         tls = make_tls(Path(tls_dir or work / "tls"))
     dep = LocalDeployment(work, tls=tls, node_auth=node_auth)
     emit = (lambda row: on_row(row, dep)) if on_row is not None else (lambda row: None)
+    run_id: int | None = None
+    restore = _sigterm_interrupts()
     try:
         dep.start_superlink()
         for k in range(n):
@@ -439,7 +496,66 @@ def run_local(
             raise FlowerRunError(f"run {run_id} finished but {run_dir} is not complete:\n{dep.run_log(run_id)[-4000:]}")
         (run_dir / "flower-run.json").write_text(json.dumps(final, indent=2) + "\n")
         return final
+    except KeyboardInterrupt:  # SIGINT, or SIGTERM (_sigterm_interrupts): the run first, then the processes
+        with _signals_ignored():
+            if run_id is not None:
+                dep.stop_run(run_id)
+            dep.stop()
+        raise FlowerInterrupted(_interrupted(run_dir, run_id)) from None
     finally:
-        dep.stop()
+        with _signals_ignored():
+            dep.stop()
+        restore()
         if own and not keep_workdir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _interrupted(run_dir: Path, run_id: int | None) -> str:
+    """Mark ``run_dir`` interrupted at its last recorded round (unless it completed); one line saying so."""
+    from ..runs import RunDir
+    from .server_app import INTERRUPTED
+
+    if run_id is None:
+        return "interrupted before the Flower run was submitted; every process started was stopped"
+    run = RunDir(run_dir)
+    st = run.read_status() if (run_dir / "status.json").is_file() else {}
+    if st.get("state") == "complete":
+        return f"interrupted after run {run_id} completed; run directory: {run_dir}"
+    if st.get("state") in ("running", INTERRUPTED):
+        run.write_status(INTERRUPTED, int(st["round"]), int(st["rounds"]))
+        where = f"at round {st['round']} of {st['rounds']}; {run_dir} is marked '{INTERRUPTED}'"
+    else:
+        where = "before its first round"
+    return (f"run {run_id} stopped on the SuperLink, then the SuperNodes and the SuperLink, {where}. A Flower run "
+            "cannot be resumed (`fedsight resume` does not apply): start it again with --overwrite")
+
+
+def _sigterm_interrupts() -> Callable[[], None]:
+    """Make SIGTERM raise KeyboardInterrupt like SIGINT (main thread only); returns the undo."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    """SIGINT and SIGTERM ignored while the processes are being stopped (a second Ctrl-C must not leave
+    SuperNodes or a SuperLink behind); main thread only."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)

@@ -53,6 +53,10 @@ from ..engine.loop import ClientEvaluation
 from ..engine.plan import Reply
 from . import records as FR
 
+#: ``status.json`` state of a Flower run that ended before its last round (signal, `flwr stop`, error); it cannot
+#: be resumed
+INTERRUPTED = "interrupted"
+
 #: run-config keys of the ServerApp (with their defaults); ``fedsight-config`` and ``run-dir`` are required
 OPTIONS: dict[str, Any] = {
     "round-timeout": 600.0,  # seconds to wait for the replies of one round
@@ -63,6 +67,8 @@ OPTIONS: dict[str, Any] = {
     "dp-noise-multiplier": 0.0,  # > 0: central DP (dp.py) with this z
     "dp-clipping-norm": 1.0,  # C
     "dp-delta": 0.0,  # 0: min(1e-5, 1 / (10 N))
+    "dp-accountant": "rdp",  # "rdp" or "pld" (dp.Accountant)
+    "dp-sampling": "none",  # "none" (no amplification) or "without-replacement" (replace-one relation)
     "data": "partition",  # "partition": nodes hold partitions of the dataset spec; "data-dir": their own data
     "overwrite": False,  # replace a run directory that already holds a run
     "max-reply-mb": 1024.0,  # a training reply's arrays above this many MB are rejected before they are parsed
@@ -81,6 +87,8 @@ class ServerOptions:
     dp_noise_multiplier: float = 0.0
     dp_clipping_norm: float = 1.0
     dp_delta: float = 0.0
+    dp_accountant: str = "rdp"
+    dp_sampling: str = "none"
     data: str = "partition"
     overwrite: bool = False
     max_reply_mb: float = 1024.0
@@ -101,6 +109,8 @@ class ServerOptions:
             dp_noise_multiplier=float(vals["dp-noise-multiplier"]),
             dp_clipping_norm=float(vals["dp-clipping-norm"]),
             dp_delta=float(vals["dp-delta"]),
+            dp_accountant=str(vals["dp-accountant"]),
+            dp_sampling=str(vals["dp-sampling"]),
             data=str(vals["data"]),
             overwrite=bool(vals["overwrite"]),
             max_reply_mb=float(vals["max-reply-mb"]),
@@ -111,6 +121,9 @@ class ServerOptions:
         """These options, or a ``ValueError`` naming the first invalid one (run-config key)."""
         import math
 
+        from .dp import accounting_problem
+
+        dp_problem = accounting_problem(self.dp_accountant, self.dp_sampling)
         rules = [
             ("round-timeout", self.round_timeout > 0, "must be > 0 seconds"),
             ("min-clients", self.min_clients >= 1, "must be >= 1"),
@@ -122,6 +135,7 @@ class ServerOptions:
             ("dp-clipping-norm", math.isfinite(self.dp_clipping_norm) and self.dp_clipping_norm > 0,
              "must be a finite number > 0"),
             ("dp-delta", math.isfinite(self.dp_delta) and 0 <= self.dp_delta < 1, "must be in [0, 1)"),
+            (dp_problem[0] if dp_problem else "dp-accountant", dp_problem is None, dp_problem[1] if dp_problem else ""),
             ("data", self.data in ("partition", "data-dir"), "must be 'partition' or 'data-dir'"),
             ("max-reply-mb", math.isfinite(self.max_reply_mb) and self.max_reply_mb > 0, "must be a finite number > 0"),
             ("max-examples", self.max_examples >= 1, "must be >= 1"),
@@ -394,7 +408,7 @@ class FlowerServer:
 
             self.dp = install_central_dp(
                 self.server, noise_multiplier=options.dp_noise_multiplier, clipping_norm=options.dp_clipping_norm,
-                delta=options.dp_delta or None,
+                delta=options.dp_delta or None, accountant=options.dp_accountant, sampling=options.dp_sampling,
             )
         splits = getattr(self.server.task, "splits", None)
         #: what a data-dir node needs to build the run's model whatever classes it holds
@@ -413,10 +427,15 @@ class FlowerServer:
             raise FileExistsError(f"{run.path} already holds a run; choose another run-dir or set overwrite = true")
         # overwrite: the old run is set aside (never another kind of directory) and deleted after round 1
         replaced = Replacement(run.path)
+        self.rounds_done = 0
         try:
             return self._run(grid, run, backend, replaced, on_round)
         except BaseException:
             replaced.undo()
+            # a signal (Flower's exit handler raises SystemExit on SIGINT/SIGTERM), a stopped run (`flwr stop`: the
+            # Grid's next call fails) or an error: the run is over at its last recorded round, and not "running"
+            if self.rounds_done:
+                run.write_status(INTERRUPTED, self.rounds_done, self.cfg.server.rounds)
             raise
 
     def _run(self, grid: Grid, run: Any, backend: "FlowerBackend", replaced: Any, on_round=None) -> Path:
@@ -427,12 +446,16 @@ class FlowerServer:
         server, cfg, opts = self.server, self.cfg, self.opts
         run.path.mkdir(parents=True, exist_ok=True)
         # with the nodes' own data (data-dir) the server's partition describes nothing
-        start_run_dir(run, cfg, server.task, server.device, partition=opts.data == "partition")
+        start_run_dir(run, cfg, server.task, server.device, partition=opts.data == "partition", backend="flower")
+        if self.dp is not None:  # which accountant and assumption produce the rows' dp/epsilon
+            desc = self.dp.describe()  # its note goes under "reason", which summary.md's event table shows
+            run.append_metrics({"stage": server.stage, "round": 0, "event": "dp_accounting", "reason": desc.pop("note"), **desc})
         for e in backend.wait_for_nodes():
             run.append_metrics({"stage": server.stage, **e})
         for r in range(1, cfg.server.rounds + 1):
             row, events = run_round(server, backend, r)
             record_round(run, server, cfg, r, row, events)
+            self.rounds_done = r
             replaced.done()
             if on_round is not None:
                 on_round(r, row, events)
@@ -442,8 +465,7 @@ class FlowerServer:
         info = {"node_of_client": {str(c): n for c, n in sorted(backend.node_of.items())}, "options": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()}}
         if self.dp is not None:
-            info["dp"] = {"noise_multiplier": self.dp.noise_multiplier, "clipping_norm": self.dp.clipping_norm,
-                          "num_sampled": self.dp.num_sampled, **self.dp.privacy_spent()}
+            info["dp"] = {**self.dp.describe(), **self.dp.privacy_spent()}
         atomic_write_text(run.path / "flower.json", json.dumps(info, indent=2) + "\n")
         run.write_status("complete", cfg.server.rounds, cfg.server.rounds)
         finish(run.path, server.task, server.global_model, server.recipe.weighting.name, facts=server.facts)
