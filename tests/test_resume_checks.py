@@ -172,3 +172,18 @@ def test_the_cli_turns_a_damaged_run_file_into_one_line(part) -> None:
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert err[0].startswith("error:") and "status.json: expected" in err[0] and "RunFileError" not in err[0]
+
+
+def test_an_edited_non_tensor_entry_of_a_checkpoint_marker_is_caught(plain) -> None:
+    """The tensors' SHA-256 does not cover the marker's state structure (round counters, optimiser settings):
+    found by the fuzz suite, an edit there resumed silently with other numbers. Now the marker is damaged."""
+    whole, part = plain
+    marker = part / "checkpoints" / "round-000002.json"
+    meta = json.loads(marker.read_text())
+    text = json.dumps(meta["state"])
+    assert '"__tensor__"' in text and text.count("{") > 3
+    meta["state"]["__dict__"].popitem()  # drop one top-level entry of the server's state
+    marker.write_text(json.dumps(meta))
+    assert execute(validate(PLAIN), part, resume=True).status == "complete"
+    assert any("round-000002 is damaged" in e["note"] for e in _events(part, "run_repaired"))
+    assert _rows(part) == _rows(whole)

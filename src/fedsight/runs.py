@@ -183,6 +183,12 @@ def pack_state(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
     raise TypeError(f"cannot checkpoint value of type {type(obj).__name__} at {prefix}")
 
 
+def _state_digest(packed: Any) -> str:
+    """SHA-256 of a packed state's JSON structure (the marker records it: the tensors' SHA-256 alone would
+    let an edited or damaged non-tensor entry through)."""
+    return hashlib.sha256(json.dumps(packed, sort_keys=True).encode()).hexdigest()
+
+
 def unpack_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
@@ -389,7 +395,8 @@ class RunDir:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        meta = {"round": round, "sha256": hashlib.sha256(data).hexdigest(), "state": packed}
+        meta = {"round": round, "sha256": hashlib.sha256(data).hexdigest(), "state": packed,
+                "state_sha256": _state_digest(packed)}
         atomic_write_text(stem.with_suffix(".json"), json.dumps(meta))
         if keep_last > 0:
             for old in self.checkpoints()[:-keep_last]:  # the marker last: a kill in between leaves a marker
@@ -434,7 +441,8 @@ class RunDir:
                 meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
                 data = stem.with_suffix(".safetensors").read_bytes()
                 ok = (isinstance(meta, dict) and meta.get("round") == int(stem.name.split("-")[1]) and "state" in meta
-                      and hashlib.sha256(data).hexdigest() == meta.get("sha256"))
+                      and hashlib.sha256(data).hexdigest() == meta.get("sha256")
+                      and meta.get("state_sha256", _state_digest(meta["state"])) == _state_digest(meta["state"]))
                 if ok:
                     return meta["round"], unpack_state(meta["state"], load(data))
                 notes.append(f"{name} is damaged (marker or tensors do not match); skipped")
