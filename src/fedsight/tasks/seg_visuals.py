@@ -109,7 +109,8 @@ def save_segmentation_visuals(task: Any, model: nn.Module, path: str | os.PathLi
                     ax.set_yticks([])
                     ax.set_title(title, fontsize=8)
                     if c == 0:
-                        ax.set_ylabel(name if len(name) <= 32 else "..." + name[-29:], fontsize=7)
+                        short = name if len(name) <= 48 else "..." + name[-45:]  # one line a path part: fits the row
+                        ax.set_ylabel(short.replace("/", "/\n") if len(short) > 20 else short, fontsize=7)
             fig.suptitle(f"{split}: {len(s)} images", fontsize=9)
             fig.savefig(path if split == "test" else path.with_name(f"visuals_{split[5:]}.png"), dpi=110)
     finally:
