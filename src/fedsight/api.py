@@ -25,7 +25,7 @@ from .metric_table import metric_directions
 from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
 from .errors import RunFileError
-from .runs import Replacement, RunDir, atomic_write_text, read_run_meta
+from .runs import INTERRUPTED, Replacement, RunDir, atomic_write_text, read_run_meta
 from .state import ClientStateStore
 from .tasks.base import Task
 from .training.local import SGD_TRAINER, LocalTraining
@@ -337,7 +337,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
     try:
         sim.run(on_round=_on_round, stop_after=stop_after)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI: the last completed round is checkpointed
-        run.write_status("interrupted", sim.round, cfg.server.rounds)
+        run.write_status(INTERRUPTED, sim.round, cfg.server.rounds)
         raise
     state = "complete" if sim.round >= cfg.server.rounds else "stopped"
     save_weights(sim.global_model, run.path / "model.safetensors")

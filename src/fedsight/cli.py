@@ -403,10 +403,8 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename is not None:
         what = f"{exc.strerror or type(exc).__name__}: {exc.filename}"
         return what + (f" -> {exc.filename2}" if exc.filename2 else "")
-    if isinstance(exc, FedSightError):  # phrased for the user already
-        return " ".join(str(exc).split())
-    if isinstance(exc, FileNotFoundError) and exc.filename is None and str(exc):  # FedSight's own, naming the file
-        return " ".join(str(exc).split())
+    if isinstance(exc, FedSightError) or (isinstance(exc, FileNotFoundError) and exc.filename is None and str(exc)):
+        return " ".join(str(exc).split())  # phrased for the user already (FedSight's own, naming the file)
     if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and _ALLOC_FAILED.search(str(exc))):
         return "out of memory (a size in the config or the data is too large for this machine)"
     text = " ".join(str(exc).split())

@@ -144,7 +144,8 @@ def read_run_meta(run_dir: StrPath) -> dict[str, Any] | None:
 
 #: a run's states: "running" (or killed while running), "stopped" (``stop_after``), "interrupted" (Ctrl-C or
 #: SIGTERM, at its last completed round), "complete"
-STATES = ("running", "stopped", "interrupted", "complete")
+INTERRUPTED = "interrupted"
+STATES = ("running", "stopped", INTERRUPTED, "complete")
 
 
 def read_status(run_dir: StrPath) -> dict[str, Any]:

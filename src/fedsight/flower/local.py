@@ -512,8 +512,7 @@ def run_local(
 
 def _interrupted(run_dir: Path, run_id: int | None) -> str:
     """Mark ``run_dir`` interrupted at its last recorded round (unless it completed); one line saying so."""
-    from ..runs import RunDir
-    from .server_app import INTERRUPTED
+    from ..runs import INTERRUPTED, RunDir
 
     if run_id is None:
         return "interrupted before the Flower run was submitted; every process started was stopped"

@@ -47,15 +47,12 @@ from flwr.app import Context, Message, MessageType
 from flwr.serverapp import Grid, ServerApp
 
 from ..cost import model_cost
-from ..runs import Replacement, atomic_write_text
+from ..runs import INTERRUPTED, Replacement, atomic_write_text
 from ..device import to_device
 from ..engine.loop import ClientEvaluation
 from ..engine.plan import Reply
 from . import records as FR
 
-#: ``status.json`` state of a Flower run that ended before its last round (signal, `flwr stop`, error); it cannot
-#: be resumed
-INTERRUPTED = "interrupted"
 
 #: run-config keys of the ServerApp (with their defaults); ``fedsight-config`` and ``run-dir`` are required
 OPTIONS: dict[str, Any] = {
