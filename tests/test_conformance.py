@@ -143,6 +143,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "krum": {"recipe.aggregator": {"name": "krum", "byzantine": 1}},
     "fed3r": {"eval.local": False},
     "norm_bound": {"recipe.components": [{"name": "norm_bound", "quantile": 0.5}]},
+    "dp_sgd": {"recipe.components": [{"name": "dp_sgd", "noise_multiplier": 0.5}]},
 }
 
 #: LADD's parts run after a styles stage (the clusters) on a task with a labelled source set

@@ -20,3 +20,13 @@ class RunFileError(FedSightError, ValueError):
     """A file of a run directory that is damaged or does not fit the run (a checkpoint missing a tensor, a
     client state of another shape, a status that is not an object). The message names the file and what to
     do; nothing has been changed when it is raised."""
+
+
+class ModelRefused(FedSightError):
+    """A client refuses the global model it received (a failed integrity check such as a watermark
+    verification): raised from a component's ``client_start``; the client trains nothing this round and the
+    server logs a ``model_refused`` event with the message and ``info``."""
+
+    def __init__(self, message: str, **info: object):
+        super().__init__(message)
+        self.info = dict(info)

@@ -37,6 +37,7 @@ BUILTIN = (
     "fedsight.recipe.personalize",
     "fedsight.recipe.ladd",
     "fedsight.recipe.ladd_adapt",
+    "fedsight.recipe.dp_sgd",
 )
 
 _loaded = False

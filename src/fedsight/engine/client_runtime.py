@@ -166,6 +166,7 @@ class ClientRuntime:
         personal = self.personal_entries(res.client_id) if self.layout.personal_keys else {}
         pending = [t for tensors in state.pending.values() for t in tensors.values()]
         if not (is_finite_result(res) and all_finite(personal) and all_finite(dict(enumerate(pending)))):
+            state.commit(only_always=True)
             return False
         if personal:
             self.store.put(PERSONAL, res.client_id, state.round, personal)

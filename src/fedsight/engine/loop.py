@@ -20,11 +20,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import ModelRefused
 from ..metrics import MetricState
 from ..records import ClientResult
 from ..rng import np_rng
 from .client_runtime import ClientRuntime
-from .plan import Reply, RoundPlan
+from .plan import Reply, RoundPlan, refused_reply
 from .server import Server
 
 
@@ -74,7 +75,8 @@ class InProcessBackend:
         (probability ``dropout``, from the stream (seed, "dropout", round, client)) does not train; one whose
         simulated time, its local steps over its speed (LogNormal(0, ``speed_sigma``), drawn once per client
         from (seed, "speed", client)), exceeds ``deadline`` trains but its update arrives too late and is not
-        kept (its state is not stored either). Both are ``client_lost`` events with the reason."""
+        kept (its state is not stored either). Both are ``client_lost`` events with the reason. A client that
+        refuses the global model (a component's ``ModelRefused``) trains nothing: a ``model_refused`` event."""
         sch, seed = self.server.schedule, self.server.seed
         gstate = self.server.global_state()
         out = []
@@ -82,10 +84,15 @@ class InProcessBackend:
             if sch.dropout > 0 and np_rng(seed, "dropout", plan.round, cid).random() < sch.dropout:
                 out.append(Reply(cid, None, False, f"dropped out (simulated, dropout = {sch.dropout:g})"))
                 continue
-            res, state = self.runtime.run(plan.round, cid, gstate, plan.broadcast_for(cid))
+            try:
+                res, state = self.runtime.run(plan.round, cid, gstate, plan.broadcast_for(cid))
+            except ModelRefused as exc:
+                out.append(refused_reply(cid, exc))
+                continue
             if sch.deadline is not None:
                 took = res.num_steps / client_speed(seed, cid, sch.speed_sigma)
                 if took > sch.deadline:
+                    state.commit(only_always=True)  # what the client must remember (privacy spent) it keeps
                     out.append(Reply(cid, None, False, f"straggler: {took:.3g} unit-speed steps, past the deadline "
                                                        f"of {sch.deadline:g}"))
                     continue

@@ -171,9 +171,17 @@ class Reply:
     info: dict[str, Any] = field(default_factory=dict)
     #: a reply arrived but could not be read (``reason`` says why): rejected, not lost
     rejected: bool = False
+    #: the client refused the global model it received (``fedsight.errors.ModelRefused``): it trained nothing
+    refused: bool = False
+
+
+def refused_reply(client: int, exc: Exception) -> Reply:
+    """The reply of a client whose component refused the global model (``ModelRefused``: message, info)."""
+    info = {k: v for k, v in getattr(exc, "info", {}).items() if isinstance(v, (int, float, str, bool))}
+    return Reply(client, None, False, str(exc), info, refused=True)
 
 
 __all__ = [
-    "ClientContext", "Recipe", "Reply", "RoundPlan", "Schedule", "Stage", "StageLayout", "clients_per_round",
+    "ClientContext", "Recipe", "Reply", "refused_reply", "RoundPlan", "Schedule", "Stage", "StageLayout", "clients_per_round",
     "personal_eval", "sample_clients", "stage_layout", "stage_of_round",
 ]

@@ -169,7 +169,8 @@ class Server:
     ) -> tuple[list[ClientResult], dict[str, float]]:
         """The usable results, in the sampled order (aggregation sums in that order on every backend),
         and the costs the clients spent (every reply that carries a result counts). A sampled client
-        without a result becomes a ``client_lost`` event, an unusable result a ``rejected_update``."""
+        without a result becomes a ``client_lost`` event, an unusable result a ``rejected_update``, a client that
+        refused the global model a ``model_refused``."""
         by_client = {rep.client: rep for rep in replies}
         results: list[ClientResult] = []
         device = self.device
@@ -177,6 +178,10 @@ class Server:
         contract = self.contract()
         for cid in plan.sampled:
             rep = by_client.get(cid)
+            if rep is not None and rep.refused:
+                events.append({"round": plan.round, "event": "model_refused", "client": cid, **rep.info,
+                               "reason": rep.reason})
+                continue
             if rep is not None and rep.rejected:
                 events.append({"round": plan.round, "event": "rejected_update", "client": cid, **rep.info,
                                "reason": rep.reason})

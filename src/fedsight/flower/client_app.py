@@ -33,6 +33,7 @@ from flwr.clientapp import ClientApp
 
 from ..cost import ModelCost
 from ..engine.client_runtime import ClientRuntime
+from ..errors import ModelRefused
 from ..state import PERSONAL, ClientStateStore
 from . import records as FR
 from .node import build_node_task, node_config_model, restore_index, state_root
@@ -91,7 +92,10 @@ def handle_train(msg: Message, context: Context, settings: Mapping[str, Any] | N
     if partition not in config["sampled"]:
         return Message(FR.skipped_content(partition), reply_to=msg)
     rt, partition = node_runtime(context, config, settings)
-    res, accepted = rt.train(int(config["round"]), partition, global_state, broadcast)
+    try:
+        res, accepted = rt.train(int(config["round"]), partition, global_state, broadcast)
+    except ModelRefused as exc:  # an integrity check failed: answer with the refusal, train nothing
+        return Message(FR.refused_content(partition, str(exc), exc.info), reply_to=msg)
     rt.store.commit()
     return Message(FR.result_content(res, partition=partition, accepted=accepted), reply_to=msg)
 

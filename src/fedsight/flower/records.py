@@ -132,6 +132,31 @@ def skipped_content(partition: int) -> RecordDict:
     return RecordDict({"meta": MetricRecord({"partition-id": int(partition), SKIPPED: 1})})
 
 
+REFUSED = "refused"
+
+
+def refused_content(partition: int, reason: str, info: Mapping[str, Any]) -> RecordDict:
+    """The reply of a client that refused the global model (``ModelRefused``): its partition, why, and the
+    check's numbers (e.g. the watermark score)."""
+    nums = {k: float(v) for k, v in info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return RecordDict({"meta": MetricRecord({"partition-id": int(partition), REFUSED: 1}),
+                       "refusal": ConfigRecord({"reason": str(reason)[:2000]}),
+                       "refusal-info": MetricRecord(nums)})
+
+
+def read_refusal(content: RecordDict) -> tuple[str, dict[str, float]] | None:
+    """(reason, numbers) of a refusal reply, None for any other reply."""
+    try:
+        if _meta_int(_meta(content), REFUSED) != 1:
+            return None
+    except MalformedReply:
+        return None
+    rec, nums = content.get("refusal"), content.get("refusal-info")
+    reason = str(rec.get("reason", "")) if isinstance(rec, ConfigRecord) else ""
+    info = {str(k): float(v) for k, v in nums.items() if isinstance(v, (int, float))} if isinstance(nums, MetricRecord) else {}
+    return reason or "refused the global model", info
+
+
 class MalformedReply(ValueError):
     """A reply whose records cannot be read as a FedSight reply (missing or mistyped records, arrays that are
     not plain numeric arrays, more bytes than the limit): the server rejects it without reading further."""

@@ -292,6 +292,10 @@ class FlowerBackend:
             pid = FR.reply_partition(reply.content)
             if pid is None:  # unreadable meta: the client this node is known to hold, if any
                 pid = next((c for c, n in self.node_of.items() if n == node), None)
+            refusal = FR.read_refusal(reply.content)
+            if refusal is not None and pid in wanted:
+                got[pid] = Reply(pid, None, False, refusal[0], {"node": node, **refusal[1]}, refused=True)
+                continue
             try:
                 res, ok = FR.read_result(reply.content, self.max_reply_bytes)
                 if pid not in wanted:

@@ -32,6 +32,12 @@ class Component:
         """Transform the model outputs before the loss (OLL masks the classes a client does not hold)."""
         return outputs
 
+    def batch_positions(self, ctx: ClientContext, num_steps: int, gen: torch.Generator) -> list[torch.Tensor] | None:
+        """The index batches of ``num_steps`` local steps drawn from ``gen``, or None for the
+        loop's shuffled passes (DP-SGD draws Poisson batches; an empty batch is a step without data: the
+        gradient is zero before ``after_backward``)."""
+        return None
+
     def loss_term(self, ctx: ClientContext, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """An extra term added to the task loss (local objective), or None."""
         return None

@@ -77,6 +77,7 @@ class ClientState:
         self._store, self.client, self.round = store, client, round
         self.device = torch.device(device)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._always: set[str] = set()
 
     def load(self, key: str) -> dict[str, torch.Tensor] | None:
         if key in self._pending:
@@ -84,17 +85,23 @@ class ClientState:
         got = self._store.get(key, self.client)
         return None if got is None else to_device(got, self.device)
 
-    def save(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+    def save(self, key: str, tensors: dict[str, torch.Tensor], always: bool = False) -> None:
+        """Hold ``tensors`` under ``key`` until the engine accepts the update; ``always``: keep them even if the
+        update is rejected (what a client must never forget, such as the privacy it spent)."""
         self._pending[key] = {k: v.detach().clone() for k, v in tensors.items()}
+        if always:
+            self._always.add(key)
 
     @property
     def pending(self) -> dict[str, dict[str, torch.Tensor]]:
         return self._pending
 
-    def commit(self) -> None:
-        """Write the held saves to the store (the engine calls this for an accepted update)."""
+    def commit(self, only_always: bool = False) -> None:
+        """Write the held saves to the store (the engine calls this for an accepted update; for a rejected one
+        with ``only_always``, which writes only the saves marked ``always``)."""
         for key, tensors in self._pending.items():
-            self._store.put(key, self.client, self.round, tensors)
+            if not only_always or key in self._always:
+                self._store.put(key, self.client, self.round, tensors)
         self._pending.clear()
 
 

@@ -178,16 +178,23 @@ def sgd_steps(
     device = model_device(model)
     loss_sum = loss_accumulator(model)
     gen = torch_gen(ctx.seed, stream, ctx.round, ctx.client_id)
-    positions = list(batch_positions(ctx.num_examples, local.batch_size, num_steps, gen))
-    batches = task.train_batches(ctx.client_id, positions, seed=ctx.seed, round=ctx.round)
-    for step, (pos, (x, y)) in enumerate(zip(positions, batches)):
+    positions = chosen_positions(ctx, components, num_steps, gen)
+    if positions is None:
+        positions = list(batch_positions(ctx.num_examples, local.batch_size, num_steps, gen))
+    batches = iter(task.train_batches(ctx.client_id, [p for p in positions if len(p)], seed=ctx.seed, round=ctx.round))
+    for step, pos in enumerate(positions):
         ctx.step = step
-        x, y = to_device(x, device), to_device(y, device)
-        loss = local_objective(ctx, components, x, y)
-        if extra_loss is not None:
-            loss = loss + extra_loss(model)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if len(pos):
+            x, y = to_device(next(batches), device)
+            loss = local_objective(ctx, components, x, y)
+            if extra_loss is not None:
+                loss = loss + extra_loss(model)
+            loss.backward()
+        else:  # an empty (Poisson) batch: no data, zero gradient; the hooks still run (DP noise)
+            loss = torch.zeros((), device=device)
+            for p in params:
+                p.grad = torch.zeros_like(p)
         for c in components:
             c.after_backward(ctx)
         if local.lr_schedule != "constant":
@@ -198,6 +205,15 @@ def sgd_steps(
         if ctx.cost is not None:
             ctx.flops += ctx.cost.train_step(len(pos), scope)
     return loss_sum
+
+
+def chosen_positions(ctx: ClientContext, components: Sequence[Component], num_steps: int,
+                     gen: torch.Generator) -> list[torch.Tensor] | None:
+    """The index batches a component chooses (``Component.batch_positions``; at most one may), or None."""
+    chosen = [(c.name, b) for c in components if (b := c.batch_positions(ctx, num_steps, gen)) is not None]
+    if len(chosen) > 1:
+        raise ValueError(f"components {[n for n, _ in chosen]} both choose the local batches; keep one")
+    return chosen[0][1] if chosen else None
 
 
 def loss_accumulator(model: nn.Module) -> torch.Tensor:
