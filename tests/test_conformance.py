@@ -33,6 +33,7 @@ def builtin(registry: R.Registry[Any]) -> list[str]:
 FAMILIES: dict[str, tuple[ModelIO, Any, tuple[int, ...]]] = {
     "classification": (ModelIO("classification", in_channels=3, num_outputs=5, image_size=16),
                        lambda: torch.randn(2, 3, 16, 16), (2, 5)),
+    "image_sr": (ModelIO("image_sr", in_channels=3, num_outputs=3, scale=2), lambda: torch.rand(2, 3, 8, 8), (2, 3, 16, 16)),
     "video_sr": (ModelIO("video_sr", in_channels=3, num_outputs=3, scale=2, num_frames=3),
                  lambda: torch.rand(1, 3, 3, 8, 8), (1, 3, 3, 16, 16)),
     "segmentation": (ModelIO("segmentation", in_channels=3, num_outputs=5),
