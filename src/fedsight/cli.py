@@ -388,6 +388,10 @@ from .flower.cli import flower_app  # noqa: E402  (flwr itself is imported only 
 
 app.add_typer(flower_app, name="flower")
 
+from .etlc_cli import etlc_app  # noqa: E402  (encryption-then-lossy-compression of images, PPFL-RDSN)
+
+app.add_typer(etlc_app, name="etlc")
+
 
 #: set to show the traceback of an unexpected error instead of its one-line summary
 DEBUG_ENV = "FEDSIGHT_DEBUG"
