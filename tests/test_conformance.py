@@ -120,6 +120,15 @@ VIDEO: dict[str, Any] = {
     "train": {"steps": 1, "batch_size": 2, "lr": 0.05}, "server": {"rounds": 1, "clients_per_round": 5},
     "engine": {"threads": 1},
 }
+IMAGE: dict[str, Any] = {
+    "seed": 0, "run": {"name": "i", "checkpoint_keep": 1}, "task": "image_sr",
+    "data": {"name": "builtin_sr", "sources": ["chelsea", "coffee"], "tile": 64, "train_max_side": 192, "scale": 2,
+             "patch_size": 8, "test_max_side": 48},
+    "partition": {"name": "iid", "num_clients": 6, "local_test_fraction": 0.0},
+    "model": {"name": "edsr", "features": 8, "blocks": 1},
+    "train": {"steps": 1, "batch_size": 2, "lr": 0.05}, "server": {"rounds": 1, "clients_per_round": 5},
+    "engine": {"threads": 1},
+}
 SEGMENTATION: dict[str, Any] = {
     "seed": 0, "run": {"name": "s", "checkpoint_keep": 1}, "task": {"name": "segmentation", "crop": [24, 40]},
     "data": {"name": "street", "towns": ["suburb", "rural"], "conditions": ["clear-day", "rain-day"],
@@ -134,6 +143,7 @@ TASKS = {
     "classification": tiny(**{"server.rounds": 1, "server.clients_per_round": 5, "model.norm": "batch",
                               "engine.threads": 1, "eval.every": 1}),
     "video_sr": VIDEO,
+    "image_sr": IMAGE,
     "segmentation": SEGMENTATION,
 }
 

@@ -54,6 +54,7 @@ from ..metrics import Mean, MetricSet, MetricState
 from ..models.base import ModelIO
 from ..registry import DATASETS, MODELS, TASKS, Params, build
 from .base import Task, TaskSpec, component_params
+from .sr_visuals import _plot_rows, _read_png, _write_png
 
 PROVIDES = frozenset({"server_split", "image_outputs", "visuals"})
 
@@ -342,50 +343,6 @@ class VideoSRTask(Task):
             ref_col=2,
         )
         return path
-
-
-def _write_png(path: Path, array: np.ndarray) -> None:
-    from PIL import Image
-
-    Image.fromarray(array).save(path)
-
-
-def _read_png(path: Path) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(path) as im:
-        return np.array(im.convert("RGB"))
-
-
-def _crop_psnr(a: np.ndarray, ref: np.ndarray) -> float:
-    ta = torch.from_numpy(a).permute(2, 0, 1).unsqueeze(0).to(torch.float64) / 255
-    tb = torch.from_numpy(ref).permute(2, 0, 1).unsqueeze(0).to(torch.float64) / 255
-    return float(psnr(ta, tb, 0, "y")[0])
-
-
-def _plot_rows(rows: list[tuple[str, list[tuple[str, np.ndarray]]]], path: Path, ref_col: int) -> None:
-    """A grid of images (one row per clip); every panel but the reference column (ground truth) and
-    the LR column is titled with its Y-PSNR against the reference."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    ncols = max(len(r[1]) for r in rows)
-    fig = Figure(figsize=(2.2 * ncols, 2.4 * len(rows)), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(rows), ncols, squeeze=False)
-    for r, (label, panels) in enumerate(rows):
-        ref = panels[ref_col][1]
-        for c, (title, img) in enumerate(panels):
-            ax = axes[r][c]
-            ax.imshow(img, interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            extra = "" if c in (0, ref_col) else f"\n{_crop_psnr(img, ref):.2f} dB"
-            ax.set_title(f"{title}{extra}", fontsize=8)
-            if c == 0:
-                ax.set_ylabel(label, fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, format="png")
 
 
 def assemble_visuals(runs: Mapping[str, str | Path] | Sequence[str | Path], out: str | Path) -> Path:
