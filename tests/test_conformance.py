@@ -155,6 +155,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "fed3r": {"eval.local": False},
     "norm_bound": {"recipe.components": [{"name": "norm_bound", "quantile": 0.5}]},
     "dp_sgd": {"recipe.components": [{"name": "dp_sgd", "noise_multiplier": 0.5}]},
+    "watermark": {"recipe.components": [{"name": "watermark", "p": 0.5, "min_carriers": 100}]},
 }
 
 #: LADD's parts run after a styles stage (the clusters) on a task with a labelled source set

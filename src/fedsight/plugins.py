@@ -40,6 +40,7 @@ BUILTIN = (
     "fedsight.recipe.ladd",
     "fedsight.recipe.ladd_adapt",
     "fedsight.recipe.dp_sgd",
+    "fedsight.recipe.ppfl",
 )
 
 _loaded = False

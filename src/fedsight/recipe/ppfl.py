@@ -1,0 +1,346 @@
+"""PPFL-RDSN's two client-side mechanisms (He & Joshi, sections 3.2-3.3) as recipe components.
+
+``dct_dp``: the DCT-domain activation mechanism of Algorithm 1 (``fedsight.functional.dct.dct_mechanism``) on the
+output of one layer of the client's model, during local training only.
+
+**What it protects**: the activation at layer k, per forward pass, per example: each example's noised
+high-band DCT coefficients f~ (u + v >= tau, after clipping that example's activation to L2 norm C_max) are one
+release of a Gaussian mechanism that is (epsilon, delta)-DP with respect to that example (sensitivity 2 C_max,
+sigma from ``calibration``). **What it does not protect**: the layer's low band, which the paper's eq. (2)
+passes on without noise (from the unclipped activation by default), so the activation H~ as a whole is *not*
+DP; the uploaded weights, which are not DP (layers before k see the raw inputs and their gradients depend on
+them directly, and the loss sees the raw targets); and repeated passes: every local step's forward pass of an
+example is a separate release and no composition over steps, epochs or rounds is claimed (the paper's "moments
+accountant ... 30 local steps with sigma = 0.8" sentence describes DP-SGD, see ``dp_sgd``). The activation is
+never sent anywhere here: only weights are uploaded (Algorithm 1's "send H~" is not implemented).
+
+Each round the client reports the single-release (epsilon, delta) and sigma, and how many noised releases each
+of its examples made on average (``privacy/dct_passes``: noised entries along the layer output's dimension 0 over
+the client's examples; a video model that folds frames into dimension 0 counts each frame as a release): the row
+carries them as ``privacy/dct_*``.
+
+The noise comes from a generator seeded from (seed, "dct_dp", round, client) (``fedsight.rng``) on the model's
+device. The forward hook is registered in ``client_start`` on the client's work model and removed in
+``client_end``; it acts only while the model is in training mode and only for the registration of the current
+client (a hook left by a client refused or failed after ``client_start`` stays inert outside training mode and
+is removed by the next ``client_start``), so evaluation and the server's model never see it. "Per example" means per entry of the
+layer's output along dimension 0; it assumes the layers up to k treat examples independently (no BatchNorm in
+training mode before k).
+
+``watermark``: the parameter watermark of section 3.3 (``fedsight.functional.watermark``). Every client adds
+lam * L_wm to its local objective (``loss_term``); from round ``verify_from`` on it first verifies the global model
+it received: S <= threshold raises ``ModelRefused`` (the client trains nothing; the server logs a
+``model_refused`` event with ``score`` and ``threshold``). ``verify_from`` defaults to 2: round 1 starts from the
+randomly initialised, unmarked model, and the first aggregate (after round 1) is the first marked one.
+
+The key mk is shared by all clients and must not be known to the server; in this simulation it sits in the run
+config (which the simulated server reads too), so the simulation models the protocol, not its secrecy. Without
+``key``, it is derived from the run seed (anyone with the config knows it).
+
+**Strength of the regulariser.** L_wm is a mean over |J|, so the pull on one carrier is
+(2 lam / |J|)(theta_j w_j - beta) per unit learning rate: at the paper's lam = 1e-4 and |J| >= 500 that moves no
+weight in any realistic training. The default ``lam = None`` sets lam = |J|: each carrier then feels
+(theta_j w_j - beta)^2 with unit weight. Robustness to magnitude pruning needs beta above the pruned magnitude
+quantile of the weights (carriers at |theta_j| = beta below it are zeroed with the rest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, field_validator
+from torch import nn
+
+from ..device import model_device
+from ..errors import ConfigError, ModelRefused
+from ..functional.dct import dct_mechanism, gaussian_sigma
+from ..functional.watermark import (
+    Carrier,
+    hoeffding_false_positive,
+    model_carrier,
+    score_bound,
+    select_params,
+    wm_loss,
+    wm_score,
+)
+from ..metrics import MetricSpec
+from ..records import ClientResult
+from ..registry import COMPONENTS, Params
+from ..rng import derive_seed
+from ..training import ClientContext, Component, ServerContext
+
+__all__ = [
+    "DctDP",
+    "DctDPParams",
+    "Verification",
+    "Watermark",
+    "WatermarkParams",
+    "find_layer",
+    "verify",
+    "watermark_key",
+]
+
+
+def _mean(results: list[ClientResult], key: str) -> float | None:
+    vals = [float(r.metrics[key]) for r in results if key in r.metrics]
+    return sum(vals) / len(vals) if vals else None
+
+
+# ------------------------------------------------------------------------------------------------ dct_dp
+
+
+class DctDPParams(Params):
+    layer: str = Field("", description="qualified name of the module whose output is noised (layer k); "
+                       "empty: the model's first Conv2d")
+    epsilon: float = Field(2.75, gt=0, description="epsilon of one release of one example's high band (the paper: 2.75)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of one release")
+    c_max: float = Field(1.0, gt=0, description="C_max: per-example L2 clip of the activation over C*h*w (the paper "
+                         "gives no value; scale-dependent)")
+    tau: int = Field(8, ge=0, description="noise on DCT coefficients with u + v >= tau (zero-based)")
+    calibration: Literal["classic", "analytic"] = Field(
+        "classic", description="classic: 2 C_max sqrt(2 ln(1.25/delta))/epsilon (the paper; proven for epsilon < 1); "
+        "analytic: Balle & Wang 2018 (exact for every epsilon)")
+    low_from: Literal["unclipped", "clipped"] = Field(
+        "unclipped", description="the un-noised low band of eq. (2): from the raw activation (the paper) or the clipped one")
+
+
+def find_layer(model: nn.Module, name: str) -> tuple[str, nn.Module]:
+    """The module ``name`` of ``model`` (empty: its first Conv2d); a one-line ``ConfigError`` listing valid
+    names otherwise."""
+    modules = dict(model.named_modules())
+    if not name:
+        for k, m in modules.items():
+            if isinstance(m, nn.Conv2d):
+                return k, m
+        raise ConfigError("dct_dp: the model has no Conv2d; set recipe.components[].layer to a module with "
+                          "[N, ..., h, w] outputs")
+    if name not in modules:
+        valid = [k for k in modules if k][:8]
+        raise ConfigError(f"dct_dp: layer {name!r} is not a module of the model; valid names include: "
+                          f"{', '.join(valid)}{' ...' if len(modules) > 9 else ''}")
+    return name, modules[name]
+
+
+class DctDP(Component):
+    """Algorithm 1 on one layer's output during local training (see the module docstring)."""
+
+    name = "dct_dp"
+
+    def __init__(self, params: DctDPParams | None = None):
+        self.p = params or DctDPParams()
+        self.sigma = gaussian_sigma(self.p.epsilon, self.p.delta, self.p.c_max, self.p.calibration)
+        self._handle: Any = None
+        self._token: object | None = None
+
+    def _remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle, self._token = None, None
+
+    def adapt_model(self, model: nn.Module, seed: int) -> None:
+        find_layer(model, self.p.layer)  # an unknown layer fails when the run is built, not in round 1
+
+    def client_start(self, ctx: ClientContext) -> None:
+        self._remove()
+        _, module = find_layer(ctx.model, self.p.layer)
+        dev = model_device(ctx.model)
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(derive_seed(ctx.seed, "dct_dp", ctx.round, ctx.client_id))
+        token, root, count = object(), ctx.model, [0]
+        p, sigma = self.p, self.sigma
+
+        def hook(mod: nn.Module, inputs: Any, output: Any) -> Any:
+            if self._token is not token or not root.training:
+                return None
+            if not isinstance(output, torch.Tensor) or output.dim() < 3 or not output.is_floating_point():
+                shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+                raise ConfigError(f"dct_dp: layer {p.layer or 'first Conv2d'!r} outputs {shape}; it needs a "
+                                  f"floating [N, ..., h, w] tensor")
+            count[0] += int(output.shape[0])
+            return dct_mechanism(output, p.c_max, p.tau, sigma, gen, p.low_from)
+
+        self._handle, self._token = module.register_forward_hook(hook), token
+        ctx.scratch[self.name] = count
+
+    def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
+        count = ctx.scratch.get(self.name, [0])
+        self._remove()
+        result.metrics["privacy/dct_epsilon"] = float(self.p.epsilon)
+        result.metrics["privacy/dct_delta"] = float(self.p.delta)
+        result.metrics["privacy/dct_sigma"] = float(self.sigma)
+        result.metrics["privacy/dct_passes"] = count[0] / max(ctx.num_examples, 1)
+
+    def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
+        for key in ("privacy/dct_epsilon", "privacy/dct_delta", "privacy/dct_sigma", "privacy/dct_passes"):
+            v = _mean(results, key)
+            if v is not None:
+                sctx.metrics[key] = v
+
+
+@COMPONENTS.register(
+    "dct_dp", params=DctDPParams,
+    help="PPFL-RDSN: clip + DCT + Gaussian noise on the high band of one layer's activation (per example, per pass)",
+    metrics=(MetricSpec("privacy/dct_epsilon", None, "epsilon of ONE release of one example's noised high-band "
+                        "activation at the layer (not of the model; no composition over steps or rounds)"),
+             MetricSpec("privacy/dct_delta", None, "delta of that single release"),
+             MetricSpec("privacy/dct_sigma", None, "noise std per high-band DCT coefficient"),
+             MetricSpec("privacy/dct_passes", None, "noised releases per example this round (client mean)")),
+)
+def _dct_dp(params: DctDPParams) -> DctDP:
+    return DctDP(params)
+
+
+# --------------------------------------------------------------------------------------------- watermark
+
+
+class WatermarkParams(Params):
+    key: str | None = Field(None, description="hex key mk shared by every client, unknown to the server (it lives "
+                            "in the config in a simulation); none: derived from the run seed")
+    p: float = Field(0.005, gt=0, lt=1, description="carrier probability: J = {j : PRF(mk, j) < p}")
+    min_carriers: int = Field(500, ge=1, description="refuse to train with fewer carriers |J| (the paper: >= 500)")
+    lam: float | None = Field(None, ge=0, description="lambda of lambda * L_wm; none: |J| (unit weight per carrier; "
+                              "the paper's 1e-4 cannot embed with L_wm's 1/|J|)")
+    beta: float = Field(0.1, gt=0, description="target of theta_j w_j on the carriers (signs w_j = +-1)")
+    threshold: float | None = Field(None, description="accept the received model when S > threshold; none: beta/2")
+    params: tuple[str, ...] = Field((), description="name prefixes of the marked parameters; empty: every "
+                                    "floating parameter")
+    verify_from: int = Field(2, ge=1, description="first round whose received model is verified (round 1's "
+                             "is the unmarked initial model)")
+
+    @field_validator("key")
+    @classmethod
+    def _hex(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            raw = bytes.fromhex(v)
+        except ValueError:
+            raise ValueError("key must be a hex string (e.g. 32 random bytes: python -c \"import secrets; "
+                             "print(secrets.token_hex(32))\")") from None
+        if not raw:
+            raise ValueError("key must not be empty")
+        return v
+
+    @property
+    def accept_above(self) -> float:
+        return self.beta / 2 if self.threshold is None else float(self.threshold)
+
+
+def watermark_key(params: WatermarkParams, seed: int = 0) -> bytes:
+    """mk as bytes: the hex ``key``, or 16 bytes derived from the run seed when it is not set."""
+    if params.key is not None:
+        return bytes.fromhex(params.key)
+    return derive_seed(seed, "watermark-key").to_bytes(8, "little") + derive_seed(seed, "watermark-key", 1).to_bytes(8, "little")
+
+
+@dataclass(frozen=True)
+class Verification:
+    score: float
+    threshold: float
+    passed: bool
+    carriers: int
+    #: max |theta_j| over J of the tested model, and the Hoeffding bound with it (a heuristic plug-in)
+    bound: float
+    false_positive_bound: float
+
+
+def _resolve(params: WatermarkParams | dict[str, Any]) -> WatermarkParams:
+    return params if isinstance(params, WatermarkParams) else WatermarkParams(**params)
+
+
+def verify(model_or_state: nn.Module | dict[str, torch.Tensor], params: WatermarkParams | dict[str, Any],
+           seed: int = 0, template: nn.Module | None = None) -> Verification:
+    """Algorithm 2's VerifyWatermark on a model, or on a state dict with the parameter names of ``template``
+    (a model of the same architecture; without it a state dict's floating tensors except BatchNorm statistics
+    are taken, which matches ``select_params`` only for models whose other buffers are not floating)."""
+    p = _resolve(params)
+    if isinstance(model_or_state, nn.Module):
+        names = select_params(model_or_state, p.params)
+    elif template is not None:
+        names = select_params(template, p.params)
+    else:
+        names = [k for k, v in model_or_state.items() if v.is_floating_point()
+                 and not k.endswith(("running_mean", "running_var"))
+                 and (not p.params or any(k.startswith(pre) for pre in p.params))]
+    c = model_carrier(model_or_state, watermark_key(p, seed), p.p, names=names)
+    s, b = wm_score(model_or_state, c), score_bound(model_or_state, c)
+    thr = p.accept_above
+    return Verification(s, thr, s > thr, c.size, b, hoeffding_false_positive(c.size, thr, b))
+
+
+class Watermark(Component):
+    """Embeds the key's mark through the local objective and verifies the received global model."""
+
+    name = "watermark"
+
+    def __init__(self, params: WatermarkParams | None = None):
+        self.p = params or WatermarkParams()
+        self._carriers: dict[tuple, Carrier] = {}
+
+    def carrier_of(self, model: nn.Module, seed: int, device: torch.device | None = None) -> Carrier:
+        """The model's carrier set (cached per architecture, key and device)."""
+        names = tuple(select_params(model, self.p.params))
+        params = dict(model.named_parameters())
+        sig = (names, tuple(params[k].numel() for k in names), seed if self.p.key is None else None, str(device))
+        c = self._carriers.get(sig)
+        if c is None:
+            c = model_carrier(model, watermark_key(self.p, seed), self.p.p, names=names)
+            if device is not None:
+                parts = tuple((k, pos.to(device), w.to(device)) for k, pos, w in c.parts)
+                c = Carrier(c.names, c.numels, c.p, c.indices, c.signs, parts)
+            self._carriers[sig] = c
+        return c
+
+    def _check_size(self, c: Carrier) -> None:
+        if c.size < self.p.min_carriers:
+            need = self.p.min_carriers / max(c.d, 1)
+            raise ConfigError(
+                f"watermark: only {c.size} carrier coordinates (p = {self.p.p:g} of d = {c.d} marked parameters), "
+                f"fewer than min_carriers = {self.p.min_carriers}: raise p above about {min(1.3 * need, 1.0):.3g} or mark "
+                f"more parameters")
+
+    def adapt_model(self, model: nn.Module, seed: int) -> None:
+        self._check_size(self.carrier_of(model, seed))  # too few carriers fail when the run is built
+
+    def client_start(self, ctx: ClientContext) -> None:
+        c = self.carrier_of(ctx.model, ctx.seed, model_device(ctx.model))
+        self._check_size(c)
+        received = ctx.global_state if ctx.global_state else ctx.model
+        score = wm_score(received, c)
+        thr = self.p.accept_above
+        if ctx.round >= self.p.verify_from and not score > thr:
+            raise ModelRefused(f"watermark check failed: S = {score:.4g} <= threshold {thr:.4g} (|J| = {c.size})",
+                               score=score, threshold=thr, carriers=c.size)
+        lam = float(c.size) if self.p.lam is None else float(self.p.lam)
+        ctx.scratch[self.name] = {"carrier": c, "lam": lam, "score": score}
+
+    def loss_term(self, ctx: ClientContext, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        s = ctx.scratch[self.name]
+        if s["lam"] == 0.0:
+            return None
+        return s["lam"] * wm_loss(ctx.model, s["carrier"], self.p.beta)
+
+    def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
+        s = ctx.scratch[self.name]
+        result.metrics["wm/score"] = float(s["score"])
+        result.metrics["wm/local_score"] = float(wm_score(ctx.model, s["carrier"]))
+        result.metrics["wm/carriers"] = float(s["carrier"].size)
+
+    def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
+        for key in ("wm/score", "wm/local_score", "wm/carriers"):
+            v = _mean(results, key)
+            if v is not None:
+                sctx.metrics[key] = v
+
+
+@COMPONENTS.register(
+    "watermark", params=WatermarkParams,
+    help="PPFL-RDSN: PRF-keyed sparse parameter watermark, embedded by a regulariser, verified on every received model",
+    metrics=(MetricSpec("wm/score", None, "S of the received global model (client mean)"),
+             MetricSpec("wm/local_score", None, "S of the clients' models after local training (mean)"),
+             MetricSpec("wm/carriers", None, "|J|, the number of carrier coordinates")),
+)
+def _watermark(params: WatermarkParams) -> Watermark:
+    return Watermark(params)
