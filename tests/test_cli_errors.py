@@ -50,3 +50,11 @@ def test_malformed_configs_are_one_line(tmp_path, text) -> None:
     cfg.write_text(text)
     out = fedsight("run", str(cfg))
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_mistyped_command_is_one_line_with_one_suggestion() -> None:
+    """typer and click each append "Did you mean ...?": the line says it once."""
+    out = fedsight("evaluat")
+    lines = _lines(out.stderr)
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "No such command 'evaluat'" in lines[0] and lines[0].count("Did you mean") == 1, lines[0]

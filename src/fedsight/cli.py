@@ -429,7 +429,10 @@ def main() -> None:
         sys.exit(2)
     except click.UsageError as exc:
         where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
-        err_console.print(f"[bold red]error:[/] {escape(exc.format_message())}{escape(where)}", highlight=False,
+        msg = exc.format_message()
+        head, *hints = msg.split(" Did you mean ")  # typer and click each append the same suggestion
+        msg = head + "".join(f" Did you mean {h}" for h in dict.fromkeys(h.strip() for h in hints))
+        err_console.print(f"[bold red]error:[/] {escape(msg)}{escape(where)}", highlight=False,
                           soft_wrap=True)
         sys.exit(2)
     except (click.Abort, KeyboardInterrupt):
