@@ -147,3 +147,10 @@ def toy_sim(*, components=(), aggregator=None, weighting=None, server_opt=None, 
                           steps_range=steps_range, momentum=momentum, **local_kw)
     schedule = Schedule(rounds=rounds, clients_per_round=clients_per_round or task.num_clients, eval_local=False)
     return Simulation(task, recipe, local, schedule, seed)
+
+
+def close(a, b, atol=1e-6, rtol=1e-5):
+    """np.testing.assert_allclose on tensors (torch.testing's first call costs seconds of imports)."""
+    import numpy as np
+
+    np.testing.assert_allclose(np.asarray(a.detach()), np.asarray(b.detach()), atol=atol, rtol=rtol)

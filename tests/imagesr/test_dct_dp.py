@@ -27,23 +27,10 @@ from fedsight.functional.dct import (
     high_band_mask,
     idct2,
 )
+from fedsight.recipe import ppfl
 from fedsight.training import ClientContext
 
-
-def close(a, b, atol=1e-6, rtol=1e-5):
-    """np.testing.assert_allclose on tensors (torch.testing's first call costs seconds of imports)."""
-    np.testing.assert_allclose(np.asarray(a.detach()), np.asarray(b.detach()), atol=atol, rtol=rtol)
-
-
-def ppfl():
-    """``fedsight.recipe.ppfl``, imported when a test runs, not at collection: importing it registers its
-    components, and a registration at collection time would add them to the every-part cases of
-    tests/test_conformance.py (computed at collection), which run a part with default parameters on models too
-    small for the watermark's 500 carriers. Until the module is a built-in plugin with its companion settings,
-    the components enter the registry only here."""
-    import importlib
-
-    return importlib.import_module("fedsight.recipe.ppfl")
+from helpers import close
 
 
 def low_mask_np(h, w, tau):
@@ -232,7 +219,7 @@ def test_component_noises_training_passes_only_and_removes_its_hook():
     net.eval()
     with torch.no_grad():
         base = net(x)
-    comp = ppfl().DctDP(ppfl().DctDPParams(layer="conv", c_max=1.0, tau=2, epsilon=2.75))
+    comp = ppfl.DctDP(ppfl.DctDPParams(layer="conv", c_max=1.0, tau=2, epsilon=2.75))
     ctx = ctx_for(net)
     comp.client_start(ctx)
     assert hooks(net) == 1
@@ -256,7 +243,7 @@ def test_component_noises_training_passes_only_and_removes_its_hook():
 def test_component_noise_stream_is_per_round_and_client():
     torch.manual_seed(0)
     net, x = Net(), torch.randn(4, 1, 6, 6)
-    comp = ppfl().DctDP(ppfl().DctDPParams(layer="conv"))
+    comp = ppfl.DctDP(ppfl.DctDPParams(layer="conv"))
 
     def noisy(client, rnd):
         comp.client_start(ctx_for(net, client, rnd))
@@ -272,13 +259,13 @@ def test_component_noise_stream_is_per_round_and_client():
 
 
 def test_component_refuses_an_unknown_layer_naming_valid_ones():
-    comp = ppfl().DctDP(ppfl().DctDPParams(layer="backbone.7"))
+    comp = ppfl.DctDP(ppfl.DctDPParams(layer="backbone.7"))
     with pytest.raises(ConfigError) as exc:
         comp.client_start(ctx_for(Net()))
     msg = str(exc.value)
     assert "\n" not in msg and "'backbone.7'" in msg and "conv" in msg and "head" in msg
     with pytest.raises(ConfigError, match="needs a floating"):  # a Linear output is not a map
-        c2 = ppfl().DctDP(ppfl().DctDPParams(layer="head"))
+        c2 = ppfl.DctDP(ppfl.DctDPParams(layer="head"))
         net = Net()
         c2.client_start(ctx_for(net))
         net.train()
@@ -286,7 +273,7 @@ def test_component_refuses_an_unknown_layer_naming_valid_ones():
 
 
 def test_component_in_a_run_reports_single_release_privacy_and_leaves_no_hook():
-    ppfl()  # registers the components
+    ppfl  # registers the components
     from fedsight.api import build_simulation
     from fedsight.config import validate
 

@@ -32,23 +32,11 @@ from fedsight.functional.watermark import (
     wm_score,
 )
 from fedsight.records import ClientResult
+from fedsight.recipe import ppfl
 from fedsight.training import ClientContext
 
+from helpers import close
 
-def close(a, b, atol=1e-6, rtol=1e-5):
-    """np.testing.assert_allclose on tensors (torch.testing's first call costs seconds of imports)."""
-    np.testing.assert_allclose(np.asarray(a.detach()), np.asarray(b.detach()), atol=atol, rtol=rtol)
-
-
-def ppfl():
-    """``fedsight.recipe.ppfl``, imported when a test runs, not at collection: importing it registers its
-    components, and a registration at collection time would add them to the every-part cases of
-    tests/test_conformance.py (computed at collection), which run a part with default parameters on models too
-    small for the watermark's 500 carriers. Until the module is a built-in plugin with its companion settings,
-    the components enter the registry only here."""
-    import importlib
-
-    return importlib.import_module("fedsight.recipe.ppfl")
 
 KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
 
@@ -220,7 +208,7 @@ def ctx_for(model, rnd):
 
 def marked(model, params, seed=0):
     """``model`` with its carriers set to theta_j = w_j beta (a perfectly marked global model)."""
-    comp = ppfl().Watermark(params)
+    comp = ppfl.Watermark(params)
     c = comp.carrier_of(model, seed)
     with torch.no_grad():
         named = dict(model.named_parameters())
@@ -230,10 +218,10 @@ def marked(model, params, seed=0):
 
 
 def test_component_refuses_a_substituted_model_and_accepts_the_marked_one():
-    params = ppfl().WatermarkParams(key=KEY.hex(), p=0.1, min_carriers=100, beta=0.1)
+    params = ppfl.WatermarkParams(key=KEY.hex(), p=0.1, min_carriers=100, beta=0.1)
     torch.manual_seed(0)
     good = marked(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 10)), params)
-    comp = ppfl().Watermark(params)
+    comp = ppfl.Watermark(params)
     ctx = ctx_for(good, 2)
     comp.client_start(ctx)
     res = ClientResult(0, 8, {})
@@ -245,21 +233,21 @@ def test_component_refuses_a_substituted_model_and_accepts_the_marked_one():
     assert "watermark check failed: S = " in str(exc.value) and exc.value.info["threshold"] == 0.05
     assert exc.value.info["score"] < 0.05
     comp.client_start(ctx_for(substitute, 1))  # round 1: the unmarked initial model is not verified
-    assert ppfl().verify(good, params).passed and not ppfl().verify(substitute, params).passed
-    v = ppfl().verify(good.state_dict(), params, template=good)
+    assert ppfl.verify(good, params).passed and not ppfl.verify(substitute, params).passed
+    v = ppfl.verify(good.state_dict(), params, template=good)
     assert v.passed and v.score == pytest.approx(0.1) and v.carriers == res.metrics["wm/carriers"]
 
 
 def test_component_refuses_too_few_carriers_and_a_bad_key():
-    comp = ppfl().Watermark(ppfl().WatermarkParams(key="ab", p=0.005))
+    comp = ppfl.Watermark(ppfl.WatermarkParams(key="ab", p=0.005))
     with pytest.raises(ConfigError, match=r"only \d+ carrier coordinates .* min_carriers = 500"):
         comp.client_start(ctx_for(nn.Linear(10, 10), 1))
     with pytest.raises(pydantic.ValidationError):
-        ppfl().WatermarkParams(key="not hex")
+        ppfl.WatermarkParams(key="not hex")
 
 
 def test_component_in_a_run_marks_the_global_model_and_refuses_a_substitution():
-    ppfl()  # registers the components
+    ppfl  # registers the components
     from fedsight.api import build_simulation
     from fedsight.config import validate
 

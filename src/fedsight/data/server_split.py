@@ -257,3 +257,26 @@ def validation_subset(v: ValidationSection, keys: np.ndarray, num_keys: int, see
     rng = np_rng(v.seed if v.seed is not None else seed, "validation")
     size = int(np.floor(v.imbalance_size * len(keys)))
     return imbalanced_subset(keys, num_keys, v.imbalance, size, v.imbalance_profile, rng)
+
+
+def validation_dataset(cfg: Any, kind: type, what: str) -> Any:
+    """The dataset ``cfg.validation.dataset`` names, built with the run's seed; one that is not a ``kind``
+    (``what``: "a video dataset") is an error naming the key."""
+    from ..registry import build
+
+    spec = dict(cfg.validation.dataset or {})
+    name = spec.pop("name")
+    other = build(DATASETS, name, spec, seed=cfg.seed)
+    if not isinstance(other, kind):
+        raise ValueError(f"validation.dataset = {name!r} is not {what}")
+    return other
+
+
+def keep_validation(cfg: Any, summaries: dict[str, Any], labels: np.ndarray, num_keys: int,
+                    key_names: Any) -> np.ndarray:
+    """The positions of a validation set loaded from another dataset that the run keeps
+    (``validation_subset``), its summary recorded in ``summaries["validation"]``."""
+    keep = validation_subset(cfg.validation, labels, num_keys, cfg.seed)
+    summaries["validation"] = split_summary("dataset", np.asarray(labels)[keep], num_keys, list(key_names))
+    return keep
+

@@ -144,11 +144,12 @@ class DPSGD(Component):
         s["steps"] += 1  # the accountant counts the noisy steps actually taken
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         samples = [getattr(p, "grad_sample", None) for p in params]
-        n = next((g.shape[0] for g in samples if g is not None), 0)
+        first = next((g for g in samples if g is not None), None)
+        n = 0 if first is None else first.shape[0]
         expected = s["q"] * ctx.num_examples if self.p.sampling == "poisson" else float(max(n, 1))
         c = self.p.max_grad_norm
         if n:
-            norms = torch.zeros(n, device=samples[0].device if samples[0] is not None else None, dtype=torch.float64)
+            norms = torch.zeros(n, device=first.device, dtype=torch.float64)
             for g in samples:
                 if g is not None:
                     norms += g.reshape(n, -1).to(torch.float64).pow(2).sum(1)

@@ -83,9 +83,13 @@ __all__ = [
 ]
 
 
-def _mean(results: list[ClientResult], key: str) -> float | None:
-    vals = [float(r.metrics[key]) for r in results if key in r.metrics]
-    return sum(vals) / len(vals) if vals else None
+def report_means(sctx: ServerContext, results: list[ClientResult], keys: tuple[str, ...]) -> None:
+    """The round's row gets the clients' mean of each of ``keys`` they reported (the server merges only
+    ``train/loss`` on its own)."""
+    for key in keys:
+        vals = [float(r.metrics[key]) for r in results if key in r.metrics]
+        if vals:
+            sctx.metrics[key] = sum(vals) / len(vals)
 
 
 # ------------------------------------------------------------------------------------------------ dct_dp
@@ -173,10 +177,7 @@ class DctDP(Component):
         result.metrics["privacy/dct_passes"] = count[0] / max(ctx.num_examples, 1)
 
     def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
-        for key in ("privacy/dct_epsilon", "privacy/dct_delta", "privacy/dct_sigma", "privacy/dct_passes"):
-            v = _mean(results, key)
-            if v is not None:
-                sctx.metrics[key] = v
+        report_means(sctx, results, ("privacy/dct_epsilon", "privacy/dct_delta", "privacy/dct_sigma", "privacy/dct_passes"))
 
 
 @COMPONENTS.register(
@@ -329,10 +330,7 @@ class Watermark(Component):
         result.metrics["wm/carriers"] = float(s["carrier"].size)
 
     def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
-        for key in ("wm/score", "wm/local_score", "wm/carriers"):
-            v = _mean(results, key)
-            if v is not None:
-                sctx.metrics[key] = v
+        report_means(sctx, results, ("wm/score", "wm/local_score", "wm/carriers"))
 
 
 @COMPONENTS.register(

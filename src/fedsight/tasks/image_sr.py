@@ -400,7 +400,7 @@ def build_image_sr_task(params: ImageSRParams, *, cfg: Any) -> ImageSRTask:
     """The task of a validated config: load ``cfg.data`` (an image SR dataset), carve the server-held
     validation images (by label), partition the rest of the images."""
     from ..data.partition import partition_from_config
-    from ..data.server_split import carve_server_splits, split_summary, validation_subset
+    from ..data.server_split import carve_server_splits, keep_validation, validation_dataset
 
     splits = build(DATASETS, cfg.data.name, component_params(cfg.data), seed=cfg.seed)
     if not isinstance(splits, ImageSRSplits):
@@ -409,17 +409,12 @@ def build_image_sr_task(params: ImageSRParams, *, cfg: Any) -> ImageSRTask:
     server = carve_server_splits(cfg, pool.labels, pool.num_classes, list(pool.class_names))
     val = pool.subset(server.held["val"]) if "val" in server.held else None
     if cfg.validation.source == "dataset":
-        spec = dict(cfg.validation.dataset or {})
-        name = spec.pop("name")
-        other = build(DATASETS, name, spec, seed=cfg.seed)
-        if not isinstance(other, ImageSRSplits):
-            raise ValueError(f"validation.dataset = {name!r} is not an image SR dataset")
+        other = validation_dataset(cfg, ImageSRSplits, "an image SR dataset")
         if other.scale != splits.scale:
-            raise ValueError(f"validation.dataset = {name!r} has scale {other.scale}, the data scale {splits.scale}")
+            raise ValueError(f"validation.dataset = {cfg.validation.dataset['name']!r} has scale {other.scale}, "
+                             f"the data scale {splits.scale}")
         part = other.train if cfg.validation.split == "train" else next(iter(other.tests.values()))
-        keep = validation_subset(cfg.validation, part.labels, part.num_classes, cfg.seed)
-        val = part.subset(keep)
-        server.summaries["validation"] = split_summary("dataset", part.labels[keep], part.num_classes, list(part.class_names))
+        val = part.subset(keep_validation(cfg, server.summaries, part.labels, part.num_classes, part.class_names))
     if len(server.rest) != len(pool):
         splits = dataclasses.replace(splits, train=pool.subset(server.rest))
     clients = partition_from_config(splits.train.labels, cfg)

@@ -395,7 +395,7 @@ def build_video_sr_task(params: VideoSRParams, *, cfg: Any) -> VideoSRTask:
     """The task of a validated config: load ``cfg.data`` (a video dataset), carve the server-held
     validation clips (by category), partition the rest of the clips."""
     from ..data.partition import partition_from_config
-    from ..data.server_split import carve_server_splits, split_summary, validation_subset
+    from ..data.server_split import carve_server_splits, keep_validation, validation_dataset
     from ..data.video import VideoSet
 
     splits = build(DATASETS, cfg.data.name, component_params(cfg.data), seed=cfg.seed)
@@ -406,14 +406,10 @@ def build_video_sr_task(params: VideoSRParams, *, cfg: Any) -> VideoSRTask:
     pool = splits.train.clips
     val = [pool[int(i)] for i in server.held["val"]] if "val" in server.held else None
     if cfg.validation.source == "dataset":
-        spec = dict(cfg.validation.dataset or {})
-        other = build(DATASETS, spec.pop("name"), spec, seed=cfg.seed)
-        if not isinstance(other, VideoSplits):
-            raise ValueError(f"validation.dataset = {cfg.validation.dataset['name']!r} is not a video dataset")
+        other = validation_dataset(cfg, VideoSplits, "a video dataset")
         part = other.train if cfg.validation.split == "train" else other.test
-        keep = validation_subset(cfg.validation, part.labels, part.num_classes, cfg.seed)
-        val = [part.clips[int(i)] for i in keep]
-        server.summaries["validation"] = split_summary("dataset", part.labels[keep], part.num_classes, list(part.class_names))
+        val = [part.clips[int(i)] for i in keep_validation(cfg, server.summaries, part.labels, part.num_classes,
+                                                            part.class_names)]
     if "val" in server.held:
         splits = VideoSplits(VideoSet([pool[int(i)] for i in server.rest], names), splits.test, splits.scale,
                              splits.num_frames, splits.patch_size)
