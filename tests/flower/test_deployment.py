@@ -187,7 +187,7 @@ def _interrupted(d: Path) -> dict:
         seen["running"] = _processes_with_home(work / "flwr-home")
         _refusals(d, work / "flwr-home")
         proc.send_signal(signal.SIGINT)
-        seen["rc"] = proc.wait(timeout=120)
+        seen["rc"] = proc.wait(timeout=TIMEOUT)  # the shutdown waits for the ServerApp, slow on a loaded machine
     finally:
         if proc.poll() is None:
             proc.kill()
