@@ -117,9 +117,15 @@ def _refusals(tmp_path: Path, home: Path) -> None:
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.Popen:
-    """`fedsight ARGS` in a subprocess, stdout and stderr merged, one line at a time."""
+    """`fedsight ARGS` in a subprocess, stdout and stderr merged, one line at a time. The child starts with
+    SIGINT at its default, as from an interactive shell: a test session started in the background by a
+    non-interactive shell (``pytest &``) ignores SIGINT, children inherit that, and Python then never raises
+    KeyboardInterrupt."""
+    import signal
+
     return subprocess.Popen([sys.executable, "-c", "from fedsight.cli import main; main()", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=cwd)
+                            stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _loopback(d: Path) -> dict:
