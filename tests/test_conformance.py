@@ -38,6 +38,8 @@ FAMILIES: dict[str, tuple[ModelIO, Any, tuple[int, ...]]] = {
                  lambda: torch.rand(1, 3, 3, 8, 8), (1, 3, 3, 16, 16)),
     "segmentation": (ModelIO("segmentation", in_channels=3, num_outputs=5),
                      lambda: torch.randn(2, 3, 32, 48), (2, 5, 32, 48)),
+    # heatmaps at H/4; 64x48 is a multiple of ViTPose's patch 16 but not of SimpleBaseline's stride 32
+    "keypoints": (ModelIO("keypoints", in_channels=3, num_outputs=4), lambda: torch.rand(2, 3, 64, 48), (2, 4, 16, 12)),
 }
 
 
@@ -129,6 +131,15 @@ IMAGE: dict[str, Any] = {
     "train": {"steps": 1, "batch_size": 2, "lr": 0.05}, "server": {"rounds": 1, "clients_per_round": 5},
     "engine": {"threads": 1},
 }
+KEYPOINTS: dict[str, Any] = {
+    "seed": 0, "run": {"name": "k", "checkpoint_keep": 1},
+    "task": {"name": "keypoints", "ladder": [[32, 24], [16, 12]], "eval_sizes": [[32, 24]], "flip_test": False},
+    "data": {"name": "builtin_pose", "num_train": 12, "num_test": 2, "image_size": [64, 48]},
+    "partition": {"name": "iid", "num_clients": 6, "local_test_fraction": 0.0},
+    "model": {"name": "vitpose", "patch": 4, "dim": 8, "depth": 1, "heads": 1, "deconv_filters": 4},
+    "train": {"steps": 1, "batch_size": 2, "lr": 0.05}, "server": {"rounds": 1, "clients_per_round": 5},
+    "engine": {"threads": 1},
+}
 SEGMENTATION: dict[str, Any] = {
     "seed": 0, "run": {"name": "s", "checkpoint_keep": 1}, "task": {"name": "segmentation", "crop": [24, 40]},
     "data": {"name": "street", "towns": ["suburb", "rural"], "conditions": ["clear-day", "rain-day"],
@@ -145,6 +156,7 @@ TASKS = {
     "video_sr": VIDEO,
     "image_sr": IMAGE,
     "segmentation": SEGMENTATION,
+    "keypoints": KEYPOINTS,
 }
 
 #: what a part needs besides itself to be meaningful (not capabilities: its own documented setup)

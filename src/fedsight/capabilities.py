@@ -45,6 +45,8 @@ CAPABILITIES: dict[str, Capability] = {
                    "a labelled source set on the server for source pre-training"),
         Capability("domains", "task", "a domain (city, town, weather, camera) for every image, and per-domain "
                    "evaluation of test sets"),
+        Capability("resolution_ladder", "task", "a native input resolution per client from a resolution ladder, "
+                   "and heatmap targets at any rung"),
         Capability("parameter_groups", "model", "declared parameter groups (backbone, head, norm)"),
         Capability("linear_head", "model", "a linear classifier head on a feature vector"),
         Capability("norm_layers", "model", "normalisation layers"),
