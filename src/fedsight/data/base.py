@@ -3,6 +3,8 @@ read from disk on demand (``StoredDataset``), with integer labels."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -124,3 +126,17 @@ class DatasetSplits:
     @property
     def num_classes(self) -> int:
         return self.train.num_classes
+
+
+def check_named_tests(what: str, train: Sized, tests: Mapping[str, Sized], unit: str) -> None:
+    """A loader's named test sets: a non-empty training set, at least one test set, names usable as split
+    suffixes (``test_<name>``), no empty test set; one-line ``ValueError`` otherwise."""
+    if len(train) == 0:
+        raise ValueError(f"{what}: the training set has no {unit}")
+    if not tests:
+        raise ValueError(f"{what}: no test set")
+    for name, s in tests.items():
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", name):
+            raise ValueError(f"{what}: test set name {name!r} must be letters, digits, '_', '.', '+' or '-'")
+        if len(s) == 0:
+            raise ValueError(f"{what}: test set {name!r} has no {unit}")

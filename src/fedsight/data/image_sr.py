@@ -42,7 +42,6 @@ EDSR ``HR/<name>.png`` + ``LR_bicubic/X{s}/<name>x{s}.png``; BasicSR ``GTmod12/<
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
+from fedsight.data.base import check_named_tests
 from fedsight.data.images import IMAGE_EXTENSIONS
 from fedsight.data.photos import PHOTO_LOADERS, TEST_PHOTOS, TRAIN_PHOTOS, load_photo
 from fedsight.data.video import natural_key, read_frame
@@ -275,15 +275,7 @@ class ImageSRSplits:
         return self.train.num_classes
 
     def check(self, what: str) -> "ImageSRSplits":
-        if len(self.train) == 0:
-            raise ValueError(f"{what}: the training pool has no images")
-        if not self.tests:
-            raise ValueError(f"{what}: no test set")
-        for name, s in self.tests.items():
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", name):
-                raise ValueError(f"{what}: test set name {name!r} must be letters, digits, '_', '.', '+' or '-'")
-            if len(s) == 0:
-                raise ValueError(f"{what}: test set {name!r} has no images")
+        check_named_tests(what, self.train, self.tests, "images")
         need = self.patch_size * self.scale
         for im in self.train.images:
             h, w = im.hr_size

@@ -17,13 +17,13 @@ Loaders building these live in ``fedsight.data.keypoint_files`` (COCO / MPII fil
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from fedsight.data.base import check_named_tests
 from fedsight.functional.keypoints import COCO_SIGMAS, MPII_SIGMAS
 
 __all__ = [
@@ -244,15 +244,8 @@ class KeypointSplits:
         return self.train.skeleton
 
     def check(self, what: str) -> "KeypointSplits":
-        if len(self.train) == 0:
-            raise ValueError(f"{what}: the training set has no person instances")
-        if not self.tests:
-            raise ValueError(f"{what}: no test set")
+        check_named_tests(what, self.train, self.tests, "person instances")
         for name, s in self.tests.items():
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", name):
-                raise ValueError(f"{what}: test set name {name!r} must be letters, digits, '_', '.', '+' or '-'")
-            if len(s) == 0:
-                raise ValueError(f"{what}: test set {name!r} has no person instances")
             if s.skeleton != self.train.skeleton:
                 raise ValueError(f"{what}: test set {name!r} has skeleton {s.skeleton.name} "
                                  f"({s.skeleton.num_joints} joints), the training set {self.train.skeleton.name} "
