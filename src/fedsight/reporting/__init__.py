@@ -25,12 +25,18 @@ Conventions used throughout:
 - "final" is the value at the last round where the metric was logged in that run; "best" is the max
   (or min, for lower-is-better metrics) over all logged rounds, and absent for a metric with no
   direction, which is never bold in a comparison either.
-- Runs whose configs are equal apart from top-level "seed", "run" and "engine" form one group (usually several
-  seeds of one experiment); tables show mean ± sample std (ddof=1) over the runs of a group.
+- Runs whose configs are equal apart from top-level "seed", "run" and "engine" and whose seeds differ form one
+  group of replicates (several seeds of one experiment); tables show mean ± sample std (ddof=1) over the runs
+  of a group. Runs of one config that share a seed (the same run in-process and on Flower, or run twice) are
+  not replicates: they are rows of their own, labelled with their backend (``run.json``) or directory.
+- A sweep's grid point is the ``[...]`` at the end of a run name (``fedavg[alpha=0.1]``); the best final value
+  of a metric is bold among the rows of one grid point (rows without one form one set).
+- Plots give every curve of a panel its own (colour, line style, marker) (``plots.line_style``), and axes
+  never show matplotlib's offset text: a power-of-ten multiplier goes into the axis label.
 
 Modules: ``runs_view`` (loading runs, series, directions, grouping), ``fmt`` (formatting), ``plots``
-(curves), ``summary`` (``summary.md``), ``compare`` (comparison tables and reports), ``client_weights``
-and ``partition`` (who was trusted, and the data each client holds).
+(curves), ``summary`` (``summary.md``), ``compare`` (comparison tables and reports), ``export`` (every
+metric as CSV), ``client_weights`` and ``partition`` (who was trusted, and the data each client holds).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 from ..runs import read_config, read_metrics
 from .client_weights import client_weight_matrix, plot_client_weights
 from .compare import ComparisonRow, ComparisonTable, compare, plot_comparison, report
+from .export import write_csv
 from .partition import plot_partition_heatmap, read_partition
 from .plots import mean_curve, plot_run
 from .runs_view import RunGroup, group_runs
@@ -59,5 +66,6 @@ __all__ = [
     "read_metrics",
     "read_partition",
     "report",
+    "write_csv",
     "write_summary",
 ]

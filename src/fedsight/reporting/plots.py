@@ -16,6 +16,9 @@ from .runs_view import RunGroup, StrPath, _display_order, _is_headline, _load_al
 
 CURVES_FILE = "curves.png"
 _DPI = 120
+#: combined with the colour cycle so that every curve of a figure looks different (4 and 7 are coprime)
+_LINESTYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 _PREFIX_TITLES = {
     "test": "Test",
     "val": "Validation",
@@ -80,6 +83,33 @@ def _new_figure(n_panels: int, title: str) -> tuple[Any, list[Any]]:
     return fig, flat[:n_panels]
 
 
+def line_style(i: int, colors: Sequence[str] | None = None) -> dict[str, Any]:
+    """``color``, ``linestyle`` and ``marker`` of the ``i``-th curve (0-based) of an axes, distinct for every
+    ``i`` and the same for the same ``i``.
+
+    ``colors`` defaults to matplotlib's colour cycle (10 colours). Curve ``i`` takes colour
+    ``i % len(colors)``; pass ``k = i // len(colors)`` through the colours changes the line style
+    (``-``, ``--``, ``:``, ``-.``: ``k % 4``) and the marker (7 of them: ``k % 7``) together, so the first
+    28 passes differ in (line style, marker) and the first ``28 * len(colors)`` curves use plain styles;
+    later passes get a dash pattern of their own, ``(0, (2 + k // 28, 1 + k % 4))``.
+    """
+    if colors is None:
+        import matplotlib
+
+        colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    k = i // len(colors)
+    n_plain = len(_LINESTYLES) * len(_MARKERS)
+    linestyle: Any = (_LINESTYLES[k % len(_LINESTYLES)] if k < n_plain
+                      else (0, (2.0 + k // n_plain, 1.0 + k % len(_LINESTYLES))))
+    return {"color": colors[i % len(colors)], "linestyle": linestyle, "marker": _MARKERS[k % len(_MARKERS)]}
+
+
+def _markevery(n_points: int) -> int:
+    """Every point carries a marker up to 30 points; longer curves about 20 markers (markers tell curves
+    of the same colour apart)."""
+    return 1 if n_points <= 30 else math.ceil(n_points / 20)
+
+
 def _style_axes(ax: Any, title: str, ylabel: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
@@ -90,13 +120,42 @@ def _style_axes(ax: Any, title: str, ylabel: str) -> None:
     ax.grid(True, alpha=0.3)
 
 
+def _fold_offset_texts(fig: Any) -> None:
+    """Keep matplotlib's offset text (``+2.812e1`` or ``1e-6`` above a y axis, beside an x axis) from
+    overprinting panel titles: no axis of ``fig`` gets an additive offset (tick labels show the values
+    themselves, ``28.1232``), and an axis whose values need a power-of-ten multiplier keeps the one it
+    has now for good and names it in its label (``train/loss (×1e-7)``) instead of the offset text."""
+    import matplotlib
+    from matplotlib.ticker import ScalarFormatter
+
+    lo, hi = matplotlib.rcParams["axes.formatter.limits"]  # as ScalarFormatter: a multiplier outside (lo, hi)
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        for axis in (ax.xaxis, ax.yaxis):
+            fmt = axis.get_major_formatter()
+            if not isinstance(fmt, ScalarFormatter):
+                continue
+            fmt.set_useOffset(False)
+            top = float(np.max(np.abs(axis.get_view_interval())))
+            oom = math.floor(math.log10(top)) if math.isfinite(top) and top > 0 else 0
+            if lo < oom < hi:
+                fmt.set_scientific(False)
+            else:  # fixed, so that the layout cannot change it after the label names it
+                fmt.set_powerlimits((oom, oom))
+                axis.set_label_text(f"{axis.get_label_text()} (×1e{oom})".strip())
+            axis.get_offset_text().set_visible(False)
+
+
 def _save(fig: Any, path: Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (atomically; offset texts folded into axis labels first) and close it."""
     import matplotlib.pyplot as plt
 
     import io
 
     from ..runs import atomic_write_bytes
 
+    _fold_offset_texts(fig)
     buf = io.BytesIO()
     fig.savefig(buf, dpi=_DPI, format="png")
     plt.close(fig)
@@ -130,10 +189,10 @@ def plot_run(run_dir: StrPath, keys: list[str] | None = None) -> Path:
         title += f"  (stages: {' → '.join(s for s, _ in stages)}, dashed lines)"
     fig, axes = _new_figure(len(panels), title)
     for ax, (title, ks) in zip(axes, panels):
-        for k in ks:
+        for i, k in enumerate(ks):
             s = series[k]
-            ax.plot(s.rounds, s.values, label=k, marker="o" if len(s.rounds) <= 30 else None, markersize=3,
-                    linewidth=1.5)
+            ax.plot(s.rounds, s.values, label=k, markersize=3, linewidth=1.5, markevery=_markevery(len(s.rounds)),
+                    **line_style(i))
         if len(stages) > 1:
             for stage, start in stages[1:]:
                 ax.axvline(start - 0.5, color="0.5", linestyle="--", linewidth=0.8)
@@ -172,27 +231,25 @@ def mean_curve(run_dirs: Iterable[StrPath], metric: str) -> tuple[np.ndarray, np
 
 def _plot_groups(groups: Sequence[RunGroup], metrics: Sequence[str], members: Sequence[Sequence[_Run]],
                  directions: Mapping[str, bool | None], path: Path) -> Path:
-    """One subplot per metric, one mean ± std line per group; titles say each metric's direction."""
+    """One subplot per metric, one mean ± std line per group (``line_style`` of the group's index, the same
+    in every subplot); titles say each metric's direction."""
     if not metrics:
         raise ValueError("no metrics to plot")
     n_seeds = sorted({len(g.run_dirs) for g in groups})
     seeds_text = (f"{n_seeds[0]} seed{'s' if n_seeds[0] != 1 else ''}" if len(n_seeds) == 1
                   else f"{n_seeds[0]}–{n_seeds[-1]} seeds")
     fig, axes = _new_figure(len(metrics), f"Comparison: mean ± std over {seeds_text} per run group")
-    import matplotlib.pyplot as plt
-
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     handles: dict[str, Any] = {}
     for ax, m in zip(axes, metrics):
         for gi, (group, runs) in enumerate(zip(groups, members)):
             rounds, mean, std = _mean_curve_runs(runs, m)
             if len(rounds) == 0:
                 continue
-            color = colors[gi % len(colors)]
-            (line,) = ax.plot(rounds, mean, color=color, linewidth=1.6, label=group.label,
-                              marker="o" if len(rounds) <= 30 else None, markersize=3)
+            style = line_style(gi)
+            (line,) = ax.plot(rounds, mean, linewidth=1.6, label=group.label, markersize=3,
+                              markevery=_markevery(len(rounds)), **style)
             if len(runs) >= 2:
-                ax.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+                ax.fill_between(rounds, mean - std, mean + std, color=style["color"], alpha=0.2, linewidth=0)
             handles.setdefault(group.label, line)
         ylabel = "seconds" if m.startswith("time") else m.rsplit("/", 1)[-1]
         better = _direction_text(directions.get(m))

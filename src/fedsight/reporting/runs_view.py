@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -71,12 +73,36 @@ def _config_directions(config: dict[str, Any]) -> tuple[dict[str, bool | None], 
 def run_directions(run_dir: StrPath, config: dict[str, Any] | None = None) -> tuple[tuple[MetricSpec, ...], str | None]:
     """(direction specs, primary metric key) of a run: from ``RUN_DIR/run.json``, else rebuilt from its
     config (see ``_config_directions``)."""
-    meta = read_run_meta(run_dir)
+    return _directions(read_run_meta(run_dir), read_config(run_dir) if config is None else config)
+
+
+def _directions(meta: dict[str, Any] | None, config: dict[str, Any]) -> tuple[tuple[MetricSpec, ...], str | None]:
+    """``run_directions`` from an already read ``run.json`` (None: absent) and config."""
     if meta is not None:
         primary = meta.get("primary")
         return _specs_from_table(meta.get("metrics", {})), primary if isinstance(primary, str) else None
-    table, primary = _config_directions(read_config(run_dir) if config is None else config)
+    table, primary = _config_directions(config)
     return _specs_from_table(table), primary
+
+
+def _backends(meta: dict[str, Any] | None) -> str | None:
+    """Where a run's clients trained, from its ``run.json`` sessions ("in-process", "flower"; several
+    joined by "+" for a run resumed elsewhere); None when no session records it."""
+    sessions = meta.get("sessions", []) if meta is not None else []
+    found = [s["backend"] for s in sessions if isinstance(s, dict) and isinstance(s.get("backend"), str)]
+    return "+".join(dict.fromkeys(found)) or None
+
+
+#: a sweep's grid point at the end of a run name: ``fedavg[alpha=0.1]``, ``base[alpha=0.1,mu=0.01]``
+#: (the sweep expansion names grid-point runs ``f"{name}[{label}]"``; grid values never hold ``[]=,``)
+_GRID_LABEL = re.compile(r"\[([^\[\]=,]+=[^\[\]=,]*(?:,[^\[\]=,]+=[^\[\]=,]*)*)\]$")
+
+
+def grid_point(run_name: str) -> str | None:
+    """The grid-point label of a swept run's name (``"alpha=0.1"`` for ``"fedavg[alpha=0.1]"``); None for a
+    name without one."""
+    m = _GRID_LABEL.search(run_name)
+    return m.group(1) if m else None
 
 
 # -- one run ----------------------------------------------------------------------------------------
@@ -91,13 +117,16 @@ class _Run:
     records: list[dict[str, Any]]
     specs: tuple[MetricSpec, ...] = ()
     primary: str | None = None
+    #: where its clients trained, from ``run.json`` (see ``_backends``)
+    backend: str | None = None
 
     @classmethod
     def load(cls, run_dir: StrPath) -> _Run:
         config = read_config(run_dir)
         records = read_metrics(run_dir)
-        specs, primary = run_directions(run_dir, config)
-        return cls(Path(run_dir), config, records, specs, primary)
+        meta = read_run_meta(run_dir)
+        specs, primary = _directions(meta, config)
+        return cls(Path(run_dir), config, records, specs, primary, _backends(meta))
 
     def direction(self, key: str) -> bool | None:
         """True if higher values of ``key`` are better, False if lower, None if it has no direction."""
@@ -215,34 +244,97 @@ def _experiment_key(config: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class RunGroup:
-    """Runs of one experiment: configs equal apart from top-level "seed", "run" and "engine".
+    """Replicates of one experiment: runs whose configs are equal apart from top-level "seed", "run" and
+    "engine", with distinct seeds.
 
-    ``label`` is the ``run.name`` of the first run (plus ``[hash]`` of the config when two groups share
-    a name); ``run_dirs`` and ``seeds`` are in the order the runs were given.
+    Runs of one config that share a seed (the same run on another backend, or run twice) are not
+    replicates: they are split into sets of distinct seeds, by backend (``run.json``), then by parent
+    directory, then one run each; ``split_note`` then says what tells this group apart ("in-process",
+    "flower, runs/ray/A") and ``label`` ends with it in parentheses. ``label`` starts with the
+    ``run.name`` of the first run (plus ``[hash]`` of the config when two experiments share a name);
+    ``run_dirs``, ``seeds`` and ``backends`` are in the order the runs were given; ``grid_point`` is the
+    sweep grid point of the first run's name (``grid_point``), if any.
     """
 
     label: str
     run_dirs: tuple[Path, ...]
     seeds: tuple[int | None, ...]
     config: dict[str, Any] = field(compare=False, repr=False)
+    backends: tuple[str | None, ...] = ()
+    grid_point: str | None = None
+    split_note: str = ""
+
+
+def _repeats_a_seed(runs: Sequence[_Run]) -> bool:
+    """Whether two of ``runs`` have the same seed (two runs without a seed count as the same)."""
+    seeds = [r.seed for r in runs]
+    return len(set(seeds)) != len(seeds)
+
+
+def _shown_relative(paths: Sequence[Path]) -> dict[Path, str]:
+    """Each (absolute) path relative to the parent of their common path: short, never ".", and distinct
+    for distinct paths."""
+    try:
+        base = Path(os.path.commonpath([str(p) for p in paths])).parent
+        return {p: p.relative_to(base).as_posix() for p in paths}
+    except ValueError:  # paths on different drives
+        return {p: p.as_posix() for p in paths}
+
+
+def _replicate_sets(members: list[_Run]) -> list[tuple[str, list[_Run]]]:
+    """Split one experiment's runs into sets without a repeated seed, each with the text that tells it
+    apart ("" when the runs needed no split): by backend, then by parent directory, then one run each."""
+    if not _repeats_a_seed(members):
+        return [("", members)]
+    absolute = {id(r): r.path.absolute() for r in members}
+    shown = _shown_relative(list({p: None for r in members for p in (absolute[id(r)], absolute[id(r)].parent)}))
+    by_backend: dict[str, list[_Run]] = {}
+    for r in members:
+        by_backend.setdefault(r.backend or "backend not recorded", []).append(r)
+    out: list[tuple[str, list[_Run]]] = []
+    for backend, runs in by_backend.items():
+        if not _repeats_a_seed(runs):
+            out.append((backend, runs))
+            continue
+        by_parent: dict[Path, list[_Run]] = {}
+        for r in runs:
+            by_parent.setdefault(absolute[id(r)].parent, []).append(r)
+        for parent, sub in by_parent.items():
+            if not _repeats_a_seed(sub):
+                out.append((f"{backend}, {shown[parent]}", sub))
+            else:
+                out.extend((f"{backend}, {shown[absolute[id(r)]]}", [r]) for r in sub)
+    return out
 
 
 def _group(runs: Sequence[_Run]) -> list[tuple[RunGroup, list[_Run]]]:
+    """Groups of replicates (see ``RunGroup``) in order of first appearance, each with its runs."""
     by_key: dict[str, list[_Run]] = {}
     for r in runs:
         by_key.setdefault(_experiment_key(r.config), []).append(r)
     names = [members[0].name for members in by_key.values()]
     out = []
     for (key, members), name in zip(by_key.items(), names):
-        label = name
+        base = name
         if names.count(name) > 1:
-            label = f"{name} [{hashlib.sha1(key.encode()).hexdigest()[:6]}]"
+            base = f"{name} [{hashlib.sha1(key.encode()).hexdigest()[:6]}]"
         config = {k: v for k, v in members[0].config.items() if k not in ("seed", "run")}
-        group = RunGroup(label, tuple(r.path for r in members), tuple(r.seed for r in members), config)
-        out.append((group, members))
+        for note, sub in _replicate_sets(members):
+            group = RunGroup(f"{base} ({note})" if note else base, tuple(r.path for r in sub),
+                             tuple(r.seed for r in sub), config, tuple(r.backend for r in sub),
+                             grid_point(sub[0].name), note)
+            out.append((group, sub))
+    labels = [g.label for g, _ in out]
+    if len(set(labels)) < len(labels):  # a run named like another's label with its suffix: number them
+        seen: dict[str, int] = {}
+        for i, (g, sub) in enumerate(out):
+            seen[g.label] = seen.get(g.label, 0) + 1
+            if labels.count(g.label) > 1:
+                out[i] = (dataclasses.replace(g, label=f"{g.label} #{seen[g.label]}"), sub)
     return out
 
 
 def group_runs(run_dirs: Iterable[StrPath]) -> list[RunGroup]:
-    """Group run directories by config minus top-level "seed", "run" and "engine", in order of first appearance."""
+    """Group run directories into replicates (config minus top-level "seed", "run" and "engine", seeds
+    distinct; see ``RunGroup``), in order of first appearance."""
     return [g for g, _ in _group(_load_all(run_dirs))]
