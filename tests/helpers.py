@@ -42,6 +42,19 @@ def pipeline_config(**over: Any) -> dict[str, Any]:
     return raw
 
 
+def poisoned_config(**over: Any) -> tuple[dict[str, Any], list[int]]:
+    """A 4-round run whose middle stage (2 rounds) has every client upload an update scaled past float32's
+    range (the registered ``attack`` component, scale 1e39: inf), so every update of those rounds is
+    non-finite and rejected; returns the config and those rounds, read from its stages."""
+    raw = tiny(**{"partition.num_clients": 3, "server.clients_per_round": 2, "server.rounds": 4, "eval.every": 1,
+                  "eval.local": False, "engine.threads": 1, **over})
+    attack = {"name": "attack", "fraction": 1.0, "kind": "scale", "scale": 1e39}
+    raw["stages"] = [{"name": "clean", "rounds": 1}, {"name": "poisoned", "rounds": 2, "recipe": {"components": [attack]}},
+                     {"name": "after", "rounds": 1}]
+    first = 1 + sum(st["rounds"] for st in raw["stages"][:1])
+    return raw, list(range(first, first + raw["stages"][1]["rounds"]))
+
+
 # -- a toy task for hand-checkable algorithm tests -----------------------------------------------
 
 import torch  # noqa: E402

@@ -265,6 +265,35 @@ def test_app_command_writes_a_flower_app_that_flwr_builds(tmp_path):
     assert bad.exit_code == 2 and "partition.alpha" in bad.output
 
 
+def test_app_readme_names_flowers_own_default_ports(tmp_path):
+    """Every port the generated README names is Flower's own default for what it describes: the SuperLink's
+    one HTTP port (Fleet, Control and runtime APIs: SuperNodes, connections and `flower-superlink --port`) and a
+    SuperNode's runtime API port; never the pre-1.41 Fleet/Control ports."""
+    import importlib
+    import re
+
+    from flwr.common.constant import CONTROL_API_PORT, FLEETAPI_GRPC_RERE_PORT
+    from flwr.supercore.constant import SUPERLINK_UVICORN_DEFAULT_PORT, SUPERNODE_UVICORN_DEFAULT_PORT
+
+    from fedsight.flower.app import write_app
+
+    # the constants are what Flower's own commands default to
+    link = importlib.import_module("flwr.superlink.cli.flower_superlink")._parse_args_run_superlink()
+    node = importlib.import_module("flwr.supernode.cli.flower_supernode")._parse_args_run_supernode()
+    assert link.get_default("port") == SUPERLINK_UVICORN_DEFAULT_PORT
+    assert node.get_default("port") == SUPERNODE_UVICORN_DEFAULT_PORT
+    assert node.get_default("superlink").endswith(f":{SUPERLINK_UVICORN_DEFAULT_PORT}")
+
+    write_app(validate(tiny(**SCAFFOLD)), tmp_path / "app", run_dir=tmp_path / "rd")
+    text = (tmp_path / "app" / "README.md").read_text()
+    ports = lambda pattern: {int(p) for p in re.findall(pattern, text)}  # noqa: E731
+    assert ports(r"--superlink \S+:(\d+)") == ports(r'address = "\S+:(\d+)"') == {SUPERLINK_UVICORN_DEFAULT_PORT}
+    assert ports(r"flower-superlink [^\n`]*--port (\d+)") == {SUPERLINK_UVICORN_DEFAULT_PORT}
+    assert ports(r"flower-supernode [^\n`]*--port (\d+)") == {SUPERNODE_UVICORN_DEFAULT_PORT}
+    assert ports(r"\b(\d{4,5})\b") == {SUPERLINK_UVICORN_DEFAULT_PORT, SUPERNODE_UVICORN_DEFAULT_PORT}
+    assert not {int(FLEETAPI_GRPC_RERE_PORT), int(CONTROL_API_PORT)} & ports(r"\b(\d{4,5})\b")
+
+
 def test_certs_command_makes_a_ca_signed_server_certificate_and_ec_node_keys(tmp_path):
     from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import ec

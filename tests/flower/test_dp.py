@@ -223,10 +223,8 @@ def test_invalid_accounting_is_refused_in_one_line_naming_the_flag(tmp_path, arg
 
 
 def test_amplification_is_refused_when_a_component_picks_the_clients(tmp_path):
+    from fedsight.api import build_server
     from fedsight.flower.dp import install_central_dp
-
-    from types import SimpleNamespace as NS
-
     from fedsight.training.component import Component
 
     class Picker(Component):  # a component that chooses the round's clients itself (as Fed3R and LADD do)
@@ -235,13 +233,14 @@ def test_amplification_is_refused_when_a_component_picks_the_clients(tmp_path):
         def sample(self, round, num_clients, m, seed):
             return [0, 1]
 
-    recipe = NS(weighting=NS(name="uniform"), aggregator=NS(name="mean"), components=[Picker()])
-    # the parts of an engine Server that install_central_dp reads
-    sim = NS(stages=[NS(name="main", clients_per_round=2, recipe=recipe)], shared_buffers=[], seed=0,
-             schedule=NS(clients_per_round=2), task=NS(num_clients=5), global_model=None, shared_params=[])
+    def server():
+        s = build_server(validate(tiny(**{**DP_RUN, "partition.num_clients": 5, "server.clients_per_round": 2})))
+        s.stages[0].recipe.components.append(Picker())
+        return s
+
     with pytest.raises(ConfigError, match="dp-sampling = 'without-replacement' assumes uniform sampling, but picker"):
-        install_central_dp(sim, noise_multiplier=1.0, clipping_norm=1.0, delta=None, sampling="without-replacement")
-    assert install_central_dp(sim, noise_multiplier=1.0, clipping_norm=1.0, delta=None).num_sampled == 2
+        install_central_dp(server(), noise_multiplier=1.0, clipping_norm=1.0, delta=None, sampling="without-replacement")
+    assert install_central_dp(server(), noise_multiplier=1.0, clipping_norm=1.0, delta=None).num_sampled == 2
 
 
 @pytest.mark.parametrize("accountant,sampling", [("pld", "none"), ("rdp", "without-replacement")])

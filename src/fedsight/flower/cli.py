@@ -58,7 +58,8 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
-    from ..config import ConfigError, load
+    from ..config import ConfigError
+    from ..sweep import load
 
     try:
         specs = load(config, sets or [])
@@ -70,13 +71,22 @@ def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
     return spec.config, (run_dir or spec.run_dir).absolute()
 
 
+#: run-config keys of the ServerApp -> the flags that set them
+_FLAGS = {"round-timeout": "--round-timeout", "min-clients": "--min-clients", "dp-noise-multiplier": "--dp-noise",
+          "dp-clipping-norm": "--dp-clip", "dp-delta": "--dp-delta", "dp-accountant": "--dp-accountant",
+          "dp-sampling": "--dp-sampling"}
+
+
+def _flagged(msg: str) -> str:
+    """A ServerApp check's message with the run-config keys it names ("key = value") as the CLI's flags."""
+    for key, opt in _FLAGS.items():
+        msg = re.sub(rf"(run config |(?<![\w-])){re.escape(key)} ", f"{opt} ", msg)
+    return msg
+
+
 def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, dp_clip: float, dp_delta: float,
              overwrite: bool = False, dp_accountant: str = "rdp", dp_sampling: str = "none") -> dict[str, Any]:
     from .server_app import ServerOptions
-
-    if min_clients > cfg.partition.num_clients:
-        _fail(f"--min-clients = {min_clients} exceeds the federation's {cfg.partition.num_clients} clients "
-              "(partition.num_clients)")
 
     out: dict[str, Any] = {"round-timeout": round_timeout, "min-clients": min_clients, "overwrite": overwrite}
     if dp_noise != 0:
@@ -84,19 +94,32 @@ def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, 
             _fail("--dp-clip must be positive with --dp-noise")
         out.update({"dp-noise-multiplier": dp_noise, "dp-clipping-norm": dp_clip, "dp-delta": dp_delta,
                     "dp-accountant": dp_accountant, "dp-sampling": dp_sampling})
-    try:  # the ServerApp's own checks, before anything starts
-        ServerOptions.from_run_config({"dp-accountant": dp_accountant, "dp-sampling": dp_sampling, **out, "run-dir": "."})
+    try:  # the ServerApp's own checks of the options, before anything starts (the recipe's: _preflight)
+        ServerOptions.from_run_config({"dp-accountant": dp_accountant, "dp-sampling": dp_sampling, **out,
+                                       "run-dir": "."}).checked_for(cfg)
     except ValueError as exc:
-        flag = {"round-timeout": "--round-timeout", "min-clients": "--min-clients", "dp-noise-multiplier": "--dp-noise",
-                "dp-clipping-norm": "--dp-clip", "dp-delta": "--dp-delta", "dp-accountant": "--dp-accountant",
-                "dp-sampling": "--dp-sampling"}
-        msg = str(exc)
-        for key, opt in flag.items():  # the option at fault, and any other one the message names ("key = value")
-            msg = re.sub(rf"(run config |(?<![\w-])){re.escape(key)} ", f"{opt} ", msg)
-        _fail(msg)
+        _fail(_flagged(str(exc)))
     if dp_noise == 0 and (dp_accountant, dp_sampling) != ("rdp", "none"):
         _fail("--dp-accountant and --dp-sampling account central DP: set --dp-noise > 0")
     return out
+
+
+def _preflight(cfg: Any, opts: dict[str, Any], run_dir: Path, *, data_here: bool = True) -> None:
+    """The recipe against the options (central DP's requirements), before anything is written or started.
+    ``data_here=False`` (an app for other hosts): data this host lacks leaves those checks to the ServerApp,
+    which runs them before it writes anything."""
+    from ..errors import ConfigError
+    from .server_app import preflight
+
+    try:
+        preflight(cfg, opts, run_dir)
+    except ConfigError as exc:
+        _fail(_flagged(str(exc)))
+    except FileNotFoundError as exc:
+        if data_here:
+            _fail(str(exc), 1)
+        err.print(f"note: the ServerApp checks the recipe against central DP at start (the data is not here: {exc})",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 def _check_free(run_dir: Path, overwrite: bool) -> None:
@@ -145,6 +168,7 @@ def app_cmd(
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling)
     if data_dir_nodes:
         opts["data"] = "data-dir"
+    _preflight(cfg, opts, rd, data_here=False)
     try:
         out = write_app(cfg, directory, run_dir=rd, options=opts)
     except ValueError as exc:
@@ -179,10 +203,12 @@ def local_cmd(
     """Start a SuperLink and N SuperNodes on loopback, run CONFIG as a Flower app, stream progress,
     collect the FedSight run directory, and stop every process started."""
     from ..api import progress_keys
+    from ..errors import ConfigError
     from .local import FlowerInterrupted, FlowerRunError, run_local
 
     cfg, rd = _one_config(config, set_, run_dir)
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling)
+    _preflight(cfg, opts, rd)  # before the first line of progress (run_local checks again, for its Python callers)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
     keys = progress_keys(cfg)
@@ -194,6 +220,8 @@ def local_cmd(
     try:
         final = run_local(cfg, rd, nodes=nodes, workdir=workdir, options=opts, timeout=timeout, on_row=on_row,
                           tls_dir=tls_dir, node_auth=node_auth, data_dirs=data_dir, keep_workdir=workdir is not None)
+    except ConfigError as exc:  # run_local's preflight: nothing was started or written
+        _fail(_flagged(str(exc)))
     except (FlowerRunError, ValueError, FileNotFoundError) as exc:
         _fail(str(exc), 1)
     except FlowerInterrupted as exc:  # the run stopped on the SuperLink first, then every process (local.run_local)
@@ -221,6 +249,7 @@ def simulate_cmd(
 ) -> None:
     """Run CONFIG on Flower's Ray-backed simulation engine (one virtual SuperNode per client)."""
     from ..api import progress_keys
+    from ..errors import ConfigError
     from .simulation import flower_simulate
 
     cfg, rd = _one_config(config, set_, run_dir)
@@ -229,7 +258,9 @@ def simulate_cmd(
     t0 = time.monotonic()
     try:
         out = flower_simulate(cfg, rd, num_cpus=cpus_per_client, num_gpus=gpus_per_client, ray_cpus=ray_cpus, options=opts)
-    except (RuntimeError, ValueError) as exc:
+    except ConfigError as exc:  # flower_simulate's preflight: Ray was not started, nothing was written
+        _fail(_flagged(str(exc)))
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:
         _fail(str(exc), 1)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     keys = progress_keys(cfg)

@@ -282,41 +282,74 @@ class CentralDP:
             raise ValueError("a central-DP run cannot be resumed (the accountant's state is not checkpointed)")
 
 
-def install_central_dp(sim: Any, *, noise_multiplier: float, clipping_norm: float, delta: float | None,
-                       accountant: str = "rdp", sampling: str = "none") -> CentralDP:
-    """Replace the aggregator of every stage of ``sim`` (an ``engine.server.Server``) by one
-    ``CentralDP`` (one accountant for the run). The recipe must weight uniformly with the mean
-    aggregator and share no buffers; amplification (``sampling = "without-replacement"``) needs FedSight's
-    own uniform sampling (no component that picks the clients)."""
+def check_central_dp(sim: Any, sampling: str = "none") -> int:
+    """Refuse (``ConfigError`` naming the config key) a run that central DP cannot cover; returns ``m``, the
+    fixed number of updates of a release. ``sim`` is an ``engine.server.Server`` (its stages, model and
+    task): every stage must weight uniformly with the mean aggregator, train and share trainable parameters
+    (the mechanism clips and noises a model update), share no buffers and upload no extra tensors (they
+    would leave un-noised), and sample one number of clients; amplification (``sampling =
+    "without-replacement"``) needs FedSight's own uniform sampling (no component that picks the clients).
+    Reads the server only: the same checks run before anything starts (``server_app.preflight``) and in the
+    ServerApp."""
+    from ..engine.plan import stage_layout
+    from ..training.component import Component
+
     for st in sim.stages:
+        where = f"stage {st.name!r}"
         w, a = st.recipe.weighting.name, st.recipe.aggregator.name
         if w != "uniform" or a != "mean":
             raise ConfigError(
-                f"central DP needs recipe.weighting = 'uniform' and recipe.aggregator = 'mean' (stage {st.name!r} has "
+                f"central DP needs recipe.weighting = 'uniform' and recipe.aggregator = 'mean' ({where} has "
                 f"{w!r} and {a!r}): the noise is calibrated to an equal-weight mean of clipped updates"
             )
-    if sim.shared_buffers:
-        raise ConfigError(
-            f"central DP does not cover shared buffers ({', '.join(sim.shared_buffers[:3])}, ...): use a model without "
-            "BatchNorm running statistics or keep them local (recipe.sharing / a norm-sharing component)"
-        )
+        trainer = st.recipe.trainer
+        if not trainer.trains:
+            raise ConfigError(
+                f"central DP releases model updates, but {where} trains nothing (its trainer "
+                f"{getattr(trainer, 'name', type(trainer).__name__)!r} is a statistics pass): drop that stage or its "
+                "recipe.components entry from a DP run"
+            )
+        extras = sorted(c.name for c in st.recipe.components if c.uploads_extras)
+        if extras:
+            raise ConfigError(
+                f"central DP covers the model update only, but recipe.components {', '.join(extras)} ({where}) also "
+                "upload extra tensors that would leave un-noised; drop them from a DP run"
+            )
+        layout = stage_layout(sim.global_model, st)
+        if layout.shared_buffers:
+            raise ConfigError(
+                f"central DP does not cover shared buffers ({where} shares {', '.join(layout.shared_buffers[:3])}, ...): "
+                "use a model without BatchNorm running statistics (model.norm) or keep them local (recipe.sharing / a "
+                "norm-sharing component)"
+            )
+        if not layout.shared_params:
+            raise ConfigError(
+                f"central DP releases model updates, but {where} shares no trainable parameter (recipe.sharing, "
+                "train.freeze): no update to clip and noise"
+            )
     sizes = {st.clients_per_round or sim.schedule.clients_per_round for st in sim.stages}
     if len(sizes) != 1:
-        raise ConfigError(f"central DP needs one clients-per-round for the whole run, got {sorted(sizes)}")
+        raise ConfigError(f"central DP needs one server.clients_per_round for the whole run, got {sorted(sizes)}")
     if sampling == "without-replacement":
-        from ..training.component import Component
-
         pickers = sorted({c.name for st in sim.stages for c in st.recipe.components
                           if type(c).sample is not Component.sample})
         if pickers:
             raise ConfigError(f"dp-sampling = 'without-replacement' assumes uniform sampling, but {', '.join(pickers)} "
                               "picks the clients; use dp-sampling = 'none'")
+    return min(sizes.pop(), sim.task.num_clients)  # sample_clients takes everyone when m >= N
+
+
+def install_central_dp(sim: Any, *, noise_multiplier: float, clipping_norm: float, delta: float | None,
+                       accountant: str = "rdp", sampling: str = "none") -> CentralDP:
+    """Replace the aggregator of every stage of ``sim`` (an ``engine.server.Server``) by one
+    ``CentralDP`` (one accountant for the run), after ``check_central_dp``."""
+    m = check_central_dp(sim, sampling)
     n = sim.task.num_clients
     dp = CentralDP(
         lambda: {k: sim.global_model.state_dict()[k] for k in sim.shared_params},
         noise_multiplier=noise_multiplier,
         clipping_norm=clipping_norm,
-        num_sampled=min(sizes.pop(), n),  # sample_clients takes everyone when m >= N
+        num_sampled=m,
         population=n,
         delta=delta if delta is not None else min(1e-5, 1.0 / (10 * n)),
         seed=sim.seed,

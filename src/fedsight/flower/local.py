@@ -445,6 +445,7 @@ def run_local(
     ``node_auth``: SuperNode authentication (one ECDSA key per node, registered before it starts);
     ``data_dirs``: node ``k`` reads its own data from ``data_dirs[k]`` instead of its partition."""
     from .app import write_app
+    from .server_app import preflight
 
     n_clients = int(cfg.partition.num_clients)
     n = nodes or n_clients
@@ -453,11 +454,12 @@ def run_local(
     if data_dirs is not None and len(data_dirs) != n:
         raise ValueError(f"{len(data_dirs)} data directories for {n} nodes")
     run_dir = Path(run_dir).absolute()
-    own = workdir is None
-    work = Path(tempfile.mkdtemp(prefix="fedsight-flower-")) if own else Path(workdir).absolute()
     opts = {"min-nodes": n, **(options or {})}
     if data_dirs is not None:
         opts["data"] = "data-dir"
+    preflight(cfg, opts, run_dir)  # a ConfigError before any process starts or anything is written
+    own = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="fedsight-flower-")) if own else Path(workdir).absolute()
     app_dir = write_app(cfg, work / "app", run_dir=run_dir, options=opts)
     tls = None
     if tls_dir is not None or node_auth:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,6 +48,7 @@ from flwr.app import Context, Message, MessageType
 from flwr.serverapp import Grid, ServerApp
 
 from ..cost import model_cost
+from ..errors import ConfigError
 from ..runs import INTERRUPTED, Replacement, atomic_write_text
 from ..device import to_device
 from ..engine.loop import ClientEvaluation
@@ -115,7 +117,7 @@ class ServerOptions:
         ).checked()
 
     def checked(self) -> "ServerOptions":
-        """These options, or a ``ValueError`` naming the first invalid one (run-config key)."""
+        """These options, or a ``ConfigError`` naming the first invalid one (run-config key)."""
         import math
 
         from .dp import accounting_problem
@@ -140,8 +142,56 @@ class ServerOptions:
         for key, ok, why in rules:
             if not ok:
                 value = getattr(self, key.replace("-", "_"))
-                raise ValueError(f"run config {key} = {value!r} {why}")
+                raise ConfigError(f"run config {key} = {value!r} {why}")
         return self
+
+    def checked_for(self, cfg: Any) -> "ServerOptions":
+        """These options against the run's config, or a ``ConfigError`` naming the run-config key: ``min-clients``
+        at most the federation's clients and the clients sampled in every round (else every round is skipped)."""
+        from ..config import stage_configs
+        from ..engine.plan import clients_per_round
+
+        n = int(cfg.partition.num_clients)
+        if self.min_clients > n:
+            raise ConfigError(f"run config min-clients = {self.min_clients} exceeds the federation's {n} clients "
+                              "(partition.num_clients)")
+        for name, _, c in stage_configs(cfg) or [("", 0, cfg)]:
+            m = min(n, clients_per_round(n, c.server.clients_per_round, c.server.fraction))
+            if self.min_clients > m:
+                where = f" in stage {name!r}" if name else ""
+                raise ConfigError(f"run config min-clients = {self.min_clients} exceeds the {m} clients sampled per "
+                                  f"round{where} (server.clients_per_round / server.fraction): every round would be skipped")
+        return self
+
+
+def preflight(cfg: Any, options: Mapping[str, Any] | None, run_dir: str | Path) -> ServerOptions:
+    """Every check of a Flower run that needs no Flower runtime, before anything starts or is written (Ray, a
+    SuperLink, the app, the run directory): the options (``ServerOptions.checked``), the options against the
+    config (``checked_for``) and, with central DP, the recipe against the mechanism (``dp.install_central_dp``
+    on the run's server, built on the CPU without initial weights: the ServerApp builds its own). Raises
+    ``ConfigError`` naming the key; writes nothing. A run directory another process is writing is
+    ``RunInUse`` here already (the ServerApp holds the lock while it runs)."""
+    from ..runs import RunLock
+
+    with RunLock(run_dir):  # taken and released: a second run of the same directory fails before Ray starts
+        pass
+    unknown = sorted(set(options or {}) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"unknown Flower option(s) {unknown}; known: {sorted(OPTIONS)}")
+    opts = ServerOptions.from_run_config({**dict(options or {}), "run-dir": str(run_dir)}).checked_for(cfg)
+    if opts.dp_noise_multiplier > 0:
+        import torch
+
+        from ..api import build_schedule, build_stages, build_task
+        from ..engine.server import Server
+        from .dp import install_central_dp
+
+        with torch.random.fork_rng(devices=[]):  # building seeds torch's generator: leave the caller's as it was
+            task = build_task(cfg)
+            server = Server(task, build_stages(cfg, task), build_schedule(cfg, task), cfg.seed)
+        install_central_dp(server, noise_multiplier=opts.dp_noise_multiplier, clipping_norm=opts.dp_clipping_norm,
+                           delta=opts.dp_delta or None, accountant=opts.dp_accountant, sampling=opts.dp_sampling)
+    return opts
 
 
 def exchange(
@@ -398,10 +448,7 @@ class FlowerServer:
     def __init__(self, cfg: Any, options: ServerOptions):
         from ..api import build_server
 
-        self.cfg, self.opts = cfg, options
-        if options.min_clients > cfg.partition.num_clients:
-            raise ValueError(f"run config min-clients = {options.min_clients} exceeds the federation's "
-                             f"{cfg.partition.num_clients} clients (partition.num_clients)")
+        self.cfg, self.opts = cfg, options.checked_for(cfg)
         self.server = build_server(cfg)  # in-memory client store: client state lives on the nodes
         self.dp = None
         if options.dp_noise_multiplier > 0:
@@ -419,6 +466,12 @@ class FlowerServer:
         self.task_info["model-cost"] = [float(cost.forward), float(cost.head)]
 
     def run(self, grid: Grid, on_round=None) -> Path:
+        from ..runs import RunLock
+
+        with RunLock(self.opts.run_dir):  # one writer per run directory, as in-process
+            return self._run_locked(grid, on_round)
+
+    def _run_locked(self, grid: Grid, on_round=None) -> Path:
         from ..runs import RunDir
 
         opts = self.opts
@@ -426,6 +479,10 @@ class FlowerServer:
         run = RunDir(opts.run_dir)
         if run.exists() and not opts.overwrite:
             raise FileExistsError(f"{run.path} already holds a run; choose another run-dir or set overwrite = true")
+        # a new run that fails before its first round leaves nothing (a Flower run cannot be resumed, and a
+        # half-written one would block the retry): the folders it created go, an empty one that was there stays
+        created = [d for d in (run.path, *run.path.parents) if not d.exists()]
+        was_empty = run.path.is_dir() and not any(run.path.iterdir())
         # overwrite: the old run is set aside (never another kind of directory) and deleted after round 1
         replaced = Replacement(run.path)
         self.rounds_done = 0
@@ -433,6 +490,15 @@ class FlowerServer:
             return self._run(grid, run, backend, replaced, on_round)
         except BaseException:
             replaced.undo()
+            if not self.rounds_done and (created or was_empty):
+                shutil.rmtree(run.path, ignore_errors=True)
+                if was_empty:
+                    run.path.mkdir()
+                for d in created[1:]:
+                    try:
+                        d.rmdir()  # only if empty
+                    except OSError:
+                        break
             # a signal (Flower's exit handler raises SystemExit on SIGINT/SIGTERM), a stopped run (`flwr stop`: the
             # Grid's next call fails) or an error: the run is over at its last recorded round, and not "running"
             if self.rounds_done:
@@ -469,7 +535,9 @@ class FlowerServer:
             info["dp"] = {**self.dp.describe(), **self.dp.privacy_spent()}
         atomic_write_text(run.path / "flower.json", json.dumps(info, indent=2) + "\n")
         run.write_status("complete", cfg.server.rounds, cfg.server.rounds)
-        finish(run.path, server.task, server.global_model, server.recipe.weighting.name, facts=server.facts)
+        finish(run.path, server.task, server.global_model, server.recipe.weighting.name, facts=server.facts,
+               events=run.events)
+        run.close_events()
         return run.path
 
 

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .server_app import OPTIONS
+from .server_app import preflight
 
 
 def flower_simulate(
@@ -39,17 +39,17 @@ def flower_simulate(
 
     ``num_cpus`` / ``num_gpus``: resources of one client (Ray's ``client_resources``); ``ray_cpus``:
     CPUs Ray may use in all (default: all of this machine's); ``options``: ServerApp run-config keys
-    (``server_app.OPTIONS``: ``round-timeout``, ``min-clients``, ``dp-noise-multiplier``, ...)."""
+    (``server_app.OPTIONS``: ``round-timeout``, ``min-clients``, ``dp-noise-multiplier``, ...). Options that do not fit
+    the config (central DP's requirements, ``min-clients``) raise ``ConfigError`` before Ray starts
+    (``server_app.preflight``)."""
     from flwr.simulation import run_simulation
 
     from ..api import resolved
     from .client_app import make_client_app
     from .server_app import make_server_app
 
-    unknown = sorted(set(options or {}) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown Flower option(s) {unknown}; known: {sorted(OPTIONS)}")
     run_dir = Path(run_dir).absolute()
+    preflight(cfg, options, run_dir)  # a ConfigError before Ray starts or anything is written
     own_state = state_dir is None
     state = Path(tempfile.mkdtemp(prefix="fedsight-flower-nodes-")) if own_state else Path(state_dir).absolute()
     settings = {"fedsight-config": json.dumps(resolved(cfg)), "run-dir": str(run_dir), "state-dir": str(state),

@@ -107,6 +107,7 @@ class ElasticParams(Params):
 
 class Elastic(Component):
     """Client: parameter sensitivity on the received global model. Server: elastic aggregation."""
+    uploads_extras = True  # the sensitivities S_k
 
     name = "elastic"
 

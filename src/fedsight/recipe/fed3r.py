@@ -128,6 +128,7 @@ class ClosedFormClassifier(Component):
     """Shared machinery: the once-per-client queue, the trainer claim, writing the head."""
 
     name = "closed_form"
+    uploads_extras = True  # the ridge statistics (its trainer's upload)
 
     def __init__(self) -> None:
         self.visited: np.ndarray | None = None

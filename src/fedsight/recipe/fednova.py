@@ -110,6 +110,7 @@ class FedNovaParams(Params):
 
 class FedNova(Component):
     """Client: report ||a_k||_1 of its local solver. Server: the FedNova aggregator."""
+    uploads_extras = True  # the normalising factor a_i
 
     name = "fednova"
 

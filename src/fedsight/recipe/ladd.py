@@ -88,6 +88,7 @@ class StyleTrainer(Trainer):
 
 class ClientStyles(Component):
     name = "client_styles"
+    uploads_extras = True  # the client's style vector (its trainer's upload)
 
     def __init__(self, params: ClientStylesParams):
         self.params = params

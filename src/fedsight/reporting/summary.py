@@ -145,6 +145,57 @@ def _events_section(records: list[dict]) -> list[str]:
     return lines + [""]
 
 
+#: events that take updates out of a round -> the cause they give a round that was then skipped
+_SKIP_CAUSES = {"rejected_update": "rejected updates", "client_lost": "lost clients", "model_refused": "refused models",
+                "too_few_clients": "too few clients", "dp_release_skipped": "an incomplete DP release"}
+
+
+def skipped_rounds(records: list[dict]) -> dict[int, str]:
+    """Round -> why it was skipped (a ``round_skipped`` event: nothing aggregated, the global model left as it
+    was), from that round's events: "non-finite updates" for rejections of non-finite values, the other ways
+    updates were lost, and the skip's own reason when it is more than "no valid client update"."""
+    events: dict[int, list[dict]] = {}
+    for e in records:
+        if "event" in e and isinstance(e.get("round"), int):
+            events.setdefault(e["round"], []).append(e)
+    out: dict[int, str] = {}
+    for r in sorted(events):
+        if not any(e["event"] == "round_skipped" for e in events[r]):
+            continue
+        causes: list[str] = []
+        for e in events[r]:
+            kind, reason = str(e["event"]), str(e.get("reason", ""))
+            if kind == "rejected_update" and "non-finite" in reason:
+                cause = "non-finite updates"
+            elif kind == "round_skipped":
+                cause = None if reason in ("", "no valid client update") else reason.split(":")[0]
+            else:
+                cause = _SKIP_CAUSES.get(kind)
+            if cause and cause not in causes:
+                causes.append(cause)
+        out[r] = ", ".join(causes) or "no valid client update"
+    return out
+
+
+def skipped_status(records: list[dict]) -> dict[str, Any]:
+    """``status.json``'s account of the skipped rounds (none: ``{}``): ``skipped_rounds`` (sorted) and
+    ``skipped_causes`` (cause -> rounds)."""
+    skipped = skipped_rounds(records)
+    causes: dict[str, list[int]] = {}
+    for r, cause in sorted(skipped.items()):
+        causes.setdefault(cause, []).append(r)
+    return {"skipped_rounds": sorted(skipped), "skipped_causes": causes} if skipped else {}
+
+
+def _skipped_line(causes: dict[str, list[int]], total: int) -> str:
+    """"N of R rounds were skipped (cause): rounds a, b", one clause per cause (``skipped_status``)."""
+    n = sum(len(rs) for rs in causes.values())
+    clauses = [f"({c}): round{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for c, rs in causes.items()]
+    if len(clauses) == 1:
+        return f"{n} of {total} rounds were skipped {clauses[0]}"
+    return f"{n} of {total} rounds were skipped: " + "; ".join(f"{len(rs)} {cl}" for rs, cl in zip(causes.values(), clauses))
+
+
 def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
     """Write ``RUN_DIR/summary.md`` and return its path.
 
@@ -171,6 +222,9 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
         lines.append(f"- **server validation set:** {val['size']} examples ({val['source']}"
                      f"{', imbalance ' + str(val['imbalance']) if val.get('imbalance') else ''}); per class {hist}")
     lines.append(f"- **rounds completed:** {run.n_rounds}{stage_text}")
+    skipped = skipped_status(run.records)
+    if skipped:
+        lines.append(f"- **skipped rounds:** {_md_escape(_skipped_line(skipped['skipped_causes'], run.n_rounds))}")
     if "time/round_s" in series:
         total = float(np.nansum(series["time/round_s"].values))
         lines.append(f"- **total time:** {_fmt_duration(total)} (sum of time/round_s over "
