@@ -12,7 +12,8 @@ noise multiplier z:
 where E[B] is the expected batch size (q n_k with Poisson sampling, the batch size with shuffling) and
 g_reg the gradient of data-independent loss terms (a proximal term, a watermark regulariser), which do
 not touch the data and need no noise: g_reg = (gradient of the whole objective) - mean_i g_i. The loop's
-optimiser step (SGD, or Adam through ``local_adam`` listed *after* ``dp_sgd``) then uses g: post-processing
+optimiser step (SGD; Adam through ``train.optimizer``, whose transform runs after this hook when ``dp_sgd`` is
+listed before any ``scaffold``, or through ``local_adam`` listed *after* ``dp_sgd``) then uses g: post-processing
 of a private gradient stays private.
 
 Sampling and accounting. ``sampling = "poisson"`` (default) draws every local batch by including each of

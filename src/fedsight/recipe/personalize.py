@@ -225,6 +225,8 @@ class PFedMeTrainer(Trainer):
             )
         if local.momentum != 0.0:
             raise ValueError(f"pfedme: train.momentum must be 0 (Algorithm 1 takes plain steps), got {local.momentum}")
+        if getattr(local, "optimizer", "sgd") != "sgd":
+            raise ValueError(_pfedme_optimizer(local.optimizer))
         params = shared + personal
         scope = backward_scope(ctx, params)
         lam = self.lam
@@ -274,8 +276,18 @@ class PFedMe(Component):
         return self._trainer
 
 
+def _pfedme_optimizer(name: str) -> str:
+    return (f"pfedme runs its own solver (SGD inner steps, then w <- w - lr lambda (w - theta)); "
+            f"train.optimizer = {name!r} would not apply: set train.optimizer = 'sgd'")
+
+
+def _pfedme_check(spec: PFedMeParams, cfg) -> str | None:
+    opt = getattr(getattr(cfg, "train", None), "optimizer", "sgd")
+    return _pfedme_optimizer(opt) if opt != "sgd" else None
+
+
 @COMPONENTS.register(
-    "pfedme", params=PFedMeParams,
+    "pfedme", params=PFedMeParams, check=_pfedme_check,
     help="pFedMe: K-step Moreau-envelope inner solve per local step (Dinh et al. 2020); server beta = sgd lr",
 )
 def _pfedme(params: PFedMeParams) -> PFedMe:

@@ -23,6 +23,13 @@ One component filling two slots of the recipe:
 
 Choices where the paper is silent:
 
+* Local optimiser and learning-rate schedule. ``eta_l`` is the round's rate (``ctx.local.lr`` is already
+  ``train.lr`` under ``train.lr_schedule`` "step" / "cosine" at this round), so a scheduled run divides
+  by the rate its steps actually used. SCAFFOLD is a ``step_correction``: with ``train.optimizer =
+  "adam"`` / ``"adamw"`` the loop applies Adam to the gradient first and then adds ``c - c_i`` (the order
+  ``fedsight.recipe.local_adam`` documents), so ``c_i+`` is the client's mean corrected Adam direction
+  (plus ``wd y`` under AdamW's decoupled decay, as under SGD's weight decay below). Components that shape
+  the gradient (``dp_sgd``, ``feddyn``'s clipping) must then be listed before ``scaffold``.
 * Option II is derived for plain local SGD. With local momentum or weight decay
   (``train.momentum`` / ``train.weight_decay``) the formula is applied as-is, i.e. ``(x - y_i)/(K eta_l)``
   is then the average *effective* step direction rather than the average corrected gradient.
@@ -49,8 +56,10 @@ KEY = "scaffold"
 
 class Scaffold(Component):
     """SCAFFOLD (Karimireddy et al. 2020, Algorithm 1, option II) as a multi-slot recipe component."""
+    uploads_extras = True  # Delta c_i
 
     name = KEY
+    step_correction = True  # train.optimizer's Adam transform runs before the correction
 
     def __init__(self) -> None:
         #: the server control variate c over the shared trainable parameters (empty = all zeros)

@@ -23,6 +23,14 @@ class Component:
     """Base class of multi-slot recipe components. Override only the hooks you need."""
 
     name: str = "component"
+    #: whether ``client_end`` attaches tensors to ``result.extras`` (uploads beyond the model update: central DP,
+    #: which clips and noises the update only, refuses such a component at start)
+    uploads_extras: bool = False
+    #: whether ``after_backward`` adds a correction to the step *direction* rather than shaping the gradient
+    #: (SCAFFOLD's ``c - c_i``). ``train.optimizer``'s Adam transform runs after the ``after_backward`` of
+    #: every component before the first such one (DP-SGD's noisy clipped gradient, FedDyn's clipping) and
+    #: before it, so the correction is added to the Adam direction (``fedsight.training.local.sgd_steps``)
+    step_correction: bool = False
 
     # -- client side ---------------------------------------------------------------------------
     def client_start(self, ctx: ClientContext) -> None:

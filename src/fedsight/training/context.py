@@ -32,7 +32,8 @@ class ClientContext:
     state: "ClientState | None" = None
     #: total local steps this client takes in this round
     num_steps: int = 0
-    #: the local training settings (``fedsight.client.LocalTraining``: lr, momentum, batch size, ...)
+    #: this round's local training settings (``fedsight.training.local.LocalTraining``: lr, momentum, batch
+    #: size, ...); ``local.lr`` is already the round's rate under a step or cosine ``train.lr_schedule``
     local: Any = None
     #: what each component's ``server_broadcast`` sent this round, by component name
     broadcast: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)

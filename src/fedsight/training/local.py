@@ -8,6 +8,7 @@ local procedure (FedAlt's alternating passes, Ditto's personal model, Fed3R's st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,21 +23,41 @@ from ..device import model_device, to_device
 from ..tasks.base import Task
 from .component import Component
 from .context import ClientContext, ClientState
+from .optim import AdamDirection
 
 #: the parameter groups ``train.freeze`` may name (``FedModel.parameter_groups``)
 FREEZABLE = ("backbone", "head", "norm")
 
 
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "poly", "step", "cosine")
+
+
 @dataclass(frozen=True)
 class LocalTraining:
-    """Local optimisation: SGD over whole epochs, a fixed number of steps, or (heterogeneous local
+    """Local optimisation: whole epochs, a fixed number of steps, or (heterogeneous local
     work, as FedNova studies) a number of steps drawn per round and client uniformly from
     ``steps_range`` = (low, high) inclusive, from the stream ("steps", round, client).
 
+    ``optimizer``: ``"sgd"`` (``torch.optim.SGD`` with ``momentum`` and coupled ``weight_decay``);
+    ``"adam"``: ``torch.optim.Adam(lr, betas, eps, weight_decay)``, whose L2 decay ``wd p`` is added to the
+    gradient before the moments; ``"adamw"``: ``torch.optim.AdamW(lr, betas, eps, weight_decay)``, the
+    decoupled decay ``lr wd p``. Adam runs as a gradient transform on the SGD loop
+    (``fedsight.training.optim.AdamDirection``, see ``sgd_steps`` for where it sits among the components'
+    hooks) with ``momentum = 0``. Its moments start at zero at every local pass: every client in every round
+    (clients keep nothing between rounds unless a component stores it in their state), and each of a
+    trainer's passes (Ditto's personal pass, FedAlt's two blocks) starts its own.
+
+    Learning rate. ``lr_schedule = "poly"`` decays the rate within each round (``lr_factor``); ``"step"``
+    and ``"cosine"`` set each round's rate (``lr_at_round``) over the whole run of ``total_rounds`` rounds,
+    as ``torch.optim.lr_scheduler.StepLR`` / ``CosineAnnealingLR(T_max = total_rounds, eta_min = lr_min)``
+    stepped once per round. ``train_client`` hands the round's settings (``at_round``) to everything
+    that reads ``ctx.local.lr``: the SGD step, SCAFFOLD's control-variate update, FedNova's normalising
+    factor, Ditto's and pFedMe's steps.
+
     ``temperature`` divides the model's outputs before the task loss: the tempered softmax of thesis
     eq. 3.2 (tau = 0.1 after a Fed3R initialisation, Sec. 3.7); a model returning a tuple (main and auxiliary
-    outputs) has every element divided. ``lr_schedule = "poly"`` decays the rate within each round
-    (``lr_factor``). ``freeze`` names parameter groups that
+    outputs) has every element divided. ``freeze`` names parameter groups that
     do not train (FT(psi) freezes ``backbone``, FT(phi) freezes ``head``); frozen parameters are neither
     uploaded nor re-downloaded, and normalisation layers whose parameters are all frozen run in eval mode
     (their running statistics stay fixed)."""
@@ -53,14 +74,73 @@ class LocalTraining:
     lr_schedule: str = "constant"
     lr_power: float = 0.9
     lr_horizon: float = 1.0
+    optimizer: str = "sgd"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    lr_gamma: float = 0.1
+    lr_step_rounds: int | None = None
+    lr_min: float = 0.0
+    #: R of the cosine schedule: the run's rounds (``server.rounds``, every stage together)
+    total_rounds: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer = {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"train.lr_schedule = {self.lr_schedule!r}: expected one of {', '.join(LR_SCHEDULES)}")
+        if self.optimizer != "sgd" and self.momentum:
+            raise ValueError(f"train.momentum = {self.momentum} with train.optimizer = {self.optimizer!r}: Adam keeps "
+                             "its own first moment (train.betas); set train.momentum = 0")
+        if self.lr_schedule == "step" and (self.lr_step_rounds is None or self.lr_step_rounds < 1):
+            raise ValueError("train.lr_schedule = 'step' needs train.lr_step_rounds >= 1")
+        if self.lr_schedule == "cosine" and (self.total_rounds is None or self.total_rounds < 1):
+            raise ValueError("train.lr_schedule = 'cosine' needs the run's total_rounds (server.rounds)")
 
     def lr_factor(self, step: int, num_steps: int) -> float:
-        """The learning-rate multiplier at local step ``step`` (0-based) of ``num_steps``: 1 for a constant
-        rate; ``(1 - step / (lr_horizon num_steps))^lr_power`` for the per-client poly schedule (restarted
+        """The learning-rate multiplier at local step ``step`` (0-based) of ``num_steps``: 1 unless the
+        schedule is the per-client poly one, ``(1 - step / (lr_horizon num_steps))^lr_power`` (restarted
         every round: FedDrive's clients build their scheduler in every round)."""
         if self.lr_schedule != "poly" or num_steps <= 0:
             return 1.0
         return max(0.0, 1.0 - step / (self.lr_horizon * num_steps)) ** self.lr_power
+
+    def lr_at_round(self, round: int) -> float:
+        """The base rate of round ``round`` (1-based; the engine's ``ctx.round``, counted over the whole run):
+        ``lr`` for ``"constant"`` and ``"poly"``; ``lr lr_gamma^floor((round - 1) / lr_step_rounds)`` for
+        ``"step"``; ``lr_min + (lr - lr_min) (1 + cos(pi (round - 1) / R)) / 2`` with R = ``total_rounds``
+        for ``"cosine"`` (``lr`` in round 1, reaching ``lr_min`` only after the last round). A round past R
+        is an error (the schedule covers the run it was built for)."""
+        e = max(round - 1, 0)
+        if self.lr_schedule == "step":
+            assert self.lr_step_rounds is not None
+            return self.lr * self.lr_gamma ** (e // self.lr_step_rounds)
+        if self.lr_schedule == "cosine":
+            R = self.total_rounds
+            assert R is not None
+            if e >= R:
+                raise ValueError(f"train.lr_schedule = 'cosine': round {round} is past the schedule's {R} rounds")
+            return self.lr_min + (self.lr - self.lr_min) * (1.0 + math.cos(math.pi * e / R)) / 2.0
+        return self.lr
+
+    def at_round(self, round: int) -> "LocalTraining":
+        """These settings with ``lr`` the rate of round ``round`` (``lr_at_round``): what a client sees as
+        ``ctx.local``. The same object when the rate does not change across rounds."""
+        if self.lr_schedule not in ("step", "cosine"):
+            return self
+        return dataclasses.replace(self, lr=self.lr_at_round(round))
+
+    @property
+    def step_weight_decay(self) -> float:
+        """The weight decay of the loop's SGD step: ``weight_decay`` for SGD and AdamW (decoupled: the step
+        adds ``lr wd p`` to the Adam direction), 0 for Adam (its L2 term enters the gradient before the
+        moments, ``adam_direction``)."""
+        return 0.0 if self.optimizer == "adam" else self.weight_decay
+
+    def adam_direction(self) -> AdamDirection | None:
+        """A fresh Adam transform for one local pass (``train.optimizer`` adam/adamw), or None for SGD."""
+        if self.optimizer == "sgd":
+            return None
+        return AdamDirection(self.betas, self.eps, l2=self.weight_decay if self.optimizer == "adam" else 0.0)
 
     def num_steps(self, num_examples: int, seed: int = 0, round: int = 0, client: int = 0) -> int:
         if self.steps_range is not None:
@@ -166,14 +246,25 @@ def sgd_steps(
     lr: float | None = None,
     extra_loss=None,
 ) -> torch.Tensor:
-    """``num_steps`` SGD steps on ``params`` over the client's shuffled data (stream (``stream``, round,
+    """``num_steps`` local steps on ``params`` over the client's shuffled data (stream (``stream``, round,
     client)), with every component's hooks; returns the summed objective (in the model's floating dtype,
     on its device). ``extra_loss(model)`` adds a trainer's own term (Ditto's proximal term). Batches come
     from ``task.train_batches`` (which may prefetch) and move to the model's device. Adds the steps'
-    FLOPs to ``ctx.flops``."""
+    FLOPs to ``ctx.flops``.
+
+    Each step: ``backward()``, the components' ``after_backward`` in list order, then the SGD step
+    (``train.lr`` times the poly factor, momentum, ``LocalTraining.step_weight_decay``). With
+    ``train.optimizer`` adam/adamw, Adam's transform (fresh moments for this pass) runs among the hooks
+    right before the first ``step_correction`` component (SCAFFOLD), after all of them if there is none:
+    gradient-shaping hooks listed before it (DP-SGD, FedDyn's clipping) feed Adam, and SCAFFOLD's
+    ``c - c_i`` is added to the Adam direction (``fedsight.recipe.local_adam`` explains why)."""
     task, model, local = ctx.task, ctx.model, ctx.local
     base_lr = local.lr if lr is None else lr
-    opt = torch.optim.SGD(params, lr=base_lr, momentum=local.momentum, weight_decay=local.weight_decay)
+    opt = torch.optim.SGD(params, lr=base_lr, momentum=local.momentum, weight_decay=local.step_weight_decay)
+    adam = local.adam_direction()
+    at = direction_position(components)
+    before, after = components[:at], components[at:]
+    indexed = list(enumerate(params))
     scope = backward_scope(ctx, params)
     device = model_device(model)
     loss_sum = loss_accumulator(model)
@@ -195,9 +286,13 @@ def sgd_steps(
             loss = torch.zeros((), device=device)
             for p in params:
                 p.grad = torch.zeros_like(p)
-        for c in components:
+        for c in before:
             c.after_backward(ctx)
-        if local.lr_schedule != "constant":
+        if adam is not None:
+            adam.apply_(indexed)
+        for c in after:
+            c.after_backward(ctx)
+        if local.lr_schedule == "poly":
             for group in opt.param_groups:
                 group["lr"] = base_lr * local.lr_factor(step, num_steps)
         opt.step()
@@ -205,6 +300,21 @@ def sgd_steps(
         if ctx.cost is not None:
             ctx.flops += ctx.cost.train_step(len(pos), scope)
     return loss_sum
+
+
+def direction_position(components: Sequence[Component]) -> int:
+    """Where ``train.optimizer``'s Adam transform runs among the components' ``after_backward`` hooks:
+    before the first ``step_correction`` component, or after every hook."""
+    return next((i for i, c in enumerate(components) if c.step_correction), len(components))
+
+
+def misplaced_after_correction(components: Sequence[Component]) -> list[str]:
+    """Components that shape the gradient in ``after_backward`` but are listed after a step correction: with
+    an Adam ``train.optimizer`` their hook would run after Adam's transform (a DP-SGD gradient would not be
+    what Adam sees), so that order is refused."""
+    at = direction_position(components)
+    return [c.name for c in components[at:] if not c.step_correction
+            and type(c).after_backward is not Component.after_backward]
 
 
 def chosen_positions(ctx: ClientContext, components: Sequence[Component], num_steps: int,
@@ -286,13 +396,15 @@ def train_client(
     cost=None,
 ) -> ClientResult:
     """Run ``trainer`` (default: SGD) for one client on ``model``, which already holds the received
-    global weights (and the client's personal entries).
+    global weights (and the client's personal entries), in round ``round`` (1-based) with ``local`` at that
+    round's rate (``LocalTraining.at_round``: ``ctx.local.lr`` is the round's lr).
 
     Returns the delta of the shared trainable parameters (local minus received global), the shared
     buffers after training, and the mean local objective ``train/loss`` over the steps taken.
     """
     n = task.num_train_examples(client)
     frozen = set(frozen or ())
+    local = local.at_round(round)  # the round's rate under a step or cosine schedule
     ctx = ClientContext(
         client_id=client, round=round, model=model, global_params=global_params, num_examples=n, seed=seed,
         state=state, num_steps=local.num_steps(n, seed, round, client), local=local, broadcast=broadcast or {},
