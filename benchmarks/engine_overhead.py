@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fedsight.api import build_simulation
-from fedsight.config import load
+from fedsight.sweep import load
 from fedsight.engine.simulation import sample_clients
 from fedsight.rng import torch_gen
 from fedsight.runs import RunDir

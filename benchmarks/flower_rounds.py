@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from fedsight.api import execute
-from fedsight.config import load
+from fedsight.sweep import load
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The README's FedDrive table from the runs of ``examples/feddrive.toml``, in the layout of the thesis's
+"""The FedDrive table of docs/segmentation.md from the runs of ``examples/feddrive.toml``, in the layout of the thesis's
 Tables 5.3-5.5: per split and method, mIoU on the unseen domains and on the seen ones with the run's test-time
 rule ("standard" for SiloBN/FedBN: statistics recomputed on the test data), and for SiloBN/FedBN also "by
 domain" (every seen-test image with the statistics of its domain's training clients), obtained by

@@ -1,4 +1,4 @@
-"""The README's LADD table from the runs of ``examples/ladd.toml``, in the layout of the thesis's component
+"""The LADD table of docs/ladd.md from the runs of ``examples/ladd.toml``, in the layout of the thesis's component
 ablation (Table 5.13): which parts are on (FDA pre-training, self-training, distillation to theta^0, the SWA
 teacher, cluster aggregation) and the test mIoU of the final round, mean ± sample std over the complete runs.
 The two source-only rows are the test mIoU at the end of the source stage (nothing adapted yet) of the runs

@@ -1,4 +1,4 @@
-"""The README's PPFL-RDSN tables from the runs of ``examples/ppfl_rdsn.toml``, in the layout of the paper's
+"""The PPFL-RDSN tables of docs/image_sr.md from the runs of ``examples/ppfl_rdsn.toml``, in the layout of the paper's
 Tables I-III (He & Joshi; digest ``notes/001_ppfl_rdsn.md`` section 4). Every value is a mean ± sample std
 over the complete runs (seeds; n in the last column) of a variant at one scale (``RUN_ROOT/<variant>/
 scale=<s>/seed<k>``); PSNR (dB) and SSIM on BT.601 Y with a scale-sized border crop, per test set.

@@ -1,4 +1,4 @@
-"""The README's RAF tables from the runs of ``examples/raf.toml``, in the layout of the paper's Tables II and III
+"""The RAF tables of docs/keypoints.md from the runs of ``examples/raf.toml``, in the layout of the paper's Tables II and III
 (Lim et al., digest ``notes/002_raf.md`` section 4). Values are mean ± sample std over the complete runs
 (seeds; n in the last column) of a variant (``RUN_ROOT/<variant>/seed<k>``), final round, in %.
 

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from fedsight.config import ConfigError, expand, parse_override, validate
+from fedsight.config import ConfigError, parse_override, validate
+from fedsight.sweep import expand
 
 from helpers import tiny
 
@@ -108,7 +109,7 @@ def test_sweep_grid_runs_every_combination():
 def test_run_and_variant_names_cannot_leave_output_dir(tmp_path, where, name):
     """``run.name = ".."`` (or a variant named "..") would put the run directory outside output_dir, where an
     --overwrite could replace another run: refused with a message naming the key."""
-    from fedsight.config import expand
+    from fedsight.sweep import expand
 
     raw = tiny()
     if where == "run":
@@ -135,7 +136,7 @@ def test_no_float_field_accepts_inf_or_nan(key, value):
 def test_every_example_config_expands_and_validates(path):
     """Every run of every README example (variants x seeds) is a valid config, so a README command cannot fail
     on its config."""
-    from fedsight.config import load
+    from fedsight.sweep import load
 
     specs = load(path)
     assert specs and len({s.run_dir for s in specs}) == len(specs)

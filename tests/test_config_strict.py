@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedsight.config import ConfigError, expand, set_path, validate
+from fedsight.config import ConfigError, set_path, validate
+from fedsight.sweep import expand
 
 from helpers import tiny
 

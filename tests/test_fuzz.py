@@ -51,7 +51,8 @@ from pydantic import BaseModel
 
 from fedsight import registry as R
 from fedsight.api import execute
-from fedsight.config import ConfigError, config_model, load, validate
+from fedsight.config import ConfigError, config_model, validate
+from fedsight.sweep import load
 
 # -- the world: runs that must survive every case ----------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import sys
@@ -24,11 +25,12 @@ from .engine.simulation import Simulation
 from .metric_table import metric_directions
 from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
+from .provenance import provenance
 from .errors import RunFileError
-from .runs import INTERRUPTED, Replacement, RunDir, atomic_write_text, read_run_meta
+from .runs import INTERRUPTED, Replacement, RunDir, RunLock, atomic_write_text, read_run_meta
 from .state import ClientStateStore
 from .tasks.base import Task
-from .training.local import SGD_TRAINER, LocalTraining
+from .training.local import SGD_TRAINER, LocalTraining, direction_position, misplaced_after_correction
 
 load_builtin()
 
@@ -59,12 +61,21 @@ def _exclusive(slot: str, configured: Any, default: str, registry: R.Registry[An
 
 
 def build_recipe(cfg: Any) -> Recipe:
+    """The recipe of ``cfg``. ``train.optimizer`` is not a component: the local loop places Adam's transform
+    itself (``fedsight.training.local.sgd_steps``: before SCAFFOLD's correction, after every other
+    gradient hook), so a gradient-shaping component listed after ``scaffold`` is refused with it."""
     rc = cfg.recipe
     components = [R.build(R.COMPONENTS, c.name, c) for c in rc.components]
     names = [c.name for c in components]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"recipe.components: {', '.join(dup)} listed twice")
+    opt = cfg.train.optimizer  # (local_adam with it: refused when the config is validated, local_adam's check)
+    if opt != "sgd" and (late := misplaced_after_correction(components)):
+        first = components[direction_position(components)].name
+        raise ConfigError(f"recipe.components: list {', '.join(late)} before {first}: with train.optimizer = {opt!r} "
+                          f"Adam's transform runs right before {first}'s correction, and {', '.join(late)} must shape "
+                          "the gradient Adam sees")
     return Recipe(
         trainer=_claimed("trainer", components, what="local procedure") or SGD_TRAINER,
         weighting=_exclusive("weighting", rc.weighting, "data_size", R.WEIGHTINGS, components),
@@ -75,12 +86,17 @@ def build_recipe(cfg: Any) -> Recipe:
     )
 
 
-def build_local(cfg: Any) -> LocalTraining:
+def build_local(cfg: Any, total_rounds: int | None = None) -> LocalTraining:
+    """The ``train`` section as ``LocalTraining``. ``total_rounds``: R of the cosine schedule, the whole run's
+    ``server.rounds`` (default ``cfg.server.rounds``; a stage's config holds only the stage's rounds, so
+    a caller building a stage passes the run's)."""
     t = cfg.train
     return LocalTraining(
         batch_size=t.batch_size, lr=t.lr, epochs=t.epochs, steps=t.steps, momentum=t.momentum, weight_decay=t.weight_decay,
         steps_range=tuple(t.steps_range) if t.steps_range else None, temperature=t.temperature,
         freeze=tuple(t.freeze), lr_schedule=t.lr_schedule, lr_power=t.lr_power, lr_horizon=t.lr_horizon,
+        optimizer=t.optimizer, betas=tuple(t.betas), eps=t.eps, lr_gamma=t.lr_gamma, lr_step_rounds=t.lr_step_rounds,
+        lr_min=t.lr_min, total_rounds=total_rounds or cfg.server.rounds,
     )
 
 
@@ -104,7 +120,7 @@ def build_stages(cfg: Any, task: Task) -> list[Stage]:
     for name, rounds, scfg in stage_configs(cfg):
         end += rounds
         m = clients_per_round(task.num_clients, scfg.server.clients_per_round, scfg.server.fraction)
-        stages.append(Stage(name, end, build_recipe(scfg), build_local(scfg), m))
+        stages.append(Stage(name, end, build_recipe(scfg), build_local(scfg, total_rounds=cfg.server.rounds), m))
     return stages or [Stage("federated", cfg.server.rounds, build_recipe(cfg), build_local(cfg))]
 
 
@@ -179,13 +195,13 @@ def progress_keys(cfg: Any) -> list[tuple[str, str]]:
 
 
 def session_info(device: torch.device) -> dict[str, Any]:
-    """What ``run.json`` records about this session: where it ran and with what."""
+    """What ``run.json`` records about this session: where it ran (device, threads, torch and its CUDA build),
+    with what (package versions, git commits: ``provenance``) and the exact command line."""
     import datetime as dt
-    import numpy as np
 
     return {"started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **describe(device),
-            "fedsight": __version__, "python": platform.python_version(), "numpy": np.__version__,
-            "command": [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv else []}
+            "fedsight": __version__, "python": platform.python_version(),
+            "command": [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv else [], **provenance()}
 
 
 def resolved(cfg: Any) -> dict[str, Any]:
@@ -199,7 +215,7 @@ def experiment(config: dict[str, Any]) -> dict[str, Any]:
     records each session's engine."""
     out = {k: v for k, v in config.items() if k != "engine"}
     if isinstance(out.get("run"), dict):
-        out["run"] = {k: v for k, v in out["run"].items() if k not in ("output_dir", "checkpoint_keep")}
+        out["run"] = {k: v for k, v in out["run"].items() if k not in ("output_dir", "checkpoint_keep", "tensorboard")}
     return out
 
 
@@ -233,7 +249,8 @@ def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, parti
     if describe_data:  # per-client label counts and the server-held splits, for plots
         atomic_write_text(run.path / "partition.json", json.dumps(describe_data) + "\n")
     metrics, primary = metric_directions(cfg)
-    run.write_run_meta(metrics, primary, {**session_info(device), "backend": backend})
+    run.write_run_meta(metrics, primary, {**session_info(device), "backend": backend},
+                       model_io=dataclasses.asdict(task.model_io))
 
 
 def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
@@ -242,6 +259,8 @@ def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any]
     for e in events:
         run.append_metrics({"stage": server.stage, **e})
     run.append_metrics(row)
+    if cfg.run.tensorboard:
+        run.log_events(r, row)
     if server.last_weights is not None:
         ids, w = server.last_weights
         run.append_client_weights(r, ids, w)
@@ -262,9 +281,15 @@ def execute(
     """Run (or resume) one configured run in ``run_dir``.
 
     An existing run directory of the same resolved config is resumed from its last checkpoint (or
-    skipped if complete); one of a different config is an error unless ``overwrite``.
+    skipped if complete); one of a different config is an error unless ``overwrite``. The run directory is
+    locked throughout (``RunLock``): a second process on it fails at once.
     """
-    run = RunDir(run_dir)
+    with RunLock(run_dir):
+        return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round)
+
+
+def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: int | None,
+             on_round: OnRound | None) -> Outcome:
     res = experiment(resolved(cfg))
     if run.exists() and not overwrite:
         old = experiment(run.read_config())
@@ -336,27 +361,37 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
 
     try:
         sim.run(on_round=_on_round, stop_after=stop_after)
+        state = "complete" if sim.round >= cfg.server.rounds else "stopped"
+        save_weights(sim.global_model, run.path / "model.safetensors")
+        run.write_status(state, sim.round, cfg.server.rounds)
+        if state == "complete":
+            finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context,
+                   facts=sim.server.facts, events=run.events)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI: the last completed round is checkpointed
         run.write_status(INTERRUPTED, sim.round, cfg.server.rounds)
         raise
-    state = "complete" if sim.round >= cfg.server.rounds else "stopped"
-    save_weights(sim.global_model, run.path / "model.safetensors")
-    run.write_status(state, sim.round, cfg.server.rounds)
-    if state == "complete":
-        finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context,
-               facts=sim.server.facts)
+    finally:
+        run.close_events()
     return Outcome(run.path, state, last or None)
 
 
 def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None,
-           hooks: Any = None, facts: dict[str, torch.Tensor] | None = None) -> None:
+           hooks: Any = None, facts: dict[str, torch.Tensor] | None = None, events: Any = None) -> None:
     """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first). ``hooks(model,
     split)``: the run's evaluation hooks, under which a task's visuals show the model as it was evaluated
     (SiloBN's test statistics); None shows the global model as it is. ``facts``: the run's facts, reported on
-    by ``FACT_REPORTS`` (LADD's style clusters)."""
+    by ``FACT_REPORTS`` (LADD's style clusters). A run with skipped rounds stays "complete" (every reader of
+    ``status.json`` takes it as finished) and says which rounds, and why, in ``status.json``
+    (``skipped_rounds``, ``skipped_causes``) and ``summary.md``. ``events``: the session's TensorBoard log, which
+    gets the plots and the hparams."""
     from .registry import FACT_REPORTS
     from .reporting import plot_client_weights, write_summary
+    from .reporting.summary import skipped_status
 
+    run = RunDir(run_dir)
+    status, skipped = run.read_status(), skipped_status(run.read_metrics())
+    if status and skipped:
+        atomic_write_text(run.path / "status.json", json.dumps({**status, **skipped}) + "\n")
     for name, report in FACT_REPORTS.items():
         if facts and name in facts:
             report(Path(run_dir), facts, task)
@@ -368,6 +403,12 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     if (Path(run_dir) / "client_weights.jsonl").is_file() and not fixed:
         plot_client_weights(run_dir)  # before the summary, which links it; skipped for data-fixed weights
     write_summary(run_dir)
+    if events is not None:  # TensorBoard: the plots as images, the hparams with each metric's last value
+        final: dict[str, Any] = {}
+        for row in run.read_metrics():
+            if "event" not in row:
+                final.update(row)
+        events.finish(run.path, run.read_config(), final, int(final.get("round", 0)))
 
 
 def load_run_config(run_dir: str | Path, engine: dict[str, Any] | None = None) -> Any:
@@ -391,11 +432,16 @@ def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[in
     ``recipe.sharing.test_stats=domain``: SiloBN's statistics by domain instead of fresh ones). Nothing is
     trained; the metrics go to ``RUN_DIR/evaluations.jsonl`` and are returned with the checkpoint's round.
     Overrides of anything that would change what was trained are refused."""
-    from .config import parse_override
-
     run = RunDir(run_dir)
     if not (run.path / "config.json").is_file():
         raise FileNotFoundError(f"{run.path}: not a run directory (no config.json)")
+    with RunLock(run.path):  # not while the run itself is training (or evaluated by another process)
+        return _evaluate_run(run, overrides)
+
+
+def _evaluate_run(run: RunDir, overrides: Sequence[str]) -> tuple[int, dict[str, float]]:
+    from .config import parse_override
+
     raw = run.read_config()
     changes: dict[str, Any] = {}
     for text in overrides:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -28,6 +31,25 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        import torch
+
+        console.print(f"fedsight {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})",
+                      highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version (and torch's and Python's) and exit.")] = False,
+) -> None:
+    """FedSight: federated learning for real-world vision tasks under heterogeneity."""
+
+
 SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", "-s", help="Override a config value: key.path=value (TOML value). Repeatable."),
@@ -37,6 +59,12 @@ SetOpt = Annotated[
 def _fail(msg: str, code: int = 2) -> None:
     err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)  # paths may hold [..]
     raise typer.Exit(code)
+
+
+def _say(text: str) -> None:
+    """A line of plain text (paths, names, values from the user): never read as rich markup (``runs/exp[bold]``
+    stays as written), never highlighted, never wrapped into two lines."""
+    console.print(escape(text), highlight=False, soft_wrap=True)
 
 
 def _refuse_inside_run(out: Path | None) -> None:
@@ -73,8 +101,18 @@ def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
 
     done = int(RunDir(run_dir).read_status().get("round", 0)) if RunDir(run_dir).exists() else 0
     keys = progress_keys(cfg)
+    if not console.is_terminal:  # nohup, SLURM, a pipe: whole lines, never a bar cut to the width with "..."
+        total, start, every = cfg.server.rounds, time.monotonic(), max(1, cfg.server.rounds // 50)
+
+        def log_round(r: int, row: dict[str, Any]) -> None:
+            evaluated = any(key in row for key, _ in keys[:1])
+            if evaluated or r % every == 0 or r == total:
+                _say(f"{label} round {r}/{total}  {row.get('clients/aggregated', 0)} clients  {_short(row, keys)}  "
+                     f"{time.monotonic() - start:.1f} s")
+
+        return execute(cfg, run_dir, on_round=log_round, **kwargs)
     with _progress() as progress:
-        task = progress.add_task(label, total=cfg.server.rounds, completed=done, clients="", metrics="")
+        task = progress.add_task(escape(label), total=cfg.server.rounds, completed=done, clients="", metrics="")
 
         def on_round(r: int, row: dict[str, Any]) -> None:
             clients = f"{row.get('clients/aggregated', 0)} clients"
@@ -89,36 +127,78 @@ def run(
     set_: SetOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing run directories of a different config.")] = False,
     stop_after: Annotated[Optional[int], typer.Option(min=1, help="Stop after this round (resume later).")] = None,
+    variant: Annotated[Optional[list[str]], typer.Option(help="Run only this variant of the config (repeatable).")] = None,
+    jobs: Annotated[int, typer.Option(min=1, help="Run this many of the sweep's runs at once, each in its own process "
+                                               "with its engine.threads (auto: 1).")] = 1,
 ) -> None:
-    """Run a config: every variant x seed, each into its own run directory, then a comparison table.
+    """Run a config: every variant x grid point x seed, each into its own run directory, then a comparison table.
 
-    Re-running the same config resumes unfinished runs and skips finished ones.
+    Re-running the same config resumes unfinished runs and skips finished ones. --set wins over the
+    config's variants; setting a key the sweep's grid varies (or seed next to sweep.seeds) is an error.
     """
-    from . import config as C
+    from . import sweep as S
     from .reporting import report
 
     try:
-        specs = C.load(config, set_ or [])
+        specs = S.load(config, set_ or [], variant or [])
     except ConfigError as exc:
         _fail(str(exc))
     dirs = []
-    for spec in specs:
+    if jobs > 1 and len(specs) > 1:
+        dirs = _run_jobs(config, set_ or [], variant or [], specs, jobs, overwrite, stop_after)
+    for spec in specs if not dirs else []:
         label = f"{spec.variant or spec.config.run.name} seed {spec.seed}"
         try:
             out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
             _fail(str(exc), 1)
         if out.status == "skipped":
-            console.print(f"{label}: already complete in {out.run_dir}")
+            _say(f"{label}: already complete in {out.run_dir}")
         dirs.append(out.run_dir)
     if stop_after is not None:
-        console.print(f"stopped after round {stop_after}; continue with: fedsight run {config} (or fedsight resume RUN_DIR)")
+        again = shlex.join(["fedsight", "run", str(config), *(f"--set={s}" for s in set_ or []),
+                            *(f"--variant={v}" for v in variant or [])])
+        _say(f"stopped after round {stop_after}; continue with: {again}")
         return
     group = Path(os.path.commonpath([d.parent for d in dirs]))  # the sweep's folder
     table = report(dirs, group)
     console.print(table.to_rich())
-    console.print(f"runs: {', '.join(str(d) for d in dirs)}")
-    console.print(f"report: {group / 'report.md'}  curves: {group / 'curves.png'}")
+    _say(f"runs: {', '.join(str(d) for d in dirs)}")
+    _say(f"report: {group / 'report.md'}  curves: {group / 'curves.png'}")
+
+
+def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
+              stop_after: int | None) -> list[Path]:
+    """``run --jobs``: the sweep's runs in ``jobs`` processes (``fedsight.parallel``), with a bar per run (or,
+    off a terminal, a line per round); the run directories, or exit 1 naming every run that failed."""
+    from .api import progress_keys
+    from .parallel import run_parallel
+
+    labels = [f"{s.variant or s.config.run.name} seed {s.seed}" for s in specs]
+    keys = progress_keys(specs[0].config)
+    with _progress() if console.is_terminal else contextlib.nullcontext() as progress:
+        bars = [progress.add_task(escape(label), total=s.config.server.rounds, clients="", metrics="")
+                for label, s in zip(labels, specs)] if progress is not None else []
+
+        def on_message(msg: Any) -> None:
+            _, i, r, row = msg
+            if progress is not None:
+                progress.update(bars[i], completed=r, clients=f"{row.get('clients/aggregated', 0)} clients",
+                                metrics=_short(row, keys))
+            else:
+                _say(f"{labels[i]} round {r}/{specs[i].config.server.rounds}  {_short(row, keys)}")
+
+        results = run_parallel(config, sets, variants, len(specs), jobs, overwrite=overwrite, stop_after=stop_after,
+                               on_message=on_message)
+    failed = [(labels[i], err) for i, status, err in results if status == "failed"]
+    for i, status, _ in results:
+        if status == "skipped":
+            _say(f"{labels[i]}: already complete in {specs[i].run_dir}")
+    if any(status == "interrupted" for _, status, _ in results):
+        raise KeyboardInterrupt
+    if failed:
+        _fail("; ".join(f"{label}: {err}" for label, err in failed), 1)
+    return [s.run_dir for s in specs]
 
 
 @app.command()
@@ -138,10 +218,10 @@ def resume(
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 1)
     if out.status == "complete":
-        console.print(f"complete: {out.run_dir / 'summary.md'}")
+        _say(f"complete: {out.run_dir / 'summary.md'}")
         console.print((out.run_dir / "summary.md").read_text(), markup=False)
     elif out.status == "skipped":
-        console.print(f"{run_dir} is already complete")
+        _say(f"{run_dir} is already complete")
         write_summary(run_dir)
     else:
         console.print(f"stopped at round {out.last_row['round'] if out.last_row else 0}")
@@ -160,14 +240,14 @@ def evaluate(
         r, metrics = evaluate_run(run_dir, set_ or [])
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 1)
-    table = Table(title=f"{run_dir} at round {r}" + (f" with {', '.join(set_)}" if set_ else ""))
+    table = Table(title=escape(f"{run_dir} at round {r}" + (f" with {', '.join(set_)}" if set_ else "")))
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k, v in metrics.items():
         if k.count("/") <= 1:  # headline metrics; per-class families are in evaluations.jsonl
             table.add_row(k, f"{v:.4g}")
     console.print(table)
-    console.print(f"appended to {Path(run_dir) / 'evaluations.jsonl'}")
+    _say(f"appended to {Path(run_dir) / 'evaluations.jsonl'}")
 
 
 def _find_runs(paths: list[Path]) -> list[Path]:
@@ -189,17 +269,24 @@ def report(
     paths: Annotated[list[Path], typer.Argument(help="Run directories, or folders searched for runs.")],
     out: Annotated[Path, typer.Option(help="Where report.md and curves.png go.")] = Path("report"),
     metric: Annotated[Optional[list[str]], typer.Option(help="Metrics to tabulate (default: all eval metrics).")] = None,
+    csv: Annotated[Optional[Path], typer.Option(help="Also write every metric of every run and round to this CSV "
+                                                     "file (one row per run and round).")] = None,
 ) -> None:
-    """Compare runs: overlaid curves and a table of final/best values, mean +- std over seeds."""
+    """Compare runs: overlaid curves and a table of final/best values, mean +- std over runs that differ only by
+    seed (the best per metric in bold within each grid point)."""
     from .reporting import report as make_report
+    from .reporting import write_csv
 
     runs = _find_runs(paths)
+    _refuse_inside_run(csv)
     try:
         table = make_report(runs, out, metrics=metric) if metric else make_report(runs, out)
+        if csv is not None:
+            write_csv(runs, csv)
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 1)
     console.print(table.to_rich())
-    console.print(f"wrote {out / 'report.md'} and {out / 'curves.png'}")
+    _say(f"wrote {out / 'report.md'} and {out / 'curves.png'}" + (f" and {csv}" if csv is not None else ""))
 
 
 @app.command("list")
@@ -262,23 +349,57 @@ def _declarations(reg: Any, e: Any) -> str:
 def partition(
     config: Annotated[Path, typer.Argument(help="TOML config (its [data] and [partition] sections are used).")],
     set_: SetOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: partition.png beside the runs).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: partition.png in the sweep's folder; "
+                                                     "one per distinct partition of a sweep).")] = None,
+    variant: Annotated[Optional[list[str]], typer.Option(help="Only this variant of the config (repeatable).")] = None,
 ) -> None:
-    """Show how a config partitions its data: per-client statistics and a clients x classes heatmap."""
+    """Show how a config partitions its data: per-client statistics and a clients x classes heatmap.
+
+    A sweep shows every distinct partition of its variants and grid points (of its first seed), each with its
+    own heatmap in that point's folder; points with the same data and partition share one.
+    """
     _refuse_inside_run(out)
-    from . import config as C
+    import json
+
+    from . import sweep as S
     from .api import build_task
+
+    try:
+        specs = S.load(config, set_ or [], variant or [])
+    except ConfigError as exc:
+        _fail(str(exc))
+    specs = [s for s in specs if s.seed == specs[0].seed]
+    group = Path(os.path.commonpath([s.run_dir.parent for s in specs]))  # the sweep's folder
+    points: dict[str, list[Any]] = {}  # the sections that decide a task's partition -> the points sharing it
+    for spec in specs:
+        dump = spec.config.model_dump(mode="json")
+        key = json.dumps({k: dump.get(k) for k in ("seed", "data", "partition", "task", "validation", "pretrain")},
+                         sort_keys=True)
+        points.setdefault(key, []).append(spec)
+    for same in points.values():
+        spec = same[0]
+        where = spec.run_dir.parent.relative_to(group)
+        names = [str(s.run_dir.parent.relative_to(group)) for s in same if s.run_dir.parent != group]
+        if len(points) == 1:
+            path = out or group / "partition.png"
+        else:
+            slug = "-".join(where.parts)
+            path = out.with_name(f"{out.stem}-{slug}{out.suffix}") if out else spec.run_dir.parent / "partition.png"
+        if names:
+            _say(f"-- {', '.join(names)} (seed {spec.seed})")
+        try:
+            task = build_task(spec.config)  # the same data, validation carve-out and partition a run uses
+        except (ConfigError, FileNotFoundError, ValueError) as exc:
+            _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1)
+        _show_partition(spec.config, task, path, ", ".join(names) if len(points) > 1 else "")
+
+
+def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
+    """``fedsight partition`` of one config: the clients' table, the summary line, the heat map(s) at ``path``
+    (``point``: the sweep points it shows, for the plots' titles)."""
     from .data.partition import partition_summary
     from .reporting import plot_partition_heatmap
 
-    try:
-        cfg = C.load(config, set_ or [])[0].config
-    except ConfigError as exc:
-        _fail(str(exc))
-    try:
-        task = build_task(cfg)  # the same data, validation carve-out and partition a run uses
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1)
     describe = getattr(task, "data_description", None)
     if describe is None:
         _fail(f"task {cfg.task.name!r} has no per-client label statistics to show", 1)
@@ -286,7 +407,7 @@ def partition(
     counts = np.asarray(info["client_label_counts"])
     key = info.get("partition_key", "class")  # what the partition deals out: classes, or (segmentation) domains
     p = cfg.partition
-    table = Table(title=f"{p.name} partition of {cfg.data.name}: {p.num_clients} clients, seed {cfg.seed}")
+    table = Table(title=escape(f"{p.name} partition of {cfg.data.name}: {p.num_clients} clients, seed {cfg.seed}"))
     for col in ("client", "train", "local test", f"{key}s" if key != "class" else "classes", f"largest {key} share"):
         table.add_column(col, justify="right")
     for k, row in enumerate(counts):
@@ -296,21 +417,20 @@ def partition(
     summary = partition_summary(counts)
     if key != "class":
         summary = {k.replace("classes", f"{key}s").replace("label", key): v for k, v in summary.items()}
-    console.print("  ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()))
+    _say("  ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()))
     if info.get("validation"):
-        console.print(f"server validation set: {info['validation']}")
-    path = out or (Path(cfg.run.output_dir) / cfg.run.name / "partition.png")
+        _say(f"server validation set: {info['validation']}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    plot_partition_heatmap(counts, path, class_names=info.get("class_names"), title=f"{cfg.data.name} / {p.name}",
-                           key=key)
-    console.print(f"heatmap: {path}")
+    title = f"{cfg.data.name} / {p.name}" + (f" ({point})" if point else "")
+    plot_partition_heatmap(counts, path, class_names=info.get("class_names"), title=title, key=key)
+    _say(f"heatmap: {path}")
     if "client_class_pixels" in info:  # segmentation: how the classes' pixels are spread over the clients
         from .tasks.seg_visuals import plot_class_distribution
 
         dist = path.with_name(path.stem + "_classes.png")
         plot_class_distribution(np.asarray(info["client_class_pixels"]), info["pixel_class_names"], dist,
-                                title=f"{cfg.data.name} / {p.name}: class pixel shares of {len(counts)} clients")
-        console.print(f"class distribution: {dist}")
+                                title=f"{title}: class pixel shares of {len(counts)} clients")
+        _say(f"class distribution: {dist}")
 
 
 # -- pretrain: the server's feature extractor (fedsight.pretrain) --
@@ -333,12 +453,12 @@ def pretrain_(
     `fedsight run` on the same config loads this file, and pre-trains by itself when the file is missing.
     """
     _refuse_inside_run(out)
-    from . import config as C
+    from . import sweep as S
     from .api import build_task
     from .pretrain import pretrain, pretrain_key, pretrain_weights_path, sidecar_path
 
     try:
-        specs = C.load(config, set_ or [])
+        specs = S.load(config, set_ or [])
     except ConfigError as exc:
         _fail(str(exc))
     todo: dict[Path, Any] = {}
@@ -357,13 +477,13 @@ def pretrain_(
             import json
 
             meta = json.loads(sidecar_path(path).read_text())
-            console.print(f"{label}: already pre-trained (test acc {meta['test'].get('acc', float('nan')):.4f}) in {path}; "
-                          "--force to redo")
+            _say(f"{label}: already pre-trained (test acc {meta['test'].get('acc', float('nan')):.4f}) in {path}; "
+                 "--force to redo")
             continue
         try:
             task = build_task(cfg)  # data errors surface before the progress bar
             with _progress() as progress:
-                bar = progress.add_task(label, total=cfg.pretrain.epochs, clients="", metrics="")
+                bar = progress.add_task(escape(label), total=cfg.pretrain.epochs, clients="", metrics="")
 
                 def on_epoch(epoch: int, loss: float) -> None:
                     progress.update(bar, completed=epoch, metrics=f"loss {loss:.4f}")
@@ -377,9 +497,9 @@ def pretrain_(
             f"{label}: {res.num_examples} server examples, {cfg.pretrain.epochs} epochs, final train loss "
             f"{res.train_loss[-1]:.4f}; test acc {res.test.get('acc', float('nan')):.4f}{seen} (own head)"
         )
-        console.print(f"weights: {res.path}  details: {res.meta_path}", highlight=False, soft_wrap=True)
+        _say(f"weights: {res.path}  details: {res.meta_path}")
         if out is not None:
-            console.print(f"use it with: fedsight run {config} --set pretrain.weights={res.path}", highlight=False, soft_wrap=True)
+            _say(f"use it with: fedsight run {config} --set pretrain.weights={res.path}")
 
 
 # -- end pretrain --

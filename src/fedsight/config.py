@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import re
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -26,7 +25,7 @@ from .errors import ConfigError
 from .config_messages import format_validation_error
 from .registry import Params
 
-__all__ = ["ConfigError", "RunSpec", "expand", "load", "parse_override", "read_toml", "set_path", "validate"]
+__all__ = ["ConfigError", "parse_override", "read_toml", "set_path", "validate"]  # sweeps and loading: fedsight.sweep
 
 
 # -- component specs -------------------------------------------------------------------------------
@@ -69,6 +68,16 @@ class RunSection(Params):
     name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9._+\-\[\]=,]+$")
     output_dir: str = "runs"
     checkpoint_keep: int = Field(2, ge=0, description="checkpoints kept on disk (0 = all)")
+    tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard")
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, v: bool) -> bool:
+        from .tensorboard import available
+
+        if v and not available():
+            raise ValueError("needs the tensorboard package: pip install 'fedsight[tensorboard]'")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -79,8 +88,11 @@ class RunSection(Params):
 
 
 class TrainSection(Params):
-    """Local training: plain SGD, ``epochs`` passes, a fixed number of ``steps``, or a number of steps
-    drawn per round and client from ``steps_range = [low, high]`` (heterogeneous local work)."""
+    """Local training: ``epochs`` passes, a fixed number of ``steps``, or a number of steps drawn per round
+    and client from ``steps_range = [low, high]`` (heterogeneous local work), with the local ``optimizer``
+    (SGD, Adam or AdamW, moments fresh every round) and a learning-rate schedule within each round
+    (``poly``) or across rounds (``step``, ``cosine``); ``fedsight.training.local.LocalTraining`` has the
+    semantics."""
 
     epochs: int | None = Field(None, ge=1)
     steps: int | None = Field(None, ge=1)
@@ -89,10 +101,24 @@ class TrainSection(Params):
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    lr_schedule: Literal["constant", "poly"] = Field(
-        "constant", description="'poly': lr (1 - s / (lr_horizon S))^lr_power at local step s of S in the round "
-        "(a per-client polynomial schedule, FedDrive)",
+    optimizer: Literal["sgd", "adam", "adamw"] = Field(
+        "sgd", description="local optimiser: 'sgd' (momentum, L2 weight_decay), 'adam' (torch.optim.Adam: weight_decay is "
+        "L2 added to the gradient), 'adamw' (torch.optim.AdamW: decoupled lr*weight_decay*p); Adam's moments start "
+        "at zero every round for every client",
     )
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="Adam's (beta1, beta2) for optimizer 'adam' / 'adamw'"
+    )
+    eps: float = Field(1e-8, gt=0, description="Adam's eps for optimizer 'adam' / 'adamw'")
+    lr_schedule: Literal["constant", "poly", "step", "cosine"] = Field(
+        "constant", description="'poly': lr (1 - s / (lr_horizon S))^lr_power at local step s of S in the round "
+        "(a per-client polynomial schedule, FedDrive); across rounds r = 1..R (R = server.rounds): 'step': "
+        "lr lr_gamma^floor((r - 1) / lr_step_rounds) (StepLR); 'cosine': lr_min + (lr - lr_min)(1 + cos(pi (r - 1) / R))/2 "
+        "(CosineAnnealingLR, T_max = R)",
+    )
+    lr_gamma: float = Field(0.1, gt=0, description="'step' schedule: the factor every lr_step_rounds rounds")
+    lr_step_rounds: int | None = Field(None, ge=1, description="'step' schedule: rounds between decays (required)")
+    lr_min: float = Field(0.0, ge=0, description="'cosine' schedule: the rate it decays towards (eta_min)")
     lr_power: float = Field(0.9, gt=0, description="power of the poly schedule (FedDrive: 0.9)")
     lr_horizon: float = Field(1.0, ge=1, description="the poly schedule decays over lr_horizon x the round's local "
                               "steps (1: to 0 at the round's end; FedDrive's code: 10000, nearly constant)")
@@ -115,6 +141,18 @@ class TrainSection(Params):
             object.__setattr__(self, "epochs", 1)
         if {"backbone", "head"} <= set(self.freeze):
             raise ValueError(f"freeze = {self.freeze} freezes every parameter; nothing would train")
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer_and_schedule(self) -> "TrainSection":
+        if self.optimizer != "sgd" and self.momentum != 0:
+            raise ValueError(f"train.momentum = {self.momentum} with train.optimizer = {self.optimizer!r}: Adam keeps its "
+                             "own first moment (train.betas); set train.momentum = 0")
+        if self.lr_schedule == "step" and self.lr_step_rounds is None:
+            raise ValueError("train.lr_schedule = 'step' needs train.lr_step_rounds (rounds between decays, >= 1)")
+        if self.lr_schedule == "cosine" and self.lr_min > self.lr:
+            raise ValueError(f"train.lr_min = {self.lr_min} exceeds train.lr = {self.lr}: the cosine schedule decays "
+                             "from lr to lr_min")
         return self
 
 
@@ -210,6 +248,8 @@ def _sections() -> dict[str, Any]:
         deadline=(float | None, Field(None, gt=0, description="updates over this many unit-speed steps are lost")),
     )
     return {
+        "plugins": (list[str], Field(default_factory=list, description="modules imported before validation, "
+                                     "which register models, datasets or recipe parts by name")),
         "seed": (int, Field(0, ge=0)),
         "run": (RunSection, Field(default_factory=RunSection)),
         "task": (spec_type(R.TASKS), Field("classification", validate_default=True)),
@@ -344,7 +384,11 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def validate(raw: dict[str, Any], source: str = "config") -> BaseModel:
     """A validated config: every section's keys and values, then every recipe part's and option's
     requirements against what the task, the model and the config provide (``fedsight.capabilities``),
-    then every stage as a config of its own."""
+    then every stage as a config of its own. The modules ``raw["plugins"]`` names are imported first
+    (``fedsight.plugins.load_plugins``): the names they register are valid in the rest of the config."""
+    from .plugins import load_plugins
+
+    load_plugins(raw.get("plugins", []), source)
     cls = config_model()
     try:
         cfg = cls.model_validate(raw)
@@ -459,131 +503,3 @@ def stage_configs(cfg: Any, source: str = "config") -> list[tuple[str, int, Any]
         raw["server"] = {**raw.get("server", {}), "rounds": st.rounds}
         out.append((st.name, st.rounds, validate(raw, f"{source} (stages[{i}] {st.name})")))
     return out
-
-
-@dataclass
-class RunSpec:
-    """One run of a (possibly swept) config."""
-
-    variant: str | None
-    seed: int
-    config: Any  # the validated Config model
-    raw: dict[str, Any]
-    #: ``run.output_dir / run.name [/ variant] / seed<N>``
-    run_dir: Path
-
-
-class SweepSection(Params):
-    """``seeds`` repeats every run; ``grid`` maps dotted config keys to lists of values and runs every
-    combination (e.g. ``grid = {"partition.alpha" = [1.0, 0.1]}``)."""
-
-    seeds: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    grid: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(default_factory=dict)
-
-    @field_validator("seeds")
-    @classmethod
-    def _distinct(cls, seeds: list[int]) -> list[int]:
-        if len(set(seeds)) != len(seeds):
-            raise ValueError("repeats a seed (the runs would share one directory)")
-        return seeds
-
-    @field_validator("grid")
-    @classmethod
-    def _distinct_values(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        for key, values in grid.items():
-            labels = [_label(v) for v in values]
-            if len(set(labels)) != len(labels):
-                raise ValueError(f"grid {key!r} repeats a value (or two values with one label: {labels})")
-        return grid
-
-
-def _label(value: Any) -> str:
-    """A grid value as it appears in a run name: characters a directory name must not hold become '-'."""
-    return re.sub(r"[^A-Za-z0-9._+-]", "-", str(value)).strip(".") or "-"
-
-
-def _grid_points(grid: dict[str, list[Any]]) -> list[tuple[str, list[tuple[list[str], Any]]]]:
-    """(label, [(path, value), ...]) for every combination; the label names each key by its last part."""
-    import itertools
-
-    if not grid:
-        return [("", [])]
-    keys = list(grid)
-    points = []
-    for values in itertools.product(*(grid[k] for k in keys)):
-        label = ",".join(f"{k.split('.')[-1]}={_label(v)}" for k, v in zip(keys, values))
-        points.append((label, [(k.split("."), v) for k, v in zip(keys, values)]))
-    return points
-
-
-def _unknown_keys_of_the_base(base: dict[str, Any], source: str) -> None:
-    """A grid switching a component (``partition.name``) drops the base component's parameters at every point,
-    and a misspelt one with them: unknown keys are looked for in the base config itself (its other errors may
-    be ones the grid fixes)."""
-    try:
-        validate(base, source)
-    except ConfigError as exc:
-        unknown = [line for line in str(exc).splitlines() if "unknown key" in line]
-        if unknown:
-            raise ConfigError("\n".join(unknown)) from None
-
-
-def validate_base_name(run: Any, source: str) -> str:
-    try:
-        return RunSection.model_validate(run if isinstance(run, dict) else {}).name
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, run, RunSection, source).replace(f"{source}: ", f"{source}: run.")) from None
-
-
-def expand(raw: dict[str, Any], source: str, overrides: list[str] = ()) -> list[RunSpec]:
-    """Apply ``--set`` overrides, then expand ``[sweep] seeds`` x ``[[variants]]`` into validated runs."""
-    raw = copy.deepcopy(raw)
-    for text in overrides:
-        path, value = parse_override(text)
-        set_path(raw, path, value)
-    sweep_raw = raw.pop("sweep", {})
-    variants_raw = raw.pop("variants", [])
-    try:
-        sweep = SweepSection.model_validate(sweep_raw)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, {"sweep": sweep_raw}, create_model("S", sweep=(SweepSection, ...)), source).replace(": ", ": sweep.", 1)) from None
-    if not isinstance(variants_raw, list) or not all(isinstance(v, dict) for v in variants_raw):
-        raise ConfigError(f"{source}: variants must be an array of tables ([[variants]])")
-    names = []
-    for i, v in enumerate(variants_raw):
-        name = v.get("name")
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{source}: variants[{i}].name is required (a non-empty string)")
-        if name in names:
-            raise ConfigError(f"{source}: variants[{i}].name = {name!r} is used twice")
-        names.append(name)
-    if isinstance(seed := raw.get("seed", 0), bool) or not isinstance(seed, int):
-        raise ConfigError(f"{source}: seed = {seed!r} is not an integer")
-    seeds = sweep.seeds or [seed]
-    variants = variants_raw or [None]
-    base_name = validate_base_name(raw.get("run"), source)
-    specs = []
-    for v in variants:
-        base = raw if v is None else deep_merge(raw, {k: val for k, val in v.items() if k != "name"})
-        if any(k.endswith(".name") for k in sweep.grid):
-            _unknown_keys_of_the_base(base, source)
-        for label, sets in _grid_points(sweep.grid):
-            point = copy.deepcopy(base)
-            for path, value in sets:
-                set_path(point, path, value)
-            for seed in seeds:
-                r = copy.deepcopy(point)
-                r["seed"] = seed
-                parts = [base_name] + ([v["name"]] if v is not None else []) + ([label] if label else [])
-                if len(parts) > 1:
-                    name = parts[1] if v is not None else base_name
-                    r["run"] = {**r.get("run", {}), "name": f"{name}[{label}]" if label else name}
-                what = ", ".join(x for x in (v and f"variant {v['name']}", label) if x)
-                cfg = validate(r, f"{source} ({what})" if what else source)
-                run_dir = Path(cfg.run.output_dir).joinpath(*parts, f"seed{seed}")
-                specs.append(RunSpec(v["name"] if v else None, seed, cfg, r, run_dir))
-    return specs
-
-
-def load(path: str | Path, overrides: list[str] = ()) -> list[RunSpec]:
-    return expand(read_toml(path), str(path), overrides)

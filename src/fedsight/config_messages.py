@@ -34,8 +34,9 @@ def _allowed_keys(model_cls: Any, loc: tuple, raw: Any) -> list[str] | None:
         if isinstance(cur, dict) and i + 1 < len(parts) and parts[i + 1] == cur.get("name"):
             i += 1  # discriminator tag in the location
         i += 1
-    if isinstance(cls, type) and issubclass(cls, BaseModel):
-        return sorted(k for k in cls.model_fields)
+    if isinstance(cls, type) and issubclass(cls, BaseModel):  # a component's name is its tag, not a key to offer
+        return sorted(k for k, f in cls.model_fields.items()
+                      if not (k == "name" and typing.get_origin(f.annotation) is typing.Literal))
     return None
 
 
@@ -81,7 +82,7 @@ def format_validation_error(exc: ValidationError, raw: dict[str, Any], model_cls
         where = _display_loc(loc, raw)
         if err["type"] == "extra_forbidden":
             allowed = _allowed_keys(model_cls, loc, raw)
-            hint = f" (allowed: {', '.join(a for a in allowed if a != 'name')})" if allowed else ""
+            hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
             lines.append(f"{source}: unknown key '{where}'{hint}")
         elif err["type"] == "missing":
             lines.append(f"{source}: missing required key '{where}'")

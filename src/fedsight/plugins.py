@@ -56,3 +56,29 @@ def load_builtin() -> None:
         for name in BUILTIN:
             importlib.import_module(name)
         _loaded = True
+
+
+def load_plugins(modules: object, source: str = "config") -> None:
+    """Import the user's plugin modules (a config's ``plugins = ["my_models", "lab.fl_parts"]``), whose
+    ``@MODELS.register(...)`` (etc.) calls add names the config may then use. A module is looked up on
+    ``sys.path`` and in the current directory (the ``fedsight`` command's own path does not hold it). A module
+    that is missing or fails to import is a ``ConfigError`` naming it; importing one twice does nothing."""
+    import os
+    import sys
+
+    from .errors import ConfigError
+
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
+        raise ConfigError(f"{source}: plugins = {modules!r}: expected a list of module names")
+    cwd = os.getcwd()
+    for name in modules:
+        added = cwd not in sys.path
+        if added:
+            sys.path.append(cwd)
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # any failure of the user's module: one line naming it
+            raise ConfigError(f"{source}: plugins: cannot import {name!r} ({type(exc).__name__}: {exc})") from None
+        finally:
+            if added:
+                sys.path.remove(cwd)

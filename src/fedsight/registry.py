@@ -104,7 +104,10 @@ class Registry(Generic[T]):
         declarations (a task's ``spec``, the ``metrics`` a recipe part logs)."""
 
         def deco(obj: T) -> T:
-            if name in self._entries:
+            old = self._entries.get(name)
+            rerun = old is not None and (getattr(old.factory, "__module__", None), getattr(old.factory, "__qualname__", None)) \
+                == (getattr(obj, "__module__", None), getattr(obj, "__qualname__", None))
+            if old is not None and not rerun:  # the same definition again (a notebook cell run twice) replaces it
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             doc = help or (getattr(obj, "__doc__", None) or "").strip().split("\n")[0]
             self._entries[name] = Entry(name, obj, params, doc, task, requires, provides, dict(meta))

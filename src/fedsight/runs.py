@@ -4,12 +4,14 @@ Layout::
 
     RUN_DIR/config.json          resolved config (also config.toml for reading)
     RUN_DIR/run.json             what the run logs: every metric's direction (higher or lower is better),
-                                 the primary metric, and where each session ran (device, threads, versions)
+                                 the primary metric, what the model was built for (model_io), and where
+                                 each session ran (device, threads, versions, git commits, command line)
     RUN_DIR/status.json          {"state": "running" | "stopped" | "interrupted" | "complete", "round": r, "rounds": R}
     RUN_DIR/metrics.jsonl        one JSON object per round (and ``{"event": ...}`` lines)
     RUN_DIR/client_weights.jsonl each round's aggregated clients and their normalised weights
     RUN_DIR/checkpoints/round-000007.safetensors + round-000007.json
     RUN_DIR/plots/*.png, RUN_DIR/summary.md
+    RUN_DIR/tensorboard/         TensorBoard event files (``[run] tensorboard = true``)
 
 A checkpoint is a safetensors file with every tensor of the run state and a JSON file with the rest
 (round, stage, RNG states as tensors, optimizer hyper-parameters, the sha256 of the safetensors file).
@@ -216,6 +218,86 @@ def enclosing_run(path: StrPath) -> Path | None:
     return None
 
 
+class RunInUse(RunFileError):
+    """Another process holds the run directory's lock (``RunLock``)."""
+
+
+class RunLock:
+    """An exclusive lock on a run directory while a process writes it: ``with RunLock(path): ...``.
+
+    A second process (``fedsight run`` of the same config twice, ``run`` next to ``resume`` or ``evaluate``)
+    fails at once with ``RunInUse`` naming the PID that holds it, before it reads or writes anything: two
+    writers would interleave ``metrics.jsonl`` and the checkpoints. The lock is ``flock`` on a hidden sibling
+    file ``.<name>.lock`` (not a file inside the directory: ``--overwrite`` moves the directory aside while the
+    lock must stay), which holds the owner's PID and is removed on release; the operating system drops it when
+    the process dies, so a killed run never leaves a stale lock. Parent folders created for the lock file are
+    removed again on release when empty (a start that fails leaves nothing). Without ``fcntl`` (Windows) the
+    lock is ``msvcrt.locking`` on the same file."""
+
+    def __init__(self, path: StrPath):
+        self.path = Path(path)
+        self.file = self.path.parent / f".{self.path.name}.lock"
+        self.fd: int | None = None
+        self.created: list[Path] = []
+
+    def __enter__(self) -> "RunLock":
+        for folder in reversed([self.file.parent, *self.file.parent.parents]):
+            if not folder.exists():
+                folder.mkdir()
+                self.created.append(folder)
+        while True:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                _lock_fd(fd)
+            except OSError:
+                holder = os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
+                os.close(fd)
+                self._remove_created()
+                raise RunInUse(f"{self.path} is in use by another FedSight process (PID {holder}); wait for it to "
+                               "finish or stop it, or pick another run.name or output_dir") from None
+            try:  # the holder before us may have removed the file between our open and our lock: lock the new one
+                same = os.path.samestat(os.fstat(fd), os.stat(self.file))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            try:
+                self.file.unlink(missing_ok=True)  # while locked: a newcomer then locks a fresh file
+            except OSError:  # Windows does not remove an open file: it stays, unlocked
+                pass
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        for folder in reversed(self.created):
+            try:
+                folder.rmdir()  # only if empty: a run that wrote something keeps its folders
+            except OSError:
+                break
+        self.created = []
+
+
+def _lock_fd(fd: int) -> None:
+    """An exclusive, non-blocking lock on ``fd``; OSError when another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 class Replacement:
     """A run directory replaced by a new run (``overwrite``), deleted only once the new run is under way.
 
@@ -254,6 +336,8 @@ class Replacement:
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        #: this session's TensorBoard writer (``fedsight.tensorboard.EventLog``), opened by the first logged round
+        self.events: Any = None
 
     @property
     def metrics_path(self) -> Path:
@@ -280,6 +364,19 @@ class RunDir:
             f.flush()
             os.fsync(f.fileno())
 
+    def log_events(self, r: int, row: dict[str, Any]) -> None:
+        """Round ``r``'s metrics into the TensorBoard event files (``[run] tensorboard = true``)."""
+        if self.events is None:
+            from .tensorboard import EventLog
+
+            self.events = EventLog(self.path, first_round=r)
+        self.events.round(r, row)
+
+    def close_events(self) -> None:
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+
     def append_evaluation(self, row: dict[str, Any]) -> None:
         """One line of ``evaluations.jsonl``: a later evaluation of the run's trained model (``fedsight
         evaluate``)."""
@@ -298,12 +395,16 @@ class RunDir:
     def write_status(self, state: str, round: int, rounds: int) -> None:
         atomic_write_text(self.path / STATUS_FILE, json.dumps({"state": state, "round": round, "rounds": rounds}) + "\n")
 
-    def write_run_meta(self, metrics: dict[str, bool | None], primary: str, session: dict[str, Any]) -> None:
-        """Record the run's metric directions and primary metric, and append this session's
+    def write_run_meta(self, metrics: dict[str, bool | None], primary: str, session: dict[str, Any],
+                       model_io: dict[str, Any] | None = None) -> None:
+        """Record the run's metric directions and primary metric, what its model was built for (``model_io``:
+        ``fedsight.load_run`` rebuilds the model from it without the data), and append this session's
         environment (a resumed run adds a session: it may run on another device)."""
         old = read_run_meta(self.path) or {}
         sessions = list(old.get("sessions", [])) + [session]
         meta = {"format": 1, "primary": primary, "metrics": dict(sorted(metrics.items())), "sessions": sessions}
+        if model_io is not None:
+            meta["model_io"] = model_io
         atomic_write_text(self.path / RUN_META_FILE, json.dumps(meta, indent=1) + "\n")
 
     def truncate_metrics(self, last_round: int) -> list[str]:
@@ -337,7 +438,7 @@ class RunDir:
     OUTPUTS = {"file": ("config.json", "config.toml", METRICS_FILE, "client_weights.jsonl", STATUS_FILE, RUN_META_FILE,
                         "partition.json", "model.safetensors", "summary.md", "plots/curves.png",
                         "plots/client_weights.png"),
-               "folder": (CKPT_DIR, "client_state", "plots")}
+               "folder": (CKPT_DIR, "client_state", "plots", "tensorboard")}
 
     def check_layout(self) -> None:
         """A ``RunFileError`` if something other than a file (a folder) stands where the run writes a file, or

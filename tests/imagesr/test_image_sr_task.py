@@ -17,7 +17,8 @@ from torch import nn
 import fedsight.data.image_sr  # noqa: F401  (registers the image SR loaders)
 import fedsight.tasks.image_sr as tsr
 from fedsight.api import build_task, execute
-from fedsight.config import ConfigError, load, validate
+from fedsight.config import ConfigError, validate
+from fedsight.sweep import load
 from fedsight.models.base import FedModel
 from fedsight.registry import MODELS, Params
 

@@ -1,0 +1,101 @@
+"""A sweep's runs in parallel processes (``fedsight run --jobs N``).
+
+Each worker is a fresh process (``spawn``: no state inherited from the parent's torch) that expands the same
+config with the same overrides, runs the sweep member it is given by index through ``api.execute`` (the run
+directory's lock, resume and skip rules as in a serial sweep) with its run's ``engine.threads`` (auto: 1), and
+reports every finished round to the parent through a queue. A run gives the same numbers as in a serial sweep
+(same config, seed and threads). A run that fails does not stop the others: its error is returned with its index.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_mod
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+#: what the parent hears: ("round", index, round, row) after each round of run ``index``
+Message = tuple[str, int, int, dict[str, Any]]
+
+
+_MESSAGES: Any = None
+
+
+def _init(messages: Any) -> None:
+    """A worker's start: the queue to the parent, and SIGTERM stopping it as Ctrl-C does (its run is then
+    marked interrupted at its last recorded round)."""
+    import signal
+
+    global _MESSAGES
+    _MESSAGES = messages
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _worker(config: str, overrides: Sequence[str], only: Sequence[str], index: int, overwrite: bool,
+            stop_after: int | None) -> tuple[int, str, str | None]:
+    """Run sweep member ``index``; (index, status, error message or None)."""
+    from .api import execute
+    from .errors import FedSightError
+    from .sweep import load
+
+    spec = load(config, overrides, only)[index]
+
+    def on_round(r: int, row: dict[str, Any]) -> None:
+        _MESSAGES.put(("round", index, r, {k: v for k, v in row.items() if isinstance(v, (int, float, str))}))
+
+    try:
+        out = execute(spec.config, spec.run_dir, overwrite=overwrite, stop_after=stop_after, on_round=on_round)
+    except (FedSightError, FileNotFoundError, ValueError, OSError) as exc:
+        return index, "failed", " ".join(str(exc).split())
+    except KeyboardInterrupt:
+        return index, "interrupted", None
+    return index, out.status, None
+
+
+def run_parallel(config: Path, overrides: Sequence[str], only: Sequence[str], count: int, jobs: int, *,
+                 overwrite: bool = False, stop_after: int | None = None,
+                 on_message: Callable[[Message], None] | None = None) -> list[tuple[int, str, str | None]]:
+    """Run the ``count`` members of a sweep in ``jobs`` processes; one (index, status, error) per member, in
+    index order. ``on_message`` hears every finished round of every member."""
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    pool = ProcessPoolExecutor(max_workers=max(1, min(jobs, count)), mp_context=ctx, initializer=_init,
+                               initargs=(messages,))
+    try:
+        pending = {pool.submit(_worker, str(config), list(overrides), list(only), i, overwrite, stop_after)
+                   for i in range(count)}
+        results = []
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _drain(messages, on_message)
+            results += [f.result() for f in done]
+        _drain(messages, on_message)
+    except BaseException:  # Ctrl-C or SIGTERM: every worker stops as a serial run would, its run marked interrupted
+        import os
+        import signal
+
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.join(60)
+        raise
+    pool.shutdown()
+    return sorted(results)
+
+
+def _drain(messages: Any, on_message: Callable[[Message], None] | None) -> None:
+    while True:
+        try:
+            msg = messages.get_nowait()
+        except queue_mod.Empty:
+            return
+        if on_message is not None:
+            on_message(msg)
