@@ -327,3 +327,23 @@ def test_grid_point_is_read_from_the_names_a_sweep_gives_its_runs() -> None:
     points = {grid_point(s.config.run.name) for s in specs}
     assert points == {s.run_dir.parent.name for s in specs} and len(points) == 4 and None not in points
     assert grid_point("fedavg") is None and grid_point("fedprox [a1b2c3]") is None
+
+
+def test_many_default_metrics_plot_the_primary_at_every_split_and_tabulate_all(tmp_path: Path,
+                                                                                saved_figures: list) -> None:
+    """Keypoint runs log four metrics at five input sizes: the curves show the primary metric at each size
+    (plus time/round_s), the table every metric; metrics asked for are all drawn."""
+    splits = ["test", "test_64x48", "test_96x72", "test_160x120", "test_192x144"]
+    names = ["pckh", "pck", "ap", "loss"]
+    directions = {f"{s}/{n}": n != "loss" for s in splits for n in names} | {"time/round_s": False}
+    rows = [{"round": r, "time/round_s": 1.0, **{f"{s}/{n}": 0.1 * r for s in splits for n in names}}
+            for r in (1, 2)]
+    runs = [write_run(tmp_path, f"g/{m}/seed0", config(m, 0, lr=lr), rows, directions=directions,
+                      primary="test/pckh") for m, lr in (("a", 0.1), ("b", 0.2))]
+    table = report(runs, tmp_path / "out")
+    assert len(table.metrics) == len(splits) * len(names) + 1
+    titles = [ax.get_title() for ax in saved_figures[-1].axes if ax.get_title()]
+    assert sorted(t.split(" ")[0] for t in titles) == sorted([f"{s}/pckh" for s in splits] + ["time/round_s"])
+    plot_comparison(runs, tmp_path / "chosen.png", metrics=["test/ap", "test/pck"])
+    assert sorted(ax.get_title().split(" ")[0] for ax in saved_figures[-1].axes if ax.get_title()) == [
+        "test/ap", "test/pck"]

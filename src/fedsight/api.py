@@ -27,7 +27,7 @@ from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
 from .provenance import provenance
 from .errors import RunFileError
-from .runs import INTERRUPTED, Replacement, RunDir, RunLock, atomic_write_text, read_run_meta
+from .runs import CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, INTERRUPTED, Replacement, RunDir, RunLock, atomic_write_text, read_run_meta
 from .state import ClientStateStore
 from .tasks.base import Task
 from .training.local import SGD_TRAINER, LocalTraining, direction_position, misplaced_after_correction
@@ -257,7 +257,10 @@ def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any]
     """Write one finished round to the run directory: its events and metrics line, the client
     weights, a checkpoint (then the client store's commit, which the checkpoint indexes) and the status."""
     for e in events:
-        run.append_metrics({"stage": server.stage, **e})
+        if e.get("event") == CLIENT_METRICS_EVENT:  # every client's numbers: a file of their own
+            run.append_client_metrics({"round": e["round"], "stage": server.stage, "clients": e["clients"]})
+        else:
+            run.append_metrics({"stage": server.stage, **e})
     run.append_metrics(row)
     if cfg.run.tensorboard:
         run.log_events(r, row)
@@ -346,8 +349,8 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
         for note in notes:
             run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
     else:
-        run.metrics_path.unlink(missing_ok=True)
-        run.weights_path.unlink(missing_ok=True)
+        for path in (run.metrics_path, run.weights_path, run.path / CLIENT_METRICS_FILE):
+            path.unlink(missing_ok=True)
     last: dict[str, Any] = {}
 
     def _on_round(r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:

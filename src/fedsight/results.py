@@ -35,6 +35,14 @@ class RunResult:
     _model: Any = field(default=None, repr=False)
 
     @property
+    def client_metrics(self) -> list[dict[str, Any]]:
+        """Every evaluated round's local-test metrics of every client (``client_metrics.jsonl``; with
+        ``eval.local``): ``[{"round": r, "stage": ..., "clients": {"0": {"n": ..., "acc": ...}, ...}}, ...]``."""
+        from .runs import RunDir
+
+        return RunDir(self.run_dir).read_client_metrics()
+
+    @property
     def model(self) -> Any:
         if self._model is None:
             self._model = load_model(self.run_dir, self.config)

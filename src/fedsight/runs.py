@@ -9,6 +9,7 @@ Layout::
     RUN_DIR/status.json          {"state": "running" | "stopped" | "interrupted" | "complete", "round": r, "rounds": R}
     RUN_DIR/metrics.jsonl        one JSON object per round (and ``{"event": ...}`` lines)
     RUN_DIR/client_weights.jsonl each round's aggregated clients and their normalised weights
+    RUN_DIR/client_metrics.jsonl each evaluated round's local-test metrics of every client (eval.local)
     RUN_DIR/checkpoints/round-000007.safetensors + round-000007.json
     RUN_DIR/plots/*.png, RUN_DIR/summary.md
     RUN_DIR/tensorboard/         TensorBoard event files (``[run] tensorboard = true``)
@@ -41,6 +42,9 @@ METRICS_FILE = "metrics.jsonl"
 RUN_META_FILE = "run.json"
 EVALUATIONS_FILE = "evaluations.jsonl"
 STATUS_FILE = "status.json"
+CLIENT_METRICS_FILE = "client_metrics.jsonl"
+#: the engine's per-client evaluation, written to ``CLIENT_METRICS_FILE`` instead of ``metrics.jsonl``
+CLIENT_METRICS_EVENT = "client_metrics"
 StrPath = str | os.PathLike[str]
 
 
@@ -377,6 +381,26 @@ class RunDir:
             self.events.close()
             self.events = None
 
+    def append_client_metrics(self, row: dict[str, Any]) -> None:
+        """One line of ``client_metrics.jsonl``: an evaluated round's local-test metrics of every client."""
+        with open(self.path / CLIENT_METRICS_FILE, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def read_client_metrics(self) -> list[dict[str, Any]]:
+        """Every line of ``client_metrics.jsonl`` (``[]`` without local evaluation)."""
+        path = self.path / CLIENT_METRICS_FILE
+        out = []
+        for lineno, line in enumerate(read_text(path).splitlines() if path.is_file() else [], start=1):
+            try:
+                rec = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError as e:
+                raise RunFileError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+            if rec is not None:
+                if not (isinstance(rec, dict) and isinstance(rec.get("clients"), dict)):
+                    raise RunFileError(f"{path}:{lineno}: expected {{\"round\": int, \"clients\": {{...}}}}")
+                out.append(rec)
+        return out
+
     def append_evaluation(self, row: dict[str, Any]) -> None:
         """One line of ``evaluations.jsonl``: a later evaluation of the run's trained model (``fedsight
         evaluate``)."""
@@ -412,7 +436,7 @@ class RunDir:
         torn last line (a crash in the middle of an append). Returns what was repaired; any other line that is
         not a JSON object is a ``RunFileError`` naming ``file:line``, raised before either file is rewritten."""
         repaired, keep = [], {}
-        for path in (self.metrics_path, self.weights_path):
+        for path in (self.metrics_path, self.weights_path, self.path / CLIENT_METRICS_FILE):
             if not path.is_file():
                 continue
             text = read_text(path)
@@ -435,7 +459,7 @@ class RunDir:
         return repaired
 
     #: what a run writes, by kind: a file or a folder already there in place of one stops the run before it starts
-    OUTPUTS = {"file": ("config.json", "config.toml", METRICS_FILE, "client_weights.jsonl", STATUS_FILE, RUN_META_FILE,
+    OUTPUTS = {"file": ("config.json", "config.toml", METRICS_FILE, "client_weights.jsonl", CLIENT_METRICS_FILE, STATUS_FILE, RUN_META_FILE,
                         "partition.json", "model.safetensors", "summary.md", "plots/curves.png",
                         "plots/client_weights.png"),
                "folder": (CKPT_DIR, "client_state", "plots", "tensorboard")}

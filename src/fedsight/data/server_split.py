@@ -280,3 +280,26 @@ def keep_validation(cfg: Any, summaries: dict[str, Any], labels: np.ndarray, num
     summaries["validation"] = split_summary("dataset", np.asarray(labels)[keep], num_keys, list(key_names))
     return keep
 
+
+
+def carve_pool(cfg: Any, splits: Any, kind: type, what: str, check: Any = None) -> tuple[Any, Any, Any]:
+    """The server-held validation set of a task whose ``splits`` have a ``train`` pool and named ``tests``
+    (image SR, keypoints: each with ``labels``, ``class_names`` and ``subset``): carved from the pool by label
+    (``carve_server_splits``) or taken from ``validation.dataset`` (a ``kind``, ``what`` in its error; its
+    train split or first test set; ``check(other)`` may refuse it). Returns (splits without the carved
+    examples, the validation subset or None, its summary or None)."""
+    import dataclasses
+
+    pool = splits.train
+    names = list(pool.class_names)
+    server = carve_server_splits(cfg, pool.labels, len(names), names)
+    val = pool.subset(server.held["val"]) if "val" in server.held else None
+    if cfg.validation.source == "dataset":
+        other = validation_dataset(cfg, kind, what)
+        if check is not None:
+            check(other)
+        part = other.train if cfg.validation.split == "train" else next(iter(other.tests.values()))
+        val = part.subset(keep_validation(cfg, server.summaries, part.labels, len(part.class_names), part.class_names))
+    if len(server.rest) != len(pool):
+        splits = dataclasses.replace(splits, train=pool.subset(server.rest))
+    return splits, val, server.summaries.get("validation")

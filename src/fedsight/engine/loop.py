@@ -129,6 +129,7 @@ def evaluate(server: Server, backend: Backend, r: int) -> tuple[dict[str, float]
     out = server.evaluate_global(ev.store)
     if local:
         out.update(server.summarize_local(ev.states))
+        return out, [*ev.events, server.client_metrics(r, ev.states)]
     return out, ev.events
 
 

@@ -298,6 +298,14 @@ class Server:
         out.update({f"local/{k}": v for k, v in metrics.compute(metrics.merge(states)).items() if k != pm})
         return out
 
+    def client_metrics(self, r: int, per_client: dict[int, tuple[MetricState, int]]) -> dict[str, Any]:
+        """The ``client_metrics`` event of round ``r``: every client's local-test metrics and test size (the
+        run directory keeps it in ``client_metrics.jsonl``, not in ``metrics.jsonl``)."""
+        metrics = self.task.metrics
+        clients = {str(cid): {"n": n, **metrics.compute(state)} for cid, (state, n) in sorted(per_client.items())
+                   if n > 0}
+        return {"round": r, "event": "client_metrics", "clients": clients}
+
     # -- state ------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

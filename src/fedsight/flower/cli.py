@@ -35,6 +35,11 @@ def _require_flower() -> None:
 
 
 console = Console()
+
+
+def _say(text: str) -> None:
+    """Plain text (paths, run names): never read as markup, never wrapped."""
+    console.print(escape(text), highlight=False, soft_wrap=True)
 err = Console(stderr=True)
 
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a config value: key.path=value. Repeatable.")]
@@ -174,10 +179,10 @@ def app_cmd(
     except ValueError as exc:
         _fail(str(exc))
     n = cfg.partition.num_clients
-    console.print(f"wrote the Flower app to {out}")
-    console.print(f"the ServerApp will write the run directory {rd} (on the SuperLink host)")
-    console.print(f"start {n} SuperNodes with --node-config 'partition-id=K num-partitions={n}' (K = 0..{n - 1}), then: "
-                  f"flwr run {out} <connection>", highlight=False)
+    _say(f"wrote the Flower app to {out}")
+    _say(f"the ServerApp will write the run directory {rd} (on the SuperLink host)")
+    _say(f"start {n} SuperNodes with --node-config 'partition-id=K num-partitions={n}' (K = 0..{n - 1}), then: "
+         f"flwr run {out} <connection>")
 
 
 @flower_app.command("local")
@@ -216,7 +221,7 @@ def local_cmd(
     def on_row(row: dict[str, Any], dep: Any) -> None:
         console.print(f"[dim]{time.monotonic() - t0:7.1f} s[/]  {_row_text(row, keys)}", highlight=False)
 
-    console.print(f"starting a SuperLink and {nodes or cfg.partition.num_clients} SuperNodes on 127.0.0.1 ...")
+    _say(f"starting a SuperLink and {nodes or cfg.partition.num_clients} SuperNodes on 127.0.0.1 ...")
     try:
         final = run_local(cfg, rd, nodes=nodes, workdir=workdir, options=opts, timeout=timeout, on_row=on_row,
                           tls_dir=tls_dir, node_auth=node_auth, data_dirs=data_dir, keep_workdir=workdir is not None)
@@ -227,8 +232,8 @@ def local_cmd(
     except FlowerInterrupted as exc:  # the run stopped on the SuperLink first, then every process (local.run_local)
         err.print(f"interrupted: {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(130)
-    console.print(f"run {final['run-id']} {final['status']} in {time.monotonic() - t0:.1f} s; run directory: {rd}")
-    console.print(f"summary: {rd / 'summary.md'}")
+    _say(f"run {final['run-id']} {final['status']} in {time.monotonic() - t0:.1f} s; run directory: {rd}")
+    _say(f"summary: {rd / 'summary.md'}")
 
 
 @flower_app.command("simulate")
@@ -266,7 +271,7 @@ def simulate_cmd(
     keys = progress_keys(cfg)
     for row in rows:
         console.print(_row_text(row, keys), highlight=False)
-    console.print(f"done in {time.monotonic() - t0:.1f} s; run directory: {out}")
+    _say(f"done in {time.monotonic() - t0:.1f} s; run directory: {out}")
 
 
 @flower_app.command("certs")
@@ -279,7 +284,7 @@ def certs_cmd(
     from .tls import make_node_key, make_tls
 
     files = make_tls(directory, tuple(host) if host else ("127.0.0.1", "localhost"))
-    console.print(f"CA: {files.ca_cert}\nSuperLink certificate: {files.server_cert}\nSuperLink key: {files.server_key}")
+    _say(f"CA: {files.ca_cert}\nSuperLink certificate: {files.server_cert}\nSuperLink key: {files.server_key}")
     for k in range(node_keys):
         key = make_node_key(directory, f"node{k}")
-        console.print(f"node {k}: private {key}, public {key}.pub")
+        _say(f"node {k}: private {key}, public {key}.pub")

@@ -226,19 +226,36 @@ def compare(run_dirs: Iterable[StrPath], metrics: list[str] | None = None) -> Co
     return _compare_runs(_load_all(run_dirs), metrics)[0]
 
 
-def _plot_table(table: ComparisonTable, members: Sequence[Sequence[_Run]], path: Path) -> Path:
+#: more default metrics than this: the curves show the primary metric at each split (the table keeps them all)
+MAX_DEFAULT_PANELS = 9
+
+
+def _curve_metrics(metrics: Sequence[str], runs: Sequence[_Run], chosen: bool) -> list[str]:
+    """The panels of ``curves.png``: the metrics asked for (``chosen``), else the default ones, or, when those
+    are many (keypoints at five input sizes log 4 metrics each), the primary metric's name at every split
+    (``test/pckh``, ``test_64x48/pckh``, ...) and ``time/round_s``."""
+    primary = _primary(runs)
+    if chosen or len(metrics) <= MAX_DEFAULT_PANELS or primary is None:
+        return list(metrics)
+    name = primary.rsplit("/", 1)[-1]
+    return [m for m in metrics if m.rsplit("/", 1)[-1] == name or m == "time/round_s"]
+
+
+def _plot_table(table: ComparisonTable, members: Sequence[Sequence[_Run]], path: Path, chosen: bool = False) -> Path:
     directions = {r.metric: r.higher_is_better for r in table.rows}
-    return _plot_groups(table.groups, table.metrics, members, directions, path)
+    panels = _curve_metrics(table.metrics, [r for group in members for r in group], chosen)
+    return _plot_groups(table.groups, panels, members, directions, path)
 
 
 def plot_comparison(run_dirs: Iterable[StrPath], path: StrPath, metrics: list[str] | None = None) -> Path:
     """Overlay the groups' curves, one subplot per metric, and save a PNG at ``path``; return it.
 
     Each group is one line: the mean over its runs at the rounds all its runs logged, with a shaded
-    ±std band (sample std) when it has two or more runs. ``metrics`` defaults as in ``compare``.
+    ±std band (sample std) when it has two or more runs. ``metrics`` defaults as in ``compare`` (more than
+    ``MAX_DEFAULT_PANELS`` of them: the primary metric at each split, ``_curve_metrics``).
     """
     table, members = _compare_runs(_load_all(run_dirs), metrics)
-    return _plot_table(table, members, Path(path))
+    return _plot_table(table, members, Path(path), chosen=metrics is not None)
 
 
 def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None) -> ComparisonTable:
@@ -246,7 +263,7 @@ def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | N
     ``out_dir/curves.png`` for the given runs; return the table. ``metrics`` defaults as in ``compare``."""
     out = Path(out_dir)
     table, members = _compare_runs(_load_all(run_dirs), metrics)
-    _plot_table(table, members, out / CURVES_FILE)
+    _plot_table(table, members, out / CURVES_FILE, chosen=metrics is not None)
     lines = ["# FedSight comparison", "", table.to_markdown(), "## Groups", "", table.grouping_note(), ""]
     for g, text in zip(table.groups, table.group_lines()):
         dirs = ", ".join(f"`{d}`" for d in g.run_dirs)

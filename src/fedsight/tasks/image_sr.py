@@ -41,7 +41,6 @@ a trained model must beat.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -400,25 +399,19 @@ def build_image_sr_task(params: ImageSRParams, *, cfg: Any) -> ImageSRTask:
     """The task of a validated config: load ``cfg.data`` (an image SR dataset), carve the server-held
     validation images (by label), partition the rest of the images."""
     from ..data.partition import partition_from_config
-    from ..data.server_split import carve_server_splits, keep_validation, validation_dataset
+    from ..data.server_split import carve_pool
 
     splits = build(DATASETS, cfg.data.name, component_params(cfg.data), seed=cfg.seed)
     if not isinstance(splits, ImageSRSplits):
         raise ValueError(f"data.name = {cfg.data.name!r} is not an image SR dataset")
-    pool = splits.train
-    server = carve_server_splits(cfg, pool.labels, pool.num_classes, list(pool.class_names))
-    val = pool.subset(server.held["val"]) if "val" in server.held else None
-    if cfg.validation.source == "dataset":
-        other = validation_dataset(cfg, ImageSRSplits, "an image SR dataset")
+
+    def same_scale(other: ImageSRSplits) -> None:
         if other.scale != splits.scale:
             raise ValueError(f"validation.dataset = {cfg.validation.dataset['name']!r} has scale {other.scale}, "
                              f"the data scale {splits.scale}")
-        part = other.train if cfg.validation.split == "train" else next(iter(other.tests.values()))
-        val = part.subset(keep_validation(cfg, server.summaries, part.labels, part.num_classes, part.class_names))
-    if len(server.rest) != len(pool):
-        splits = dataclasses.replace(splits, train=pool.subset(server.rest))
+
+    splits, val, val_info = carve_pool(cfg, splits, ImageSRSplits, "an image SR dataset", check=same_scale)
     clients = partition_from_config(splits.train.labels, cfg)
     model_params = MODELS.get(cfg.model.name).params(**component_params(cfg.model))
     task_params = params if isinstance(params, ImageSRParams) else ImageSRParams(**component_params(params))
-    return ImageSRTask(splits, clients, cfg.model.name, model_params, task_params, val=val,
-                       val_info=server.summaries.get("validation"))
+    return ImageSRTask(splits, clients, cfg.model.name, model_params, task_params, val=val, val_info=val_info)

@@ -37,7 +37,6 @@ detections of every client of a split are ranked together) and the heatmap ``los
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -423,25 +422,17 @@ def build_keypoint_task(params: KeypointParams, *, cfg: Any) -> KeypointTask:
     instances (by label), partition the rest, assign every client its native rung, and check that the model
     takes every ladder and evaluation size."""
     from ..data.partition import partition_from_config
-    from ..data.server_split import carve_server_splits, keep_validation, validation_dataset
+    from ..data.server_split import carve_pool
 
     splits = build(DATASETS, cfg.data.name, component_params(cfg.data), seed=cfg.seed)
     if not isinstance(splits, KeypointSplits):
         raise ValueError(f"data.name = {cfg.data.name!r} is not a keypoint dataset")
-    pool = splits.train
-    server = carve_server_splits(cfg, pool.labels, len(pool.class_names), list(pool.class_names))
-    val = pool.subset(server.held["val"]) if "val" in server.held else None
-    if cfg.validation.source == "dataset":
-        other = validation_dataset(cfg, KeypointSplits, "a keypoint dataset")
-        part = other.train if cfg.validation.split == "train" else next(iter(other.tests.values()))
-        val = part.subset(keep_validation(cfg, server.summaries, part.labels, len(part.class_names), part.class_names))
-    if len(server.rest) != len(pool):
-        splits = dataclasses.replace(splits, train=pool.subset(server.rest))
+    splits, val, val_info = carve_pool(cfg, splits, KeypointSplits, "a keypoint dataset")
     clients = partition_from_config(splits.train.labels, cfg)
     model_params = MODELS.get(cfg.model.name).params(**component_params(cfg.model))
     task_params = params if isinstance(params, KeypointParams) else KeypointParams(**component_params(params))
     task = KeypointTask(splits, clients, cfg.model.name, model_params, task_params, seed=cfg.seed, val=val,
-                        val_info=server.summaries.get("validation"))
+                        val_info=val_info)
     multiple = int(getattr(task.build_model(), "stride_multiple", 1))
     for h, w in list(task.ladder) + task_params.sizes():
         if h % multiple or w % multiple:

@@ -36,6 +36,15 @@ class Component:
     def client_start(self, ctx: ClientContext) -> None:
         """Before the first local step (e.g. load this client's state)."""
 
+    def transform_batch(self, ctx: ClientContext, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        """A training batch before the model sees it (data augmentation beyond the task's own, e.g. cutout or
+        mixup on classification images): return the (inputs, targets) to train on, in the task's batch format
+        (classification: images ``[B, C, H, W]`` and labels; segmentation: images and label maps; keypoints:
+        crops and a dict of targets; see the task's ``train_batch``). Draw randomness from a generator seeded
+        by ``fedsight.rng.torch_gen(ctx.seed, "<name>", ctx.round, ctx.client_id)`` (made in ``client_start``)
+        so runs stay reproducible and resumable. Evaluation batches never pass here."""
+        return inputs, targets
+
     def outputs(self, ctx: ClientContext, outputs: torch.Tensor) -> torch.Tensor:
         """Transform the model outputs before the loss (OLL masks the classes a client does not hold)."""
         return outputs

@@ -217,8 +217,10 @@ def backward_scope(ctx: ClientContext, params: Sequence[nn.Parameter]) -> str:
 
 
 def local_objective(ctx: ClientContext, components: Sequence[Component], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The local objective on one batch: the task loss of the (component-transformed) outputs divided
-    by the temperature, plus every component's loss term."""
+    """The local objective on one batch (after every component's ``transform_batch``): the task loss of the
+    (component-transformed) outputs divided by the temperature, plus every component's loss term."""
+    for c in components:
+        x, y = c.transform_batch(ctx, x, y)
     ctx.inputs = x
     out = ctx.model(x)
     for c in components:
