@@ -31,6 +31,7 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
+
 def _version(value: bool) -> None:
     if value:
         from . import __version__
@@ -95,6 +96,18 @@ def _progress() -> Progress:
     )
 
 
+def _spec_label(spec: Any) -> str:
+    """A sweep member as the progress shows it: its run name (the variant and grid point) and seed."""
+    return f"{spec.config.run.name} seed {spec.seed}"
+
+
+def _log_line(label: str, r: int, total: int, row: dict[str, Any], keys: list[tuple[str, str]], start: float) -> None:
+    """Progress off a terminal: a whole line for every evaluated round, every ``total // 50``-th and the last."""
+    if any(key in row for key, _ in keys[:1]) or r % max(1, total // 50) == 0 or r == total:
+        _say(f"{label} round {r}/{total}  {row.get('clients/aggregated', 0)} clients  {_short(row, keys)}  "
+             f"{time.monotonic() - start:.1f} s")
+
+
 def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
     from .api import execute, progress_keys
     from .runs import RunDir
@@ -102,15 +115,9 @@ def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
     done = int(RunDir(run_dir).read_status().get("round", 0)) if RunDir(run_dir).exists() else 0
     keys = progress_keys(cfg)
     if not console.is_terminal:  # nohup, SLURM, a pipe: whole lines, never a bar cut to the width with "..."
-        total, start, every = cfg.server.rounds, time.monotonic(), max(1, cfg.server.rounds // 50)
-
-        def log_round(r: int, row: dict[str, Any]) -> None:
-            evaluated = any(key in row for key, _ in keys[:1])
-            if evaluated or r % every == 0 or r == total:
-                _say(f"{label} round {r}/{total}  {row.get('clients/aggregated', 0)} clients  {_short(row, keys)}  "
-                     f"{time.monotonic() - start:.1f} s")
-
-        return execute(cfg, run_dir, on_round=log_round, **kwargs)
+        start = time.monotonic()
+        return execute(cfg, run_dir, on_round=lambda r, row: _log_line(label, r, cfg.server.rounds, row, keys, start),
+                       **kwargs)
     with _progress() as progress:
         task = progress.add_task(escape(label), total=cfg.server.rounds, completed=done, clients="", metrics="")
 
@@ -147,7 +154,7 @@ def run(
     if jobs > 1 and len(specs) > 1:
         dirs = _run_jobs(config, set_ or [], variant or [], specs, jobs, overwrite, stop_after)
     for spec in specs if not dirs else []:
-        label = f"{spec.variant or spec.config.run.name} seed {spec.seed}"
+        label = _spec_label(spec)
         try:
             out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
@@ -174,8 +181,8 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
     from .api import progress_keys
     from .parallel import run_parallel
 
-    labels = [f"{s.variant or s.config.run.name} seed {s.seed}" for s in specs]
-    keys = progress_keys(specs[0].config)
+    labels = [_spec_label(s) for s in specs]
+    keys, start = progress_keys(specs[0].config), time.monotonic()
     with _progress() if console.is_terminal else contextlib.nullcontext() as progress:
         bars = [progress.add_task(escape(label), total=s.config.server.rounds, clients="", metrics="")
                 for label, s in zip(labels, specs)] if progress is not None else []
@@ -186,7 +193,7 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
                 progress.update(bars[i], completed=r, clients=f"{row.get('clients/aggregated', 0)} clients",
                                 metrics=_short(row, keys))
             else:
-                _say(f"{labels[i]} round {r}/{specs[i].config.server.rounds}  {_short(row, keys)}")
+                _log_line(labels[i], r, specs[i].config.server.rounds, row, keys, start)
 
         results = run_parallel(config, sets, variants, len(specs), jobs, overwrite=overwrite, stop_after=stop_after,
                                on_message=on_message)
