@@ -156,7 +156,10 @@ def test_non_finite_update_is_rejected_and_reported(tmp_path):
     rows, events = [], []
     sim.run(on_round=lambda r, row, ev: (rows.append(row), events.extend(ev)))
     assert rows[0]["clients/aggregated"] == 5
-    assert events == [{"round": 1, "event": "rejected_update", "client": 2, "reason": "non-finite values"}]
+    assert [e for e in events if e["event"] != "client_metrics"] == [
+        {"round": 1, "event": "rejected_update", "client": 2, "reason": "non-finite values"}]
+    clients = next(e["clients"] for e in events if e["event"] == "client_metrics")
+    assert sorted(clients, key=int) == [str(c) for c in range(6)]  # local evaluation still covers the rejected one
     assert all(torch.isfinite(p_).all() for p_ in sim.global_model.parameters())
 
 

@@ -315,7 +315,7 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
     # load data and build everything first: bad input must fail before a run directory is written
     sim = build_simulation(cfg, run_dir=run.path)
     status = run.read_status() if resume else {}
-    if status.get("state") == "complete" and status["round"] >= cfg.server.rounds:
+    if status.get("state") == "complete" and status["round"] >= cfg.server.rounds and _finished(run, cfg):
         run.sweep_leftovers()  # a kill while its plots or summary were written
         rows = [r for r in run.read_metrics() if "event" not in r]
         return Outcome(run.path, "skipped", rows[-1] if rows else None)
@@ -327,6 +327,16 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
         if replaced is not None:
             replaced.undo()
         raise
+
+
+def _finished(run: RunDir, cfg: Any) -> bool:
+    """Whether a run whose ``status.json`` says complete is: its metrics and its newest checkpoint reach the
+    last round. A status that claims more (edited, or damaged) is not believed: the run resumes from its newest
+    intact checkpoint instead of being skipped with rounds missing."""
+    rows = [r for r in run.read_metrics() if "event" not in r] if run.metrics_path.is_file() else []
+    stems = run.checkpoints()
+    newest = int(stems[-1].name.split("-")[1]) if stems else cfg.server.rounds
+    return bool(rows) and rows[-1]["round"] >= cfg.server.rounds and newest >= cfg.server.rounds
 
 
 def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: int | None,

@@ -67,6 +67,7 @@ ATTACKS = {
     "no delta": lambda c: c.__delitem__("delta"),
     "no metrics": lambda c: c.__delitem__("metrics"),
     "huge tensor": lambda c: c["delta"].__setitem__(_first_key(c["delta"]), Array(np.zeros(3_000_000, np.float32))),
+    "undeclared extras": lambda c: c.__setitem__("extras:scaffold", ArrayRecord({"w": Array(np.ones(3, np.float32))})),
 }
 
 

@@ -3,23 +3,36 @@
 Every backend's replies pass ``check_result`` (``Server.rejection``), in one place, before weighting and
 aggregation: a result that breaks the contract becomes a ``rejected_update`` event naming the client and the
 reason, and the round goes on with the others. The contract is built from what the server itself knows (the
-stage's shared entries, their shapes and dtypes, whether the stage trains, the clients' sizes), never from
-the reply.
+stage's shared entries, their shapes and dtypes, whether the stage trains, the clients' sizes, what the stage's
+components declare they upload), never from the reply.
 
 What it guarantees about an accepted result:
 
 * it is the reply for the client it was asked of (``client_id``);
 * ``delta`` has exactly the stage's shared trainable entries (none for a statistics pass), ``buffers`` exactly
   its shared buffers (or none from a statistics pass), each tensor with the global entry's shape and dtype;
-* every tensor (delta, buffers, floating extras) is finite;
+* ``extras`` has exactly the groups the stage's components declare for this round (``Component.extras_spec``,
+  one group per uploading component, under its name: SCAFFOLD's Delta c_i, Elastic's sensitivities, FedNova's
+  factor, Fed3R's / FedNCM's statistics, LADD's style; in a statistics pass only its trainer's group, as the
+  other components' ``client_end`` does not run), each group exactly its declared names, each tensor
+  dense, with the declared dtype and shape (a size the server cannot know, as the number of classes a Fed3R
+  client holds, within its declared bounds and the same wherever the group repeats it), and the group's values
+  pass the component's own check (FedNova's factor is the one the server computes from the client's example
+  count and the round's local settings; sensitivities and styles non-negative; Fed3R's statistics consistent
+  with the example count, sorted in-range classes, a Gram matrix positive semi-definite within lambda/(2K),
+  so the server's ridge system stays positive definite whatever K clients send). A component that sets
+  ``uploads_extras`` without declaring (a third-party one) gets the old check only: any named finite tensors;
+* every tensor (delta, buffers, extras) is finite;
 * ``num_examples`` is a positive integer: equal to the server's own count of the client's training examples
   when the server knows it (in-process runs, Flower nodes holding partitions of the run's dataset), else at
   most ``max_examples``; ``num_steps`` a non-negative integer, ``flops`` finite and non-negative;
 * every metric is a finite real number.
 
 What a client can still do within the contract: send any finite update of the right shape (a poisoned model
-update; bound it with ``norm_bound`` or a robust aggregator), and, where the server cannot know sizes, claim
-up to ``max_examples`` examples (weight uniformly to remove that lever).
+update; bound it with ``norm_bound`` or a robust aggregator) and, likewise, finite extras of the declared form
+chosen to harm (a SCAFFOLD Delta c_i that drags the control variate, statistics that skew Fed3R's classifier:
+no robust aggregator covers extras), and, where the server cannot know sizes, claim up to ``max_examples``
+examples (weight uniformly to remove that lever; with FedNova it also sets the client's normalising factor).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from typing import Any
 import torch
 
 from ..records import ClientResult
+from ..training.component import ExtrasSpec
 
 Spec = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -44,6 +58,8 @@ class ReplyContract:
     trains: bool  # False: a statistics pass (no delta)
     sizes: Callable[[int], int] | None = None  # the server's own number of training examples of a client
     max_examples: int = 10**9
+    #: the extras groups the stage's components declare (component name -> spec); None: any named finite tensors
+    extras: Mapping[str, ExtrasSpec] | None = None
 
     @staticmethod
     def of(state: Mapping[str, torch.Tensor], params: Any, buffers: Any, trains: bool, **kw: Any) -> "ReplyContract":
@@ -112,14 +128,88 @@ def check_result(res: Any, client: int, contract: ReplyContract) -> str | None:
     why = _check_tensors("buffers", res.buffers, buffers)
     if why:
         return why
-    if not isinstance(res.extras, Mapping):
-        return "extras are not a mapping"
-    for name, tensors in res.extras.items():
-        if not isinstance(tensors, Mapping):
-            return f"extras {name!r} are not named tensors"
-        for k, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                return f"extra {name}/{k} is a {type(t).__name__}, not a tensor"
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    return _check_extras(res, contract.extras)
+
+
+def _names(keys: Any) -> str:
+    keys = sorted(map(repr, keys))
+    return ", ".join(keys[:3]) + (" ..." if len(keys) > 3 else "")
+
+
+def _shape(shape: tuple, sizes: Mapping[str, tuple[int, int]]) -> str:
+    dims = ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "")
+    named = [f"{lo} <= {d} <= {hi}" for d in dict.fromkeys(d for d in shape if isinstance(d, str))
+             for lo, hi in [sizes.get(d, (0, 0))]]
+    return f"({dims})" + (f" with {', '.join(named)}" if named else "")
+
+
+def _check_group(name: str, group: Mapping[Any, Any], spec: ExtrasSpec, res: ClientResult) -> str | None:
+    for k, t in group.items():
+        if not isinstance(k, str):
+            return f"extras {name!r} have a key {k!r} that is not a name"
+        if not isinstance(t, torch.Tensor):
+            return f"extra {name}/{k} is a {type(t).__name__}, not a tensor"
+        if t.layout != torch.strided:
+            return f"extra {name}/{k} is a {t.layout} tensor, not a dense one"
+    if spec.tensors is None:  # undeclared: any named finite tensors
+        for k, t in group.items():
+            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
                 return f"extra {name}/{k} has non-finite values"
+        return None
+    missing, extra = set(spec.tensors) - set(group), set(group) - set(spec.tensors)
+    if missing or extra:
+        parts = ([f"missing {_names(missing)}"] if missing else []) + ([f"unexpected {_names(extra)}"] if extra else [])
+        return f"extras {name!r}: {'; '.join(parts)}"
+    bound: dict[str, int] = {}
+    for k, (shape, dtype) in spec.tensors.items():
+        t = group[k]
+        got = tuple(t.shape)
+        ok = len(got) == len(shape)
+        for want, size in zip(shape, got) if ok else ():
+            if isinstance(want, str):
+                lo, hi = spec.sizes.get(want, (0, -1))
+                ok = ok and lo <= size <= hi and bound.setdefault(want, size) == size
+            else:
+                ok = ok and size == want
+        if not ok:
+            also = ", ".join(f"{d} = {v}" for d, v in bound.items() if d in shape)
+            return (f"extra {name}/{k} has shape {got}, expected {_shape(shape, spec.sizes)}"
+                    + (f" and {also}" if also else ""))
+        if t.dtype != dtype:
+            return f"extra {name}/{k} has dtype {t.dtype}, expected {dtype}"
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            return f"extra {name}/{k} has non-finite values"
+    if spec.check is not None:
+        try:
+            why = spec.check(group, res)
+        except Exception as exc:  # a value the check could not handle is the reply's fault, not the server's
+            why = f"its values could not be checked ({type(exc).__name__}: {exc})"
+        if why:
+            return f"extras {name!r}: {why}"
+    return None
+
+
+def _check_extras(res: ClientResult, declared: Mapping[str, ExtrasSpec] | None) -> str | None:
+    extras = res.extras
+    if not isinstance(extras, Mapping):
+        return "extras are not a mapping"
+    for name, group in extras.items():
+        if not isinstance(name, str):
+            return f"extras have a group {name!r} that is not a name"
+        if not isinstance(group, Mapping):
+            return f"extras {name!r} are not named tensors"
+    if declared is None:
+        declared = {name: ExtrasSpec(None, required=False) for name in extras}
+    unexpected = set(extras) - set(declared)
+    if unexpected:
+        return (f"extras: unexpected {'group' if len(unexpected) == 1 else 'groups'} {_names(unexpected)} "
+                f"(no component of this stage uploads {'it' if len(unexpected) == 1 else 'them'})")
+    for name, spec in declared.items():
+        if name not in extras:
+            if spec.required:
+                return f"extras: missing group {name!r} (every client of this stage uploads it)"
+            continue
+        why = _check_group(name, extras[name], spec, res)
+        if why:
+            return why
     return None

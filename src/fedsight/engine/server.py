@@ -24,7 +24,7 @@ from ..records import ClientResult
 from ..rng import derive_seed
 from ..state import ClientStateStore
 from ..tasks.base import Task, local_summary
-from ..training import EvalContext, ServerContext
+from ..training import EvalContext, ServerContext, UploadContext
 from .client_runtime import evaluate_split
 from ..recipe.aggregators import TooFewUpdates
 from .contract import ReplyContract, check_result
@@ -148,11 +148,19 @@ class Server:
         global_params = {k: self._gstate[k].detach() for k in self.layout.shared_params}
         return RoundPlan(r, sctx, sampled, broadcast, global_params, time.perf_counter(), per_client)
 
-    def contract(self) -> ReplyContract:
-        """What a reply must be in the current stage (``engine.contract``): the server's own shared entries,
-        and its own client sizes unless ``sizes_known`` is off (Flower nodes with their own data)."""
-        return ReplyContract.of(self._gstate, self.layout.shared_params, self.layout.shared_buffers,
-                                self.recipe.trainer.trains, max_examples=self.max_examples,
+    def contract(self, round: int | None = None) -> ReplyContract:
+        """What a reply must be in round ``round`` (default: the next one) of the current stage
+        (``engine.contract``): the server's own shared entries, its own client sizes unless ``sizes_known`` is
+        off (Flower nodes with their own data), and the extras the stage's components declare."""
+        r = self.round + 1 if round is None else round
+        trains = self.recipe.trainer.trains
+        ctx = UploadContext(
+            round=r, model=self.global_model, state=self._gstate, shared_params=tuple(self.layout.shared_params),
+            trains=trains, local=self.local, num_clients=self.task.num_clients, seed=self.seed, task=self.task,
+        )
+        extras = {c.name: spec for c in self.recipe.components if (spec := c.extras_spec(ctx)) is not None}
+        return ReplyContract.of(self._gstate, self.layout.shared_params, self.layout.shared_buffers, trains,
+                                max_examples=self.max_examples, extras=extras,
                                 sizes=self.task.num_train_examples if self.sizes_known else None)
 
     def rejection(self, reply: Reply, contract: ReplyContract | None = None) -> str | None:
@@ -175,7 +183,7 @@ class Server:
         results: list[ClientResult] = []
         device = self.device
         spent = {"up_bytes": 0.0, "flops": 0.0}
-        contract = self.contract()
+        contract = self.contract(plan.round)
         for cid in plan.sampled:
             rep = by_client.get(cid)
             if rep is not None and rep.refused:

@@ -56,7 +56,7 @@ from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import torch_gen
 from .aggregators import Aggregator
-from ..training import ClientContext, Component
+from ..training import ClientContext, Component, ExtrasSpec, UploadContext
 
 
 class ElasticAggregator(Aggregator):
@@ -94,6 +94,11 @@ def _sensitivity(result: ClientResult, key: str) -> torch.Tensor:
             f"elastic aggregator: client {result.client_id} sent no sensitivity for {key!r} "
             "(extras['elastic']); use the 'elastic' recipe component, not the aggregator alone"
         ) from None
+
+
+def _nonnegative(group, result) -> str | None:
+    bad = sorted(k for k, t in group.items() if bool((t < 0).any()))
+    return f"negative sensitivity in {', '.join(bad[:3])}" if bad else None
 
 
 class ElasticParams(Params):
@@ -152,6 +157,14 @@ class Elastic(Component):
 
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
         result.extras[self.name] = ctx.scratch.pop(self.name)
+
+    def extras_spec(self, ctx: UploadContext) -> ExtrasSpec | None:
+        """S_k: per shared trainable entry, a scalar (``"tensor"``) or the entry's shape (``"element"``), in the
+        entry's dtype, non-negative (a negative sensitivity would push zeta outside [tau, 1 + tau])."""
+        if not ctx.trains:
+            return None
+        spec = {k: (() if self.granularity == "tensor" else shape, dtype) for k, (shape, dtype) in ctx.shared_spec().items()}
+        return ExtrasSpec(spec, check=_nonnegative)
 
     def aggregator(self) -> ElasticAggregator:
         return self._aggregator

@@ -27,6 +27,13 @@ usable after each round (Fed3R-Sync's property 7) and exact once every client ha
 * **FedNCM** (the thesis names it only, A14): per-class feature sums and counts; the classifier is the
   nearest class mean (Euclidean, as a linear layer) or, with ``normalize = true``, unit-norm class means.
 
+What the server accepts (``extras_spec``; ``fedsight.engine.contract``): exactly the fields above, float64
+(classes int64), ``A`` of p(p+1)/2 entries, ``b`` [k, p] and ``counts`` [k] for the k classes the client lists
+(1 <= k <= C, all C under Sync), classes distinct, sorted and in range, whole counts summing to the client's
+examples (its bias statistics equal to them), no value above 1e150 in magnitude, and A_k positive semi-definite
+within lambda / (2K): nothing a client sends can make the server's solve fail (up to float64 rounding of the
+sums). A client can still send statistics of that form that skew the classifier.
+
 Client order: a stage with ``fed3r`` visits each client exactly once, in a random order drawn from the
 run seed, ``clients_per_round`` at a time (groups of kappa for Fed3R-Sync, A17); a rejected update
 (non-finite statistics) puts the client back in the queue. ``ceil(K / kappa)`` rounds visit everyone;
@@ -52,12 +59,18 @@ from ..functional.ridge import (
     client_statistics,
     ncm_classifier,
     normalize_columns,
+    unpack_upper,
 )
 from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import derive_seed, np_rng
-from ..training import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ExtrasSpec, ServerContext, UploadContext
+
+
+#: the largest statistic the server accepts: far above any real one, small enough that the sums of K clients'
+#: statistics and the products of the server's solve stay finite in float64
+STAT_MAX = 1e150
 
 
 class RFFHead(nn.Module):
@@ -149,6 +162,52 @@ class ClosedFormClassifier(Component):
     def statistics(self, z: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    # -- what a client uploads (the reply contract) ---------------------------------------------------
+
+    #: whether every client sends all C classes (Fed3R-Sync), else only its own (a size the server cannot know)
+    fixed_classes: bool = False
+
+    def stat_dim(self, linear: nn.Linear) -> int:
+        """The statistics' feature dimension q for the head ``linear`` (Fed3R appends the bias feature)."""
+        return linear.in_features
+
+    def extras_spec(self, ctx: UploadContext) -> ExtrasSpec:
+        """The statistics of ``statistics`` (``functional.ridge.client_statistics``): ``classes`` int64 [k],
+        ``b`` float64 [k, q], ``counts`` float64 [k] (and Fed3R's ``A``), where q is the head's input size
+        (plus the bias feature) and k the number of classes the client holds, 1..C, which the server does not
+        know (exactly C under Fed3R-Sync). Their values must be consistent (``check_statistics``)."""
+        linear = head_linear(ctx.model)
+        C = int(getattr(ctx.task, "num_classes", None) or linear.out_features)
+        q = self.stat_dim(linear)
+        k: int | str = C if self.fixed_classes else "k"
+        tensors = {"classes": ((k,), torch.int64), "b": ((k, q), torch.float64), "counts": ((k,), torch.float64)}
+        tensors.update(self.more_statistics(q))
+        return ExtrasSpec(tensors, sizes={"k": (1, C)},
+                          check=lambda group, result: self.check_statistics(group, result, C, q, ctx.num_clients))
+
+    def more_statistics(self, q: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {}
+
+    def check_statistics(self, stats, result: ClientResult, num_classes: int, q: int, num_clients: int) -> str | None:
+        """Why ``stats`` cannot be one client's statistics (the server would crash on them or could not tell them
+        from an honest client's), or None: classes sorted, distinct and in range (all of them under Sync),
+        counts whole and non-negative (positive for a listed class) summing to the client's examples, every
+        value small enough (``STAT_MAX``) that the server's sums and products stay finite."""
+        classes, counts = stats["classes"], stats["counts"]
+        if self.fixed_classes:
+            if not torch.equal(classes.cpu(), torch.arange(num_classes)):
+                return "classes are not 0..C-1 (every Sync client sends all classes)"
+        elif int(classes[0]) < 0 or int(classes[-1]) >= num_classes or bool((classes[1:] <= classes[:-1]).any()):
+            return f"classes are not distinct sorted classes in [0, {num_classes})"
+        if bool((counts != counts.round()).any()) or bool((counts < (0 if self.fixed_classes else 1)).any()):
+            return "counts are not whole numbers of examples" + ("" if self.fixed_classes else " (>= 1 per listed class)")
+        if float(counts.sum()) != result.num_examples:
+            return f"counts sum to {float(counts.sum()):g}, the client has {result.num_examples} examples"
+        big = sorted(k for k, t in stats.items() if t.is_floating_point() and bool((t.abs() > STAT_MAX).any()))
+        if big:
+            return f"{', '.join(big)} exceed {STAT_MAX:g} in magnitude"
+        return None
+
     def flops(self, ctx: ClientContext, p: int) -> float:
         raise NotImplementedError
 
@@ -210,6 +269,39 @@ class Fed3R(ClosedFormClassifier):
 
     def statistics(self, z, y, num_classes):
         return client_statistics(augment(z) if self.p.bias else z, y, num_classes, full_b=self.p.sync)
+
+    @property
+    def fixed_classes(self) -> bool:
+        return self.p.sync
+
+    def stat_dim(self, linear: nn.Linear) -> int:
+        return linear.in_features + int(self.p.bias)
+
+    def more_statistics(self, q: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"A": ((q * (q + 1) // 2,), torch.float64)}
+
+    def check_statistics(self, stats, result, num_classes, q, num_clients):
+        """Also: with the bias feature, its Gram entry is the example count and its class sums the counts; and
+        A_k is positive semi-definite within lambda / (2 K) (a Cholesky factorisation of A_k + lambda / (2 K) I),
+        so the K clients of the stage together cannot take A = lambda I + sum_k A_k below lambda / 2: the
+        server's solve never fails. An honest A_k fails this only if float64 rounding in Z_k^T Z_k exceeds
+        lambda / (2 K) (statistics some 1e9 lambda / K large); raise ``lam`` then. Costs one q x q Cholesky
+        factorisation per reply."""
+        why = super().check_statistics(stats, result, num_classes, q, num_clients)
+        if why:
+            return why
+        a = stats["A"]
+        if self.p.bias:
+            if float(a[-1]) != result.num_examples:
+                return f"A's bias entry is {float(a[-1]):g}, the client has {result.num_examples} examples"
+            if not torch.equal(stats["b"][:, -1], stats["counts"]):
+                return "b's bias column differs from the counts"
+        tol = self.p.lam / (2.0 * max(num_clients, 1))
+        gram = unpack_upper(a.to(device="cpu", dtype=torch.float64), q)
+        gram.diagonal().add_(tol)
+        if int(torch.linalg.cholesky_ex(gram).info) != 0:
+            return f"A is not positive semi-definite (within lambda / (2 K) = {tol:g})"
+        return None
 
     def flops(self, ctx: ClientContext, p: int) -> float:
         """n (F_phi + [RFF projection 2 d D] + p(p+1) + p): the outer products' upper triangle and the

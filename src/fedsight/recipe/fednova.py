@@ -37,9 +37,15 @@ a_k, as in the authors' optimizer.
 The weights p_k are the recipe weighting's (data size by default) normalised over the clients
 aggregated this round. With equal ||a_k||_1 for every client, tau_eff = ||a||_1 and FedNova is
 exactly FedAvg.
+
+The server accepts a client's ``a`` only if it is the factor the server computes itself from the client's
+example count and the round's local settings (``extras_spec``; ``fedsight.engine.contract``): a client cannot
+rescale its own update or, through tau_eff, everyone else's.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from pydantic import Field
@@ -48,7 +54,7 @@ from ..functional.aggregate import Weights, normalize_weights, weights_for
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from .aggregators import Aggregator
-from ..training import ClientContext, Component
+from ..training import ClientContext, Component, ExtrasSpec, UploadContext
 
 
 def normalizing_factor(steps: int, lr: float, momentum: float = 0.0, prox_mu: float = 0.0) -> float:
@@ -125,6 +131,26 @@ class FedNova(Component):
 
     def aggregator(self) -> FedNovaAggregator:
         return self._aggregator
+
+    def extras_spec(self, ctx: UploadContext) -> ExtrasSpec | None:
+        """``a``: a float64 scalar from every training client, equal to the factor the server computes itself
+        from the client's (contract-checked) example count and the round's local settings: its steps
+        ``local.num_steps(n, seed, round, client)``, rate and momentum, and ``prox_mu``. Any other value would
+        rescale the client's own update (a small ``a``) or every other one (a large ``a`` inflates tau_eff)."""
+        if not ctx.trains:
+            return None
+        seed, r, local = ctx.seed, ctx.round, ctx.local
+
+        def check(group, result) -> str | None:
+            at = local.at_round(r)
+            steps = at.num_steps(int(result.num_examples), seed, r, int(result.client_id))
+            want = normalizing_factor(steps, at.lr, getattr(at, "momentum", 0.0), self.prox_mu)
+            got = float(group["a"])
+            if not math.isclose(got, want, rel_tol=1e-9, abs_tol=0.0):
+                return f"a = {got!r}, but {steps} local steps give ||a||_1 = {want!r}"
+            return None
+
+        return ExtrasSpec({"a": ((), torch.float64)}, check=check)
 
 
 @COMPONENTS.register(

@@ -45,7 +45,7 @@ from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, FACT_REPORTS, Params
 from ..rng import np_rng
-from ..training import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ExtrasSpec, ServerContext, UploadContext
 from ..training.local import Trainer
 
 STYLES, HALF, GROUPS, CENTROIDS = "ladd/styles", "ladd/half", "ladd/groups", "ladd/centroids"
@@ -98,6 +98,19 @@ class ClientStyles(Component):
 
     def sample(self, round: int, num_clients: int, m: int, seed: int) -> list[int]:
         return list(range(num_clients))  # every client reports once in the round
+
+    def extras_spec(self, ctx: UploadContext) -> ExtrasSpec:
+        """``style``: float32 [3, 2 half + 1, 2 half + 1] (``data.seg_pipeline.style_entry``'s windows) of
+        amplitudes, so non-negative (float32 values keep k-means' float64 squared distances finite)."""
+        w = 2 * self.params.half + 1
+
+        def check(group, result) -> str | None:
+            style = group["style"]
+            if bool((style < 0).any()):
+                return "style has negative values (it holds amplitudes)"
+            return None
+
+        return ExtrasSpec({"style": ((3, w, w), torch.float32)}, check=check)
 
     def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
         w = 2 * self.params.half + 1

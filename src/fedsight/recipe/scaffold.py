@@ -39,6 +39,10 @@ Choices where the paper is silent:
   parameters (FedPer-like sharing) are trained without correction. ``c`` starts as zeros and is stored
   lazily: before the first aggregation it is empty and clients read missing entries as zeros.
 * A client that takes no local step (K = 0) keeps its ``c_i`` and uploads ``Delta c_i = 0``.
+* The server accepts a reply only with ``Delta c_i`` of exactly the shared trainable entries, each with the
+  global entry's shape and dtype, finite (``extras_spec``; ``fedsight.engine.contract``). Its values cannot be
+  checked further: ``Delta c_i = -c - delta / (K eta_l)`` holds only up to rounding in the client's private
+  ``c_i`` and only while no component transforms the delta.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import torch
 
 from ..records import ClientResult
 from ..registry import COMPONENTS, NoParams
-from ..training import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ExtrasSpec, ServerContext, UploadContext
 
 KEY = "scaffold"
 
@@ -105,6 +109,11 @@ class Scaffold(Component):
         result.extras[self.name] = {k: new[k] - c_i[k] for k in new}  # Delta c_i (line 13)
 
     # -- server side -----------------------------------------------------------------------------
+
+    def extras_spec(self, ctx: UploadContext) -> ExtrasSpec | None:
+        """Delta c_i: one tensor per shared trainable entry, with its shape and dtype, from every training client
+        (its values are an update like the delta: the contract checks only that they are finite)."""
+        return ExtrasSpec(ctx.shared_spec()) if ctx.trains else None
 
     def server_broadcast(self, sctx: ServerContext) -> dict[str, torch.Tensor] | None:
         return dict(self.c)

@@ -10,21 +10,46 @@ the client and a server-side control update) and owns its state through ``state_
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..records import ClientResult
-from .context import ClientContext, EvalContext, ServerContext
+from .context import ClientContext, EvalContext, ServerContext, UploadContext
+
+#: the shape of one uploaded tensor: an int per dimension, or a name for a size the server cannot know in advance
+#: (bounded by ``ExtrasSpec.sizes``, and the same wherever the group repeats the name)
+Shape = tuple[int | str, ...]
+
+
+@dataclass(frozen=True)
+class ExtrasSpec:
+    """What every honest client of a stage uploads under ``result.extras[component.name]``, declared by the
+    component from what the server knows (``Component.extras_spec``); the reply contract
+    (``fedsight.engine.contract``) rejects a reply whose group differs.
+
+    ``tensors``: exactly these names, each with its (shape, dtype); None for a component that declares nothing
+    (any named finite tensors: a third-party component that predates declarations). ``sizes``: the inclusive
+    bounds (low, high) of every named size in the shapes. ``check(group, result)``: what the values must be
+    beyond shape, dtype and finiteness (the reason, or None), run only once everything else holds.
+    ``required``: every honest client uploads the group (else it may be absent)."""
+
+    tensors: Mapping[str, tuple[Shape, torch.dtype]] | None
+    sizes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    check: Callable[[Mapping[str, torch.Tensor], ClientResult], str | None] | None = None
+    required: bool = True
 
 
 class Component:
     """Base class of multi-slot recipe components. Override only the hooks you need."""
 
     name: str = "component"
-    #: whether ``client_end`` attaches tensors to ``result.extras`` (uploads beyond the model update: central DP,
-    #: which clips and noises the update only, refuses such a component at start)
+    #: whether ``client_end`` (or the component's trainer) attaches tensors to ``result.extras`` (uploads beyond the
+    #: model update: central DP, which clips and noises the update only, refuses such a component at start). A
+    #: component that sets it declares what it uploads in ``extras_spec``
     uploads_extras: bool = False
     #: whether ``after_backward`` adds a correction to the step *direction* rather than shaping the gradient
     #: (SCAFFOLD's ``c - c_i``). ``train.optimizer``'s Adam transform runs after the ``after_backward`` of
@@ -64,6 +89,14 @@ class Component:
 
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
         """Transform the upload or attach named extra tensors to ``result.extras``."""
+
+    def extras_spec(self, ctx: UploadContext) -> ExtrasSpec | None:
+        """What every honest client of the stage uploads under ``result.extras[self.name]`` in round ``ctx.round``
+        (exact names, shapes, dtypes and value checks, from what the server knows), or None when it uploads
+        nothing there. Every reply of the stage must carry exactly the declared groups (``engine.contract``).
+        The default: nothing, or, for a component that sets ``uploads_extras`` without declaring, any named
+        finite tensors (unchecked: declare them)."""
+        return ExtrasSpec(None, required=False) if self.uploads_extras else None
 
     # -- server side ---------------------------------------------------------------------------
     def server_broadcast(self, sctx: "ServerContext") -> dict[str, torch.Tensor] | None:

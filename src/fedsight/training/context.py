@@ -129,6 +129,32 @@ class ServerContext:
 
 
 
+@dataclass(frozen=True)
+class UploadContext:
+    """What the server knows about a round's replies before any arrives: what ``Component.extras_spec``
+    declares the clients' extra uploads from (never from a reply)."""
+
+    round: int
+    #: the global model and its state (read, never write); ``state`` holds the shapes and dtypes
+    model: nn.Module
+    state: Any
+    #: the stage's shared trainable entries (``ClientContext.global_params`` on the client)
+    shared_params: Sequence[str]
+    #: whether the stage's trainer trains: every built-in training trainer ends with ``make_result``, which runs
+    #: each component's ``client_end``; a statistics pass (Fed3R, LADD's styles) uploads its own trainer's
+    #: group only
+    trains: bool
+    #: the stage's ``LocalTraining`` (``local.at_round(round)`` is what the clients see as ``ctx.local``)
+    local: Any
+    num_clients: int
+    seed: int = 0
+    task: Any = None
+
+    def shared_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of every shared trainable entry of the global model."""
+        return {k: (tuple(self.state[k].shape), self.state[k].dtype) for k in self.shared_params}
+
+
 class StateReader(Protocol):
     """Read access to the per-client state (``fedsight.state.ClientStateStore``)."""
 
