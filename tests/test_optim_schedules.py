@@ -104,6 +104,7 @@ def test_round_lr_equals_torch_schedulers(schedule):
         expected = opt.param_groups[0]["lr"]
         assert local.lr_at_round(r) == pytest.approx(expected, rel=1e-12, abs=1e-15), r
         assert local.at_round(r).lr == local.lr_at_round(r)
+        assert local.at_round(r).at_round(r + 1).lr == local.lr_at_round(r)  # what a client sees is spent
         seen.append(expected)
         opt.step()
         sched.step()

@@ -123,11 +123,12 @@ class LocalTraining:
         return self.lr
 
     def at_round(self, round: int) -> "LocalTraining":
-        """These settings with ``lr`` the rate of round ``round`` (``lr_at_round``): what a client sees as
-        ``ctx.local``. The same object when the rate does not change across rounds."""
+        """These settings with ``lr`` the rate of round ``round`` (``lr_at_round``) and the schedule spent
+        (``"constant"``: applying ``at_round`` again changes nothing): what a client sees as ``ctx.local``. The
+        same object when the rate does not change across rounds."""
         if self.lr_schedule not in ("step", "cosine"):
             return self
-        return dataclasses.replace(self, lr=self.lr_at_round(round))
+        return dataclasses.replace(self, lr=self.lr_at_round(round), lr_schedule="constant")
 
     @property
     def step_weight_decay(self) -> float:
