@@ -347,3 +347,18 @@ def test_many_default_metrics_plot_the_primary_at_every_split_and_tabulate_all(t
     plot_comparison(runs, tmp_path / "chosen.png", metrics=["test/ap", "test/pck"])
     assert sorted(ax.get_title().split(" ")[0] for ax in saved_figures[-1].axes if ax.get_title()) == [
         "test/ap", "test/pck"]
+
+
+def test_flower_central_dp_runs_are_not_replicates_of_plain_runs(tmp_path: Path) -> None:
+    """Central DP's options live in flower.json, not in the config: DP runs form their own group."""
+    plain = [write_run(tmp_path, f"p/A/seed{s}", config("A", s), acc_rows([0.5, 0.9])) for s in (0, 1)]
+    dp = []
+    for s in (2, 3):
+        d = write_run(tmp_path, f"dp/A/seed{s}", config("A", s), acc_rows([0.4, 0.6]), backend="flower")
+        (d / "flower.json").write_text(json.dumps({"options": {"dp_noise_multiplier": 0.8, "dp_clipping_norm": 1.0,
+                                                               "run_dir": str(d)}}))
+        dp.append(d)
+    groups = group_runs(plain + dp)
+    assert sorted(len(g.run_dirs) for g in groups) == [2, 2]
+    assert {frozenset(g.run_dirs) for g in groups} == {frozenset(plain), frozenset(dp)}
+    assert len({g.label for g in groups}) == 2

@@ -235,11 +235,26 @@ def _canonical(v: Any) -> Any:
     return v
 
 
-def _experiment_key(config: dict[str, Any]) -> str:
+def _experiment_key(config: dict[str, Any], treatment: dict[str, Any] | None = None) -> str:
     """What identifies an experiment: the config without "seed", "run" and "engine" (where and with how
-    many threads a run computed does not change what it computes)."""
+    many threads a run computed does not change what it computes), and the run's ``treatment`` outside the
+    config (Flower's central-DP options: ``_flower_treatment``)."""
     exp = {k: v for k, v in config.items() if k not in ("seed", "run", "engine")}
+    if treatment:
+        exp["flower"] = treatment
     return json.dumps(_canonical(exp), sort_keys=True, separators=(",", ":"))
+
+
+def _flower_treatment(run_dir: Path) -> dict[str, Any]:
+    """The options of a Flower run that change its results and live in ``flower.json``, not in the config:
+    the central-DP settings (a DP run and a plain run of one config are not replicates)."""
+    try:
+        options = json.loads((run_dir / "flower.json").read_text(encoding="utf-8")).get("options", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(options, dict) or not options.get("dp_noise_multiplier"):
+        return {}
+    return {k: v for k, v in sorted(options.items()) if k.startswith("dp_")}
 
 
 @dataclass(frozen=True)
@@ -311,7 +326,7 @@ def _group(runs: Sequence[_Run]) -> list[tuple[RunGroup, list[_Run]]]:
     """Groups of replicates (see ``RunGroup``) in order of first appearance, each with its runs."""
     by_key: dict[str, list[_Run]] = {}
     for r in runs:
-        by_key.setdefault(_experiment_key(r.config), []).append(r)
+        by_key.setdefault(_experiment_key(r.config, _flower_treatment(r.path)), []).append(r)
     names = [members[0].name for members in by_key.values()]
     out = []
     for (key, members), name in zip(by_key.items(), names):
