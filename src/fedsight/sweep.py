@@ -106,7 +106,7 @@ def _check_overrides(sets: list[tuple[list[str], Any]], sweep: "SweepSection", s
         for axis in sweep.grid:
             if key == axis or key.startswith(axis + ".") or axis.startswith(key + "."):
                 raise ConfigError(f"--set {key}: {source}'s sweep.grid sets {axis} at every point; change sweep.grid "
-                                  f"instead (e.g. --set 'sweep.grid.{axis}=[...]')")
+                                  f"instead (e.g. --set 'sweep.grid={{\"{axis}\" = [...]}}')")
         if key == "seed" and sweep.seeds:
             raise ConfigError(f"--set seed: {source}'s sweep.seeds = {sweep.seeds} decides the seeds; pass "
                               "--set 'sweep.seeds=[N]' instead")
