@@ -124,7 +124,7 @@ class ToyTask(Task):
         return ModelIO("classification", in_channels=self.dim, num_outputs=self.classes)
 
     def update_metrics(self, state, outputs, targets):
-        acc, loss = self.metrics.metrics
+        acc, loss, *_ = self.metrics.metrics
         loss.update(state, F.cross_entropy(outputs, targets, reduction="sum"), len(targets))
         acc.update(state, (outputs.argmax(1) == targets).sum(), len(targets))
 

@@ -219,6 +219,37 @@ class ConfusionMatrix(Metric):
         return out
 
 
+class PerClassAccuracy(Metric):
+    """Per-class accuracy (the recall of each class): ``<prefix>/<class>`` = correctly predicted examples of
+    class c / examples of class c, for every class present in the targets, from two int64 count vectors summed
+    over batches and clients (so per-class values merge exactly). ``class_names`` name the keys (class index
+    when None)."""
+
+    def __init__(self, name: str, num_classes: int, prefix: str, class_names: Sequence[str] | None = None):
+        self.name, self.num_classes, self.prefix = name, int(num_classes), prefix
+        self.class_names = list(class_names) if class_names is not None else [str(c) for c in range(num_classes)]
+
+    def reductions(self) -> dict[str, str]:
+        return {self.key("correct"): "sum", self.key("count"): "sum"}
+
+    def specs(self) -> tuple[MetricSpec, ...]:
+        return (MetricSpec(f"{self.prefix}/*", True, "per-class accuracy (recall of each class)"),)
+
+    def update(self, state: MetricState, preds: torch.Tensor, targets: torch.Tensor) -> None:
+        t = targets.reshape(-1).long()
+        hit = preds.reshape(-1).long() == t
+        c = self.num_classes
+        state.add(self.key("correct"), torch.bincount(t[hit], minlength=c).to(torch.int64).cpu())
+        state.add(self.key("count"), torch.bincount(t, minlength=c).to(torch.int64).cpu())
+
+    def compute(self, state: MetricState) -> dict[str, float]:
+        correct, count = state.get(self.key("correct")), state.get(self.key("count"))
+        if count is None or int(count.sum()) == 0:
+            return {}
+        return {f"{self.prefix}/{n}": int(k) / int(m) for n, k, m in zip(self.class_names, correct.tolist(),
+                                                                          count.tolist()) if m > 0}
+
+
 class MetricSet:
     """A task's metrics: one state for all of them, the reported specs and the primary metric (whose
     per-client values give WMA and the worst-10% mean)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +12,7 @@ from torch import nn
 
 from ..data.base import ArrayDataset, DatasetSplits, StoredDataset
 from ..data.partition import ClientSplit
-from ..metrics import Mean, MetricSet, MetricState
+from ..metrics import Mean, MetricSet, MetricState, PerClassAccuracy
 from ..models.base import ModelIO
 from ..registry import MODELS, TASKS, NoParams, Params, build
 from .base import Task, TaskSpec, component_params
@@ -20,8 +20,11 @@ from .base import Task, TaskSpec, component_params
 PROVIDES = frozenset({"class_labels", "class_logits", "server_split"})
 
 
-def classification_metrics() -> MetricSet:
-    return MetricSet([Mean("acc", True, "top-1 accuracy"), Mean("loss", False, "mean cross-entropy")], primary="acc")
+def classification_metrics(num_classes: int = 0, class_names: Sequence[str] | None = None) -> MetricSet:
+    """Top-1 accuracy, mean cross-entropy and every class's accuracy (``acc/<class name>``: its recall, for
+    the classes present in a split; the family is declared without classes too, for the task's spec)."""
+    return MetricSet([Mean("acc", True, "top-1 accuracy"), Mean("loss", False, "mean cross-entropy"),
+                      PerClassAccuracy("class_acc", num_classes, "acc", class_names)], primary="acc")
 
 
 class SplitImages:
@@ -103,7 +106,7 @@ class ClassificationTask(Task):
         self.clients = clients
         self.model_name = model_name
         self.model_params = model_params
-        self.metrics = classification_metrics()
+        self.metrics = classification_metrics(splits.num_classes, list(splits.train.class_names))
         train, test = splits.train, splits.test
         # per-channel standardisation with statistics of the training pool
         if isinstance(train, StoredDataset):
@@ -300,10 +303,11 @@ class ClassificationTask(Task):
             yield images.standardize(raw), y[a:b]
 
     def update_metrics(self, state: MetricState, outputs: torch.Tensor, targets: torch.Tensor) -> None:
-        acc, loss = self.metrics.metrics
-        n = len(targets)
+        acc, loss, per_class = self.metrics.metrics
+        n, preds = len(targets), outputs.argmax(1)
         loss.update(state, F.cross_entropy(outputs, targets, reduction="sum"), n)
-        acc.update(state, (outputs.argmax(1) == targets).sum(), n)
+        acc.update(state, (preds == targets).sum(), n)
+        per_class.update(state, preds, targets)
 
 
 def _external_validation(cfg: Any, splits: DatasetSplits) -> ArrayDataset:
