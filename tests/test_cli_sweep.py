@@ -171,3 +171,15 @@ def test_jobs_runs_the_sweep_in_processes_with_the_serial_numbers(tmp_path, monk
         assert rows("par", seed) == rows("ser", seed)
     again = runner.invoke(app, ["run", "c.toml", "--jobs", "2", "--set", "run.output_dir=par"])
     assert again.output.count("already complete") == 2
+
+
+@pytest.mark.parametrize("section, key, allowed", [
+    ("run", "tensorboardx", "(allowed: checkpoint_keep, name, output_dir, tensorboard)"),
+    ("sweep", "seedz", "(allowed: grid, seeds)"),
+])
+def test_unknown_keys_of_run_and_sweep_list_their_own_allowed_keys(section, key, allowed):
+    raw = tiny()
+    raw.setdefault(section, {})[key] = 1
+    with pytest.raises(ConfigError) as exc:
+        expand(raw, "c.toml")
+    assert str(exc.value) == f"c.toml: unknown key '{section}.{key}' {allowed}"

@@ -187,3 +187,28 @@ def test_an_edited_non_tensor_entry_of_a_checkpoint_marker_is_caught(plain) -> N
     assert execute(validate(PLAIN), part, resume=True).status == "complete"
     assert any("round-000002 is damaged" in e["note"] for e in _events(part, "run_repaired"))
     assert _rows(part) == _rows(whole)
+
+
+def test_a_flower_run_is_never_continued_in_process(tmp_path, monkeypatch):
+    """A run whose sessions trained on Flower (client state on the nodes, central DP's noise on the server)
+    is refused by `fedsight resume` with a message saying how to start it again; nothing is changed."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from fedsight.api import execute
+    from fedsight.cli import app
+    from fedsight.config import validate
+    from helpers import tiny
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "tiny" / "seed0"
+    execute(validate(tiny(**{"server.rounds": 3})), run_dir, stop_after=1)
+    meta = json.loads((run_dir / "run.json").read_text())
+    meta["sessions"][0]["backend"] = "flower"  # as the ServerApp records it
+    (run_dir / "run.json").write_text(json.dumps(meta))
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    res = CliRunner().invoke(app, ["resume", str(run_dir)])
+    assert res.exit_code == 1
+    assert "is a Flower run: it cannot continue in-process" in " ".join(res.output.split())
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
