@@ -27,7 +27,8 @@ from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
 from .provenance import provenance
 from .errors import RunFileError
-from .runs import CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, INTERRUPTED, Replacement, RunDir, RunLock, atomic_write_text, read_run_meta
+from .runs import (CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, INTERRUPTED, Replacement, RunDir, RunLock,
+                   atomic_write_text, last_values, read_run_meta)
 from .state import ClientStateStore
 from .tasks.base import Task
 from .training.local import SGD_TRAINER, LocalTraining, direction_position, misplaced_after_correction
@@ -315,10 +316,11 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
     # load data and build everything first: bad input must fail before a run directory is written
     sim = build_simulation(cfg, run_dir=run.path)
     status = run.read_status() if resume else {}
-    if status.get("state") == "complete" and status["round"] >= cfg.server.rounds and _finished(run, cfg):
-        run.sweep_leftovers()  # a kill while its plots or summary were written
-        rows = [r for r in run.read_metrics() if "event" not in r]
-        return Outcome(run.path, "skipped", rows[-1] if rows else None)
+    if status.get("state") == "complete" and status["round"] >= cfg.server.rounds:
+        rows = [r for r in run.read_metrics() if "event" not in r] if run.metrics_path.is_file() else []
+        if _finished(run, rows, cfg):
+            run.sweep_leftovers()  # a kill while its plots or summary were written
+            return Outcome(run.path, "skipped", rows[-1])
     # --overwrite: the old run is set aside now and deleted once the new one has recorded a round
     replaced = Replacement(run.path) if overwrite and not resume else None
     try:
@@ -329,11 +331,10 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
         raise
 
 
-def _finished(run: RunDir, cfg: Any) -> bool:
-    """Whether a run whose ``status.json`` says complete is: its metrics and its newest checkpoint reach the
-    last round. A status that claims more (edited, or damaged) is not believed: the run resumes from its newest
-    intact checkpoint instead of being skipped with rounds missing."""
-    rows = [r for r in run.read_metrics() if "event" not in r] if run.metrics_path.is_file() else []
+def _finished(run: RunDir, rows: list[dict[str, Any]], cfg: Any) -> bool:
+    """Whether a run whose ``status.json`` says complete is: its metric ``rows`` and its newest checkpoint reach
+    the last round. A status that claims more (edited, or damaged) is not believed: the run resumes from its
+    newest intact checkpoint instead of being skipped with rounds missing."""
     stems = run.checkpoints()
     newest = int(stems[-1].name.split("-")[1]) if stems else cfg.server.rounds
     return bool(rows) and rows[-1]["round"] >= cfg.server.rounds and newest >= cfg.server.rounds
@@ -417,10 +418,7 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
         plot_client_weights(run_dir)  # before the summary, which links it; skipped for data-fixed weights
     write_summary(run_dir)
     if events is not None:  # TensorBoard: the plots as images, the hparams with each metric's last value
-        final: dict[str, Any] = {}
-        for row in run.read_metrics():
-            if "event" not in row:
-                final.update(row)
+        final = last_values(run.read_metrics())
         events.finish(run.path, run.read_config(), final, int(final.get("round", 0)))
 
 

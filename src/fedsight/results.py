@@ -98,16 +98,12 @@ def load_run(run_dir: str | os.PathLike[str]) -> RunResult:
 
 
 def _read(run_dir: Path, cfg: Any) -> RunResult:
-    from .runs import RunDir
+    from .runs import RunDir, last_values
 
     run = RunDir(run_dir)
     rows = run.read_metrics()
-    history = [r for r in rows if "event" not in r]
-    final: dict[str, Any] = {}
-    for row in history:
-        final.update(row)
-    return RunResult(run_dir, str(run.read_status().get("state", "new")), cfg, history,
-                     [r for r in rows if "event" in r], final)
+    return RunResult(run_dir, str(run.read_status().get("state", "new")), cfg, [r for r in rows if "event" not in r],
+                     [r for r in rows if "event" in r], last_values(rows))
 
 
 def load_model(run_dir: Path, cfg: Any) -> Any:

@@ -137,6 +137,15 @@ def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
     return records
 
 
+def last_values(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each metric's last logged value over the metric lines of ``records`` (event lines skipped)."""
+    out: dict[str, Any] = {}
+    for rec in records:
+        if "event" not in rec:
+            out.update(rec)
+    return out
+
+
 def read_run_meta(run_dir: StrPath) -> dict[str, Any] | None:
     """``RUN_DIR/run.json`` (None for a run written before it existed); a damaged file names itself."""
     path = Path(run_dir) / RUN_META_FILE

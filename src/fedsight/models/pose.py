@@ -100,7 +100,7 @@ from torch import nn
 
 from fedsight.models.base import FedModel, ModelIO, norm_capabilities, state_keys
 from fedsight.models.layers import init_weights, norm_layer
-from fedsight.models.resnet import BasicBlock
+from fedsight.models.resnet import BasicBlock, residual_blocks
 from fedsight.registry import MODELS, Params
 
 __all__ = [
@@ -294,12 +294,7 @@ class SimpleBaseline(FedModel):
 
     def blocks(self) -> dict[str, list[str]]:
         """The stem, every residual block, the head."""
-        out = {"backbone.stem": state_keys(self.backbone.stem, "backbone.stem")}
-        for i, stage in enumerate(self.backbone.stages):
-            for j, block in enumerate(stage):
-                out[f"backbone.stages.{i}.{j}"] = state_keys(block, f"backbone.stages.{i}.{j}")
-        out["head"] = state_keys(self.head, "head")
-        return out
+        return residual_blocks(self)
 
 
 class SimpleBaselineParams(Params):

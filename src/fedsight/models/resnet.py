@@ -83,12 +83,18 @@ class ResNet(FedModel):
     def blocks(self) -> dict[str, list[str]]:
         """The stem, every residual BasicBlock (as the FedVG paper defines blocks for ResNets; its code
         groups whole stages instead), and the head."""
-        out = {"backbone.stem": state_keys(self.backbone.stem, "backbone.stem")}
-        for i, stage in enumerate(self.backbone.stages):
-            for j, block in enumerate(stage):
-                out[f"backbone.stages.{i}.{j}"] = state_keys(block, f"backbone.stages.{i}.{j}")
-        out["head"] = state_keys(self.head, "head")
-        return out
+        return residual_blocks(self)
+
+
+def residual_blocks(model: nn.Module) -> dict[str, list[str]]:
+    """``FedModel.blocks`` of a model whose backbone has a ``stem`` and ``stages`` of residual blocks: the stem,
+    every block, the head."""
+    out = {"backbone.stem": state_keys(model.backbone.stem, "backbone.stem")}
+    for i, stage in enumerate(model.backbone.stages):
+        for j, block in enumerate(stage):
+            out[f"backbone.stages.{i}.{j}"] = state_keys(block, f"backbone.stages.{i}.{j}")
+    out["head"] = state_keys(model.head, "head")
+    return out
 
 
 def _resnet(p: ResNetParams, widths: list[int], blocks: list[int], *, num_classes: int, in_channels: int) -> ResNet:

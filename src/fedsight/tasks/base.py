@@ -176,6 +176,25 @@ class Task(ABC):
         return self
 
 
+class ClientExamples:
+    """The sizes of a task whose clients are ``self.clients`` (``ClientSplit``: train and local-test positions)
+    and whose client k trains on the rows of ``self._examples[k]`` (crops, patches, windows): list it before
+    ``Task`` in the bases."""
+
+    clients: Sequence[Any]
+    _examples: Sequence[torch.Tensor]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def num_train_examples(self, client: int) -> int:
+        return int(self._examples[client].shape[0])
+
+    def num_test_examples(self, client: int) -> int:
+        return len(self.clients[client].test)
+
+
 def component_params(spec: Any, drop: Sequence[str] = ()) -> dict[str, Any]:
     """A validated component spec's own parameters (without ``name`` and ``drop``)."""
     return {k: v for k, v in spec.model_dump().items() if k != "name" and k not in drop}

@@ -60,7 +60,7 @@ from ..functional.image_metrics import psnr, ssim
 from ..metrics import Mean, MetricSet, MetricState
 from ..models.base import ModelIO
 from ..registry import DATASETS, MODELS, TASKS, Params, build
-from .base import Task, TaskSpec, component_params
+from .base import ClientExamples, Task, TaskSpec, component_params
 from .sr_visuals import _plot_rows, _write_png, detail_crop
 
 __all__ = ["ImageSRParams", "ImageSRTask", "interpolation_baseline", "random_patch", "tiled_forward"]
@@ -151,7 +151,7 @@ def tiled_forward(model: nn.Module, lr: torch.Tensor, scale: int, tile: int | No
     return out
 
 
-class ImageSRTask(Task):
+class ImageSRTask(ClientExamples, Task):
     name = "image_sr"
     provides = PROVIDES
 
@@ -200,16 +200,6 @@ class ImageSRTask(Task):
         self._decimate = first.offset if first.lr_mode == "decimate" else None
 
     # -- sizes ------------------------------------------------------------------------------------
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.clients)
-
-    def num_train_examples(self, client: int) -> int:
-        return int(self._examples[client].shape[0])
-
-    def num_test_examples(self, client: int) -> int:
-        return len(self.clients[client].test)
 
     @property
     def test_splits(self) -> tuple[str, ...]:

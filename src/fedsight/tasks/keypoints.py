@@ -57,7 +57,7 @@ from ..metrics.keypoints import OKSAP, PCK
 from ..models.base import ModelIO
 from ..registry import DATASETS, MODELS, TASKS, Params, build
 from ..rng import np_rng
-from .base import Task, TaskSpec, component_params
+from .base import ClientExamples, Task, TaskSpec, component_params
 
 __all__ = ["KeypointParams", "KeypointTask", "assign_rungs", "joints_mse"]
 
@@ -160,7 +160,7 @@ def joints_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -
     return 0.5 * ((pred - target) * w).pow(2).mean()
 
 
-class KeypointTask(Task):
+class KeypointTask(ClientExamples, Task):
     name = "keypoints"
     provides = PROVIDES
 
@@ -198,16 +198,6 @@ class KeypointTask(Task):
                 raise ValueError(f"client {k} has no training instance")
 
     # -- sizes ------------------------------------------------------------------------------------
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.clients)
-
-    def num_train_examples(self, client: int) -> int:
-        return int(self._examples[client].shape[0])
-
-    def num_test_examples(self, client: int) -> int:
-        return len(self.clients[client].test)
 
     @property
     def test_splits(self) -> tuple[str, ...]:

@@ -53,7 +53,7 @@ from ..functional.image_metrics import psnr, ssim
 from ..metrics import Mean, MetricSet, MetricState
 from ..models.base import ModelIO
 from ..registry import DATASETS, MODELS, TASKS, Params, build
-from .base import Task, TaskSpec, component_params
+from .base import ClientExamples, Task, TaskSpec, component_params
 from .sr_visuals import _plot_rows, _read_png, _write_png
 
 PROVIDES = frozenset({"server_split", "image_outputs", "visuals"})
@@ -95,7 +95,7 @@ def _to_float(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).div_(255.0)
 
 
-class VideoSRTask(Task):
+class VideoSRTask(ClientExamples, Task):
     name = "video_sr"
     provides = PROVIDES
 
@@ -134,16 +134,6 @@ class VideoSRTask(Task):
             self._examples.append(torch.tensor(rows, dtype=torch.long))
 
     # -- sizes ------------------------------------------------------------------------------------
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.clients)
-
-    def num_train_examples(self, client: int) -> int:
-        return int(self._examples[client].shape[0])
-
-    def num_test_examples(self, client: int) -> int:
-        return len(self.clients[client].test)
 
     def client_labels(self, client: int) -> np.ndarray:
         """Category of every training clip of ``client``."""
