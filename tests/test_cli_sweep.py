@@ -183,3 +183,9 @@ def test_unknown_keys_of_run_and_sweep_list_their_own_allowed_keys(section, key,
     with pytest.raises(ConfigError) as exc:
         expand(raw, "c.toml")
     assert str(exc.value) == f"c.toml: unknown key '{section}.{key}' {allowed}"
+
+
+def test_a_sections_own_check_is_not_prefixed_with_the_section_twice():
+    with pytest.raises(ConfigError) as exc:
+        expand(tiny(**{"train.optimizer": "adam", "train.momentum": 0.9}), "c.toml")
+    assert str(exc.value).startswith("c.toml: train.momentum = 0.9 with train.optimizer = 'adam'")

@@ -92,5 +92,8 @@ def format_validation_error(exc: ValidationError, raw: dict[str, Any], model_cls
             msg = err["msg"].removeprefix("Value error, ")
             value = err.get("input")
             shown = f" = {value!r}" if isinstance(value, (int, float, str, bool)) else ""
-            lines.append(f"{source}: {where}{shown}: {msg}")
+            if not shown and msg.startswith(f"{where}."):  # a section's check that names its keys itself
+                lines.append(f"{source}: {msg}")
+            else:
+                lines.append(f"{source}: {where}{shown}: {msg}")
     return "\n".join(lines)
