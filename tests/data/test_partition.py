@@ -510,3 +510,15 @@ def test_plot_partition_heatmap_writes_png(tmp_path, shape) -> None:
 def test_plot_partition_heatmap_rejects_wrong_class_names(tmp_path) -> None:
     with pytest.raises(ValueError):
         plot_partition_heatmap(np.ones((3, 4), dtype=int), tmp_path / "x.png", class_names=["a", "b"])
+
+
+@pytest.mark.parametrize("key, plural", [("class", "classes"), ("domain", "domains")])
+def test_partition_heatmap_title_names_the_key_in_plural(tmp_path, monkeypatch, key, plural) -> None:
+    from matplotlib.figure import Figure
+
+    titles = []
+    original = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (titles.append(self._suptitle.get_text()),
+                                                                  original(self, *a, **k)))
+    plot_partition_heatmap(np.array([[3, 1], [0, 4]]), tmp_path / "p.png", key=key)
+    assert f"1.5 {plural}/client" in titles[-1]

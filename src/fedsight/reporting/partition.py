@@ -102,7 +102,8 @@ def plot_partition_heatmap(
     fig.suptitle(
         (f"{title}\n" if title else "")
         + f"{n_clients} clients, {int(s['total'])} samples; client size {s['min_size']}-{s['max_size']} "
-        f"(median {s['median_size']:g}); {s['mean_classes_per_client']:.1f} {key}s/client",
+        f"(median {s['median_size']:g}); {s['mean_classes_per_client']:.1f} "
+        f"{'classes' if key == 'class' else key + 's'}/client",
         fontsize=10,
     )
     fig.savefig(os.fspath(path), dpi=120, format="png")
