@@ -133,6 +133,16 @@ def engine_device(cfg: Any) -> torch.device:
     return device
 
 
+def vectorize_mode(setting: bool | str, device: torch.device) -> bool | str:
+    """``engine.vectorize`` for a run on ``device``: ``"auto"`` trains a round's clients together on CUDA (where a
+    stage allows it) and one at a time on a CPU, where the batched kernels (grouped convolutions, NCHW pooling)
+    and the splitting of unequal batches cost more than the per-operation overhead they save (docs/performance.md
+    has the measurements); True and False apply on any device."""
+    if setting == "auto":
+        return "auto" if device.type == "cuda" else False
+    return setting
+
+
 def check_model(cfg: Any, model: torch.nn.Module) -> None:
     """The built model must have every model capability the config's parts need (the registry's
     declaration was checked at config time; this reads the model itself)."""
@@ -168,7 +178,8 @@ def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | N
     task = task or build_task(cfg)
     store = ClientStateStore(Path(run_dir) / "client_state") if run_dir is not None else None
     sim = Simulation(task, None, None, build_schedule(cfg, task), cfg.seed, store, build_stages(cfg, task),
-                     cost=cost, device=device)
+                     cost=cost, device=device, vectorize=vectorize_mode(cfg.engine.vectorize, device),
+                     max_clients_per_batch=cfg.engine.max_clients_per_batch)
     check_model(cfg, sim.global_model)
     initial_weights(cfg, sim.global_model, task, device)
     return sim

@@ -202,6 +202,12 @@ class EngineSection(Params):
         "auto", description='torch intra-op threads; "auto" = 1 (small models: no thread-pool overhead or oversubscription)'
     )
     deterministic: bool = Field(False, description="CUDA: deterministic kernels (bit-identical repeats on one GPU; slower)")
+    vectorize: bool | Literal["auto"] = Field(
+        "auto", description='train a round\'s clients together (torch.func.vmap): "auto" on CUDA where the recipe '
+                            "allows it (one at a time on a CPU), true (any device; an error where the recipe does not "
+                            "allow it), false (one client at a time)")
+    max_clients_per_batch: int | None = Field(
+        None, ge=1, description="vectorised training: at most this many clients at once (bounds memory); none = all")
 
     @field_validator("threads")
     @classmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,8 +26,10 @@ from ..records import ClientResult
 from ..rng import derive_seed, seed_torch
 from ..state import PERSONAL, ClientStateStore
 from ..tasks.base import Task
+from ..errors import ModelRefused
 from ..training import ClientState, Component, EvalContext
-from ..training.local import train_client
+from ..training.local import make_result, start_client
+from ..training.vectorized import blockers, train_together
 from .plan import Stage, StageLayout, build_models, personal_eval, stage_layout, stage_of_round
 
 
@@ -86,12 +88,17 @@ class ClientRuntime:
         *,
         eval_batch_size: int = 512,
         model: nn.Module | None = None,
+        vectorize: bool | str = False,
+        max_clients_per_batch: int | None = None,
     ):
         """``model``: the work model, built and adapted by the caller (the in-process engine builds the
         global and the work model from one seeded stream); without one, the runtime builds it from the
         stream (seed, "init"). ``cost``: the model's per-example forward FLOPs if already known (a
-        Flower node reuses the server's measurement instead of counting again)."""
+        Flower node reuses the server's measurement instead of counting again). ``vectorize``: train a
+        round's clients together (``run_many``) when the stage allows it: ``"auto"``, True (a stage that
+        cannot is an error at ``enter_stage``) or False; at most ``max_clients_per_batch`` at once."""
         self.task, self.stages, self.seed, self.store = task, list(stages), seed, store
+        self.vectorize, self.max_clients_per_batch = vectorize, max_clients_per_batch
         self.device = torch.device(device)
         self.eval_batch_size = eval_batch_size
         if model is None:
@@ -101,6 +108,9 @@ class ClientRuntime:
         self._wstate = self.work_model.state_dict(keep_vars=True)
         self.cost: ModelCost = cost or model_cost(self.work_model, to_device(task.example_input(), self.device))
         self.stage_index = -1
+        if vectorize is True:  # every stage checked now: a stage that cannot fails before the run starts
+            for stage in self.stages:
+                self.vector_blockers(stage)
         self.enter_stage(0)
 
     # -- stages -----------------------------------------------------------------------------------
@@ -109,6 +119,21 @@ class ClientRuntime:
         if index != self.stage_index:
             self.stage_index, self.stage = index, self.stages[index]
             self.layout: StageLayout = stage_layout(self.work_model, self.stage)
+            self.sequential_reasons = self.vector_blockers(self.stage) if self.vectorize else []
+
+    def vector_blockers(self, stage: Stage) -> list[str]:
+        """Why ``stage``'s clients cannot be trained together (``fedsight.training.vectorized.blockers``); with
+        ``vectorize = True`` a stage that cannot is a ``ValueError``."""
+        recipe = stage.recipe
+        reasons = blockers(self.work_model, recipe.components, recipe.trainer, stage.local)
+        if reasons and self.vectorize is True:
+            raise ValueError(f"engine.vectorize = true: stage {stage.name!r} cannot train its clients together: "
+                             + "; ".join(reasons) + ' (use "auto" to train such a stage sequentially)')
+        return reasons
+
+    def vectorizes(self, num_clients: int) -> bool:
+        """Whether this stage trains ``num_clients`` clients together (``run_many``)."""
+        return bool(self.vectorize) and not self.sequential_reasons and num_clients >= 2
 
     def enter_round(self, r: int) -> None:
         self.enter_stage(stage_of_round(self.stages, r))
@@ -131,6 +156,24 @@ class ClientRuntime:
                         self._wstate[k].copy_(personal[k])
         return self.work_model
 
+    def start(
+        self, r: int, client: int, gstate: Mapping[str, torch.Tensor],
+        broadcast: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    ):
+        """Load ``client``'s model into the work model and start its local work in round ``r`` (``gstate`` on
+        the runtime's device): its context and state."""
+        model = self.load(client, gstate)
+        seed_torch(self.seed, "client", r, client)
+        state = ClientState(self.store, client, r, self.device)
+        lay = self.layout
+        ctx = start_client(
+            self.task, model, client, r, self.seed, self.stage.local, self.stage.recipe.components,
+            {k: gstate[k].detach() for k in lay.shared_params}, lay.shared_buffers, state,
+            {name: to_device(dict(t), self.device) for name, t in (broadcast or {}).items()},
+            frozen=set(lay.frozen), global_state=dict(gstate), personal_keys=lay.personal_keys, cost=self.cost,
+        )
+        return ctx, state
+
     def run(
         self, r: int, client: int, global_state: Mapping[str, torch.Tensor],
         broadcast: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
@@ -138,19 +181,41 @@ class ClientRuntime:
         """One client's local work in round ``r`` from ``global_state`` (the whole global model state):
         its upload, and its state saves held in the returned ``ClientState`` until ``keep``."""
         self.enter_round(r)
+        ctx, state = self.start(r, client, to_device(dict(global_state), self.device), broadcast)
+        return self.stage.recipe.trainer.train(ctx, self.stage.recipe.components), state
+
+    def run_many(
+        self, r: int, clients: Sequence[int], global_state: Mapping[str, torch.Tensor],
+        broadcast_for: Any = None,
+    ) -> Iterator[tuple[int, ClientResult | ModelRefused, ClientState | None]]:
+        """``run`` for several clients, trained together (``fedsight.training.vectorized``) at most
+        ``max_clients_per_batch`` at a time: yields (client, its upload, its state) in order, or (client, the
+        ``ModelRefused``, None) for a client that refused the model. While a client's upload is being consumed the
+        work model holds that client's trained weights (``keep`` reads its personal entries from it), so consume
+        each before the next. ``broadcast_for(client)``: what the client receives besides the model."""
+        self.enter_round(r)
         gstate = to_device(dict(global_state), self.device)
-        model = self.load(client, gstate)
-        seed_torch(self.seed, "client", r, client)
-        state = ClientState(self.store, client, r, self.device)
-        lay = self.layout
-        res = train_client(
-            self.task, model, client, r, self.seed, self.stage.local, self.stage.recipe.components,
-            {k: gstate[k].detach() for k in lay.shared_params}, lay.shared_buffers, state,
-            {name: to_device(dict(t), self.device) for name, t in (broadcast or {}).items()},
-            trainer=self.stage.recipe.trainer, frozen=set(lay.frozen), global_state=gstate,
-            personal_keys=lay.personal_keys, cost=self.cost,
-        )
-        return res, state
+        components = self.stage.recipe.components
+        width = self.max_clients_per_batch or len(clients)
+        for first in range(0, len(clients), width):
+            started = []
+            for cid in clients[first:first + width]:
+                try:
+                    ctx, state = self.start(r, cid, gstate, broadcast_for(cid) if broadcast_for else None)
+                except ModelRefused as exc:
+                    yield cid, exc, None
+                    continue
+                steps = [c.vector_step(ctx) for c in components]
+                started.append((ctx, state, {k: v.detach().clone() for k, v in self._wstate.items()}, steps))
+            if not started:
+                continue
+            finals, losses = train_together([s[0] for s in started], [s[2] for s in started], components,
+                                            [s[3] for s in started])
+            for (ctx, state, _, _), final, loss in zip(started, finals, losses):
+                with torch.no_grad():
+                    for k, v in final.items():
+                        self._wstate[k].copy_(v)
+                yield ctx.client_id, make_result(ctx, components, loss, ctx.num_steps), state
 
     def train(
         self, r: int, client: int, global_state: Mapping[str, torch.Tensor],

@@ -13,6 +13,7 @@ Evaluation and personal-state handling therefore exist once, whatever runs the c
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ class InProcessBackend:
 
     def __init__(self, server: Server, runtime: ClientRuntime):
         self.server, self.runtime = server, runtime
+        #: the stages whose sequential training (``engine.vectorize`` on, but not possible) was reported
+        self.said: set[int] = set()
 
     def enter_round(self, r: int) -> None:
         self.runtime.enter_round(r)
@@ -77,27 +80,44 @@ class InProcessBackend:
         from (seed, "speed", client)), exceeds ``deadline`` trains but its update arrives too late and is not
         kept (its state is not stored either). Both are ``client_lost`` events with the reason. A client that
         refuses the global model (a component's ``ModelRefused``) trains nothing: a ``model_refused`` event."""
-        sch, seed = self.server.schedule, self.server.seed
+        sch, seed, runtime = self.server.schedule, self.server.seed, self.runtime
         gstate = self.server.global_state()
-        out = []
+        replies: dict[int, Reply] = {}
+        trainees = []
         for cid in plan.sampled:
             if sch.dropout > 0 and np_rng(seed, "dropout", plan.round, cid).random() < sch.dropout:
-                out.append(Reply(cid, None, False, f"dropped out (simulated, dropout = {sch.dropout:g})"))
-                continue
-            try:
-                res, state = self.runtime.run(plan.round, cid, gstate, plan.broadcast_for(cid))
-            except ModelRefused as exc:
-                out.append(refused_reply(cid, exc))
+                replies[cid] = Reply(cid, None, False, f"dropped out (simulated, dropout = {sch.dropout:g})")
+            else:
+                trainees.append(cid)
+        events = []
+        if runtime.vectorizes(len(trainees)):
+            runs = runtime.run_many(plan.round, trainees, gstate, plan.broadcast_for)
+        else:
+            runs = map(functools.partial(self._run_one, plan, gstate), trainees)
+            if runtime.sequential_reasons and runtime.stage_index not in self.said:
+                self.said.add(runtime.stage_index)
+                events.append({"round": plan.round, "event": "sequential_training", "stage": runtime.stage.name,
+                               "reasons": list(runtime.sequential_reasons)})
+        for cid, res, state in runs:
+            if isinstance(res, ModelRefused):
+                replies[cid] = refused_reply(cid, res)
                 continue
             if sch.deadline is not None:
                 took = res.num_steps / client_speed(seed, cid, sch.speed_sigma)
                 if took > sch.deadline:
                     state.commit(only_always=True)  # what the client must remember (privacy spent) it keeps
-                    out.append(Reply(cid, None, False, f"straggler: {took:.3g} unit-speed steps, past the deadline "
-                                                       f"of {sch.deadline:g}"))
+                    replies[cid] = Reply(cid, None, False, f"straggler: {took:.3g} unit-speed steps, past the deadline "
+                                                           f"of {sch.deadline:g}")
                     continue
-            out.append(Reply(cid, res, self.runtime.keep(res, state)))
-        return out, []
+            replies[cid] = Reply(cid, res, runtime.keep(res, state))
+        return [replies[cid] for cid in plan.sampled], events
+
+    def _run_one(self, plan: RoundPlan, gstate: dict[str, Any], cid: int) -> tuple[int, Any, Any]:
+        try:
+            res, state = self.runtime.run(plan.round, cid, gstate, plan.broadcast_for(cid))
+        except ModelRefused as exc:
+            return cid, exc, None
+        return cid, res, state
 
     def admit(self, plan: RoundPlan, results: list[ClientResult], events: list[dict[str, Any]]) -> list[ClientResult]:
         return results

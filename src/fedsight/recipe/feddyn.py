@@ -38,7 +38,7 @@ from pydantic import Field
 
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
-from ..training import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ServerContext, VectorStep
 
 KEY = "feddyn"
 
@@ -74,19 +74,35 @@ class FedDyn(Component):
         ctx.scratch[self.name] = {"lin": lin}
 
     def loss_term(self, ctx: ClientContext, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        lin = ctx.scratch[self.name]["lin"]
+        return self.term(ctx.global_params, ctx.scratch[self.name]["lin"], dict(ctx.model.named_parameters()), outputs)
+
+    def term(self, global_params: dict[str, torch.Tensor], lin: dict[str, torch.Tensor],
+             params: dict[str, torch.Tensor], outputs: torch.Tensor) -> torch.Tensor:
+        """``- <lin_k, theta> + (alpha/2) ||theta - theta^{t-1}||^2`` over the shared trainable parameters."""
         main = outputs[0] if isinstance(outputs, (tuple, list)) else outputs  # (main, auxiliary) outputs
         term = main.new_zeros(())
-        for k, p in ctx.model.named_parameters():
-            if k not in lin:
-                continue
-            g = ctx.global_params[k]
-            term = term - (lin[k] * p).sum() + 0.5 * self.alpha * (p - g).pow(2).sum()
+        for k, p in params.items():
+            if k in lin:
+                term = term - (lin[k] * p).sum() + 0.5 * self.alpha * (p - global_params[k]).pow(2).sum()
         return term
 
     def after_backward(self, ctx: ClientContext) -> None:
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), self.max_grad_norm)
+
+    def clipped(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``clip_grad_norm_``'s rescaling as a pure function: every gradient times min(1, max / (norm + 1e-6))."""
+        if self.max_grad_norm is None:
+            return grads
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        return {k: g * coef for k, g in grads.items()}
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        g = ctx.global_params  # the same received model for every client of the round
+        return VectorStep(tensors=ctx.scratch[self.name]["lin"],
+                          loss_term=lambda lin, params, outputs, targets: self.term(g, lin, params, outputs),
+                          grads=lambda lin, params, grads: self.clipped(grads))
 
     @torch.no_grad()
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:

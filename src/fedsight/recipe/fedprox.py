@@ -19,7 +19,7 @@ import torch
 from pydantic import Field
 
 from ..registry import COMPONENTS, Params
-from ..training import ClientContext, Component
+from ..training import ClientContext, Component, VectorStep
 
 
 class FedProxParams(Params):
@@ -36,15 +36,18 @@ class FedProx(Component):
             raise ValueError(f"fedprox: mu must be >= 0, got {mu}")
         self.mu = float(mu)
 
-    def client_start(self, ctx: ClientContext) -> None:
-        params = dict(ctx.model.named_parameters())
-        ctx.scratch[self.name] = [(params[k], g) for k, g in ctx.global_params.items()]
-
     def loss_term(self, ctx: ClientContext, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        return self.term(ctx.global_params, dict(ctx.model.named_parameters()))
+
+    def term(self, global_params: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """(mu/2) ||w - w^t||^2 over the shared trainable parameters (None at mu = 0)."""
         if self.mu == 0.0:
             return None
-        pairs = ctx.scratch[self.name]
-        return 0.5 * self.mu * sum((p - g).pow(2).sum() for p, g in pairs)
+        return 0.5 * self.mu * sum((params[k] - g).pow(2).sum() for k, g in global_params.items())
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        g = ctx.global_params  # the same received model for every client of the round
+        return VectorStep(loss_term=lambda own, params, outputs, targets: self.term(g, params))
 
 
 @COMPONENTS.register("fedprox", params=FedProxParams, help="FedProx proximal term (mu/2)||w - w^t||^2 (Li et al. 2020)")

@@ -53,7 +53,7 @@ import torch
 
 from ..records import ClientResult
 from ..registry import COMPONENTS, NoParams
-from ..training import ClientContext, Component, ExtrasSpec, ServerContext, UploadContext
+from ..training import ClientContext, Component, ExtrasSpec, ServerContext, UploadContext, VectorStep
 
 KEY = "scaffold"
 
@@ -92,6 +92,11 @@ class Scaffold(Component):
                 p.grad = corr[k].clone()
             else:
                 p.grad.add_(corr[k])
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        """Line 10 on the gradients of a vectorised step: ``g + (c - c_i)`` with this client's ``c - c_i``."""
+        return VectorStep(tensors=ctx.scratch[self.name]["corr"],
+                          grads=lambda corr, params, grads: {k: g + corr[k] if k in corr else g for k, g in grads.items()})
 
     @torch.no_grad()
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:

@@ -43,6 +43,23 @@ class ExtrasSpec:
     required: bool = True
 
 
+@dataclass(frozen=True)
+class VectorStep:
+    """A component's part in one local step, as pure per-client functions, for vectorised training
+    (``fedsight.training.vectorized``: the clients of a round trained together under ``torch.func.vmap``).
+
+    ``tensors``: this client's own tensors (a control variate, a linear term), stacked over the clients by the
+    trainer; each function sees one client's. ``loss_term(own, params, outputs, targets)``: the term
+    ``Component.loss_term`` adds, from the client's trainable parameters ``params`` (name -> tensor) instead of
+    the model's; ``grads(own, params, grads)``: the gradients ``Component.after_backward`` would leave (a new
+    dict, nothing in place). Values every client shares (the received global model) may be closed over; a
+    client's own values must come through ``tensors``."""
+
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    loss_term: Callable[..., torch.Tensor | None] | None = None
+    grads: Callable[..., Mapping[str, torch.Tensor]] | None = None
+
+
 class Component:
     """Base class of multi-slot recipe components. Override only the hooks you need."""
 
@@ -89,6 +106,15 @@ class Component:
 
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
         """Transform the upload or attach named extra tensors to ``result.extras``."""
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep | None:
+        """This client's ``loss_term`` / ``after_backward`` as a ``VectorStep`` (called after ``client_start``), for
+        training the round's clients together (``engine.vectorize``). A component that overrides ``outputs``,
+        ``batch_positions``, ``loss_term`` or ``after_backward`` without overriding this one cannot be vectorised:
+        the engine trains such a recipe one client after another (and says so). ``client_start``,
+        ``transform_batch`` and ``client_end`` run per client as in sequential training, with ``ctx.model``
+        holding that client's weights."""
+        return None
 
     def extras_spec(self, ctx: UploadContext) -> ExtrasSpec | None:
         """What every honest client of the stage uploads under ``result.extras[self.name]`` in round ``ctx.round``

@@ -379,7 +379,7 @@ class Trainer:
 SGD_TRAINER = Trainer()
 
 
-def train_client(
+def start_client(
     task: Task,
     model: nn.Module,
     client: int,
@@ -392,19 +392,15 @@ def train_client(
     state: ClientState | None = None,
     broadcast: dict[str, dict[str, torch.Tensor]] | None = None,
     *,
-    trainer: Trainer | None = None,
     frozen: set[str] | None = None,  # the engine's per-stage set (everything for a statistics pass)
     global_state: dict[str, torch.Tensor] | None = None,
     personal_keys: Sequence[str] = (),
     cost=None,
-) -> ClientResult:
-    """Run ``trainer`` (default: SGD) for one client on ``model``, which already holds the received
-    global weights (and the client's personal entries), in round ``round`` (1-based) with ``local`` at that
-    round's rate (``LocalTraining.at_round``: ``ctx.local.lr`` is the round's lr).
-
-    Returns the delta of the shared trainable parameters (local minus received global), the shared
-    buffers after training, and the mean local objective ``train/loss`` over the steps taken.
-    """
+) -> ClientContext:
+    """The context of ``client``'s local work in round ``round`` (1-based) on ``model``, which already holds the
+    received global weights (and the client's personal entries), with ``local`` at that round's rate
+    (``LocalTraining.at_round``: ``ctx.local.lr`` is the round's lr); the model prepared (``prepare_model``) and
+    every component's ``client_start`` run."""
     n = task.num_train_examples(client)
     frozen = set(frozen or ())
     local = local.at_round(round)  # the round's rate under a step or cosine schedule
@@ -417,4 +413,15 @@ def train_client(
     prepare_model(model, frozen)
     for c in components:
         c.client_start(ctx)
+    return ctx
+
+
+def train_client(task: Task, model: nn.Module, client: int, round: int, seed: int, local: LocalTraining,
+                 components: Sequence[Component], *args, trainer: Trainer | None = None, **kwargs) -> ClientResult:
+    """Run ``trainer`` (default: SGD) for one client (the rest of the arguments: ``start_client``'s).
+
+    Returns the delta of the shared trainable parameters (local minus received global), the shared
+    buffers after training, and the mean local objective ``train/loss`` over the steps taken.
+    """
+    ctx = start_client(task, model, client, round, seed, local, components, *args, **kwargs)
     return (trainer or SGD_TRAINER).train(ctx, components)

@@ -1,0 +1,250 @@
+"""Vectorised local training: the clients of a round trained together as one computation.
+
+Sequential training runs each sampled client's SGD steps one after another on one work model, so a small
+model spends most of a step in per-operation overhead. Here the clients' weights are stacked along a leading
+client dimension and every local step of every client is one ``torch.func.vmap`` of
+``torch.func.grad`` over ``torch.func.functional_call`` of the same model: one kernel launch per operation for
+all the clients (grouped convolutions, batched matrix products), on CPU and CUDA.
+
+What each client computes is what ``fedsight.training.local.sgd_steps`` computes for it, to float tolerance
+(the batched kernels round differently):
+
+* the same index batches (each client's stream ("shuffle", round, client)), the same batches from
+  ``task.train_batches`` and every component's ``transform_batch``, per client;
+* unequal clients: at every step the clients that still have a step are grouped by the shapes of their batch
+  (a short last batch, a client with fewer steps) and each group is one vmapped call; a client without a step
+  is in no group, so its weights do not move (exactly, not by a zero mask);
+* BatchNorm: a functional BatchNorm (``functional_batch_norm``) normalises each client's batch with its own
+  statistics and returns each client's new running mean, variance and batch count, as ``nn.BatchNorm`` in train
+  mode would leave them (torch's ``replace_all_batch_norm_modules_`` drops running statistics, which SiloBN and
+  FedBN need); frozen norm layers (eval mode) read their running statistics;
+* the local objective: the task loss of the tempered outputs plus every component's ``VectorStep.loss_term``;
+  then every component's ``VectorStep.grads`` in list order, then SGD with ``train.momentum`` and
+  ``train.weight_decay`` (torch's ``SGD`` update, momentum buffer starting at zero) at the step's rate
+  (``train.lr_schedule = "poly"`` per client).
+
+One difference from ``torch.optim.SGD``: a trainable parameter the loss does not reach gets a zero gradient here
+(so weight decay and momentum still move it), where ``SGD`` skips a parameter without ``.grad``.
+
+What cannot be vectorised (``blockers``) trains sequentially: a trainer other than plain SGD, Adam, a component
+that changes the step without a ``VectorStep``, a model that draws random numbers in training (dropout), a norm
+layer with running statistics other than BatchNorm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ..device import model_device, to_device
+from ..rng import torch_gen
+from .component import Component, VectorStep
+from .context import ClientContext
+from .local import SGD_TRAINER, LocalTraining, backward_scope, batch_positions
+
+#: the hooks that act inside a local step: a component overriding one needs a ``vector_step``
+STEP_HOOKS = ("outputs", "batch_positions", "loss_term", "after_backward")
+
+
+def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, local: LocalTraining) -> list[str]:
+    """Why the stage's clients cannot be trained together (empty: they can)."""
+    out = []
+    if trainer is not SGD_TRAINER:
+        out.append(f"the local procedure {getattr(trainer, 'name', type(trainer).__name__)!r} trains one client at a time")
+    if local.optimizer != "sgd":
+        out.append(f"train.optimizer = {local.optimizer!r} (vectorised training runs SGD)")
+    for c in components:
+        overrides = [h for h in STEP_HOOKS if getattr(type(c), h) is not getattr(Component, h)]
+        if overrides and type(c).vector_step is Component.vector_step:
+            out.append(f"component {c.name!r} changes the local step ({', '.join(overrides)}) and has no vector_step")
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            out.append(f"the model draws random numbers in training ({name or 'model'}: {type(m).__name__} p = {m.p:g})")
+        elif (isinstance(m, nn.modules.batchnorm._NormBase) and not isinstance(m, nn.modules.batchnorm._BatchNorm)
+              and m.track_running_stats):
+            out.append(f"{name}: {type(m).__name__} with running statistics (only BatchNorm is vectorised)")
+    return out
+
+
+# -- functional BatchNorm --------------------------------------------------------------------------
+
+def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, updates: dict[str, torch.Tensor],
+                x: torch.Tensor) -> torch.Tensor:
+    """``m``'s forward as pure tensor operations, its new running statistics put in ``updates`` (what
+    ``nn.BatchNorm``'s forward updates in place: ``num_batches_tracked + 1``, then the running mean and the
+    unbiased variance moved by ``momentum``, or by 1 / count when ``momentum`` is None)."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    batch_stats = m.training or m.running_mean is None
+    if batch_stats:
+        dims = [0, *range(2, x.dim())]
+        mean, var = x.mean(dims), x.var(dims, correction=0)
+        if m.training and m.track_running_stats:
+            count = m.num_batches_tracked + 1
+            f = 1.0 / count if m.momentum is None else m.momentum
+            n = x.numel() // x.shape[1]
+            if n < 2:
+                raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
+            updates[prefix + "num_batches_tracked"] = count
+            updates[prefix + "running_mean"] = (1 - f) * m.running_mean + f * mean.detach()
+            updates[prefix + "running_var"] = (1 - f) * m.running_var + f * (var.detach() * (n / (n - 1)))
+    else:
+        mean, var = m.running_mean, m.running_var
+    y = (x - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + m.eps)
+    if m.weight is not None:
+        y = y * m.weight.reshape(shape) + m.bias.reshape(shape)
+    return y
+
+
+@contextlib.contextmanager
+def functional_batch_norm(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """Within the block, every BatchNorm of ``model`` runs ``_batch_norm`` (vmap-safe: nothing in place) and
+    puts its new running statistics, by state key, in the yielded dict."""
+    updates: dict[str, torch.Tensor] = {}
+    patched = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.forward = functools.partial(_batch_norm, m, f"{name}." if name else "", updates)
+            patched.append(m)
+    try:
+        yield updates
+    finally:
+        for m in patched:
+            del m.forward
+
+
+def batch_norm_buffers(model: nn.Module) -> set[str]:
+    """State keys of the BatchNorm buffers (running statistics, batch counts)."""
+    return {f"{name}.{b}" if name else b for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) for b, _ in m.named_buffers(recurse=False)}
+
+
+# -- the vmapped step ------------------------------------------------------------------------------
+
+def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], updates: dict[str, torch.Tensor]):
+    """One client's SGD step as a pure function of (trainable params, other state, momentum, own tensors,
+    inputs, targets, lr) -> (params, BatchNorm buffers, momentum, loss); ``hooks``: each stepping component's
+    name and first client's ``VectorStep`` (its functions serve every client)."""
+    model, task, local = ctx.model, ctx.task, ctx.local
+    tau, momentum, wd = local.temperature, local.momentum, local.step_weight_decay
+
+    def objective(params, rest, own, x, y):
+        updates.clear()
+        out = functional_call(model, {**params, **rest}, (x,))
+        tempered = out if tau == 1.0 else (tuple(o / tau for o in out) if isinstance(out, (tuple, list)) else out / tau)
+        loss = task.loss(tempered, y)
+        for name, vs in hooks:
+            if vs.loss_term is not None:
+                term = vs.loss_term(own[name], params, out, y)
+                if term is not None:
+                    loss = loss + term
+        return loss, (loss.detach(), dict(updates))
+
+    def step(params, rest, mom, own, x, y, lr):
+        grads, (loss, new_buffers) = grad(objective, has_aux=True)(params, rest, own, x, y)
+        for name, vs in hooks:
+            if vs.grads is not None:
+                grads = dict(vs.grads(own[name], params, grads))
+        new_params, new_mom = {}, {}
+        for k, p in params.items():
+            d = grads[k] if wd == 0 else grads[k] + wd * p
+            if momentum != 0:
+                d = new_mom[k] = momentum * mom[k] + d
+            new_params[k] = p - lr * d
+        return new_params, new_buffers, new_mom, loss
+
+    return step
+
+
+def _stack(values: Sequence[Any]) -> Any:
+    """Stack the leaves of same-structured pytrees along a new first dimension."""
+    flat = [tree_flatten(v)[0] for v in values]
+    return tree_unflatten([torch.stack(group) for group in zip(*flat)], tree_flatten(values[0])[1])
+
+
+def _signature(batch: Any) -> tuple:
+    leaves, spec = tree_flatten(batch)
+    return (str(spec), *((tuple(t.shape), t.dtype) for t in leaves))
+
+
+def train_together(
+    ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], components: Sequence[Component],
+    steps: Sequence[Sequence[VectorStep | None]],
+) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """Train the clients of ``ctxs`` (started: ``start_client``; all on one model, one stage) together.
+
+    ``starts[i]``: client i's whole model state at the start (its global and personal entries); ``steps[i]``:
+    each component's ``vector_step`` for client i. Returns each client's model state after its
+    ``ctx.num_steps`` steps and the sum of each client's step objectives (in the model's floating dtype);
+    ``ctx.flops`` of each client is counted as in ``sgd_steps``."""
+    ctx0 = ctxs[0]
+    model, task, local = ctx0.model, ctx0.task, ctx0.local
+    device = model_device(model)
+    K = len(ctxs)
+    trainable = [k for k, p in model.named_parameters() if p.requires_grad]
+    per_client = batch_norm_buffers(model) | set(ctx0.personal_keys)
+    state_keys = list(starts[0])
+    P = {k: torch.stack([s[k] for s in starts]) for k in trainable}
+    rest = {k: torch.stack([s[k] for s in starts]) if k in per_client else starts[0][k]
+            for k in state_keys if k not in P}
+    rest_dims = {k: 0 if k in per_client else None for k in rest}
+    hooks = [(c.name, vs) for c, vs in zip(components, steps[0]) if vs is not None]
+    own = {c.name: {k: torch.stack([steps[i][j].tensors[k] for i in range(K)]) for k in vs.tensors}
+           for j, (c, vs) in enumerate(zip(components, steps[0])) if vs is not None}
+    mom = {k: torch.zeros_like(v) for k, v in P.items()} if local.momentum != 0 else {}
+    dtype = next((v.dtype for v in P.values() if v.is_floating_point()), torch.float32)
+    loss_sum = torch.zeros(K, device=device, dtype=dtype)
+    scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
+
+    positions, iters = [], []
+    for ctx in ctxs:
+        gen = torch_gen(ctx.seed, "shuffle", ctx.round, ctx.client_id)
+        positions.append(list(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)))
+        iters.append(iter(task.train_batches(ctx.client_id, positions[-1], seed=ctx.seed, round=ctx.round)))
+    longest = max((c.num_steps for c in ctxs), default=0)
+    with functional_batch_norm(model) as updates:
+        vstep = vmap(_step_function(ctx0, hooks, updates), in_dims=(0, rest_dims, 0, 0, 0, 0, 0), randomness="error")
+        for s in range(longest):
+            groups: dict[tuple, list[int]] = {}
+            batches = {}
+            for i, ctx in enumerate(ctxs):
+                if s >= ctx.num_steps:
+                    continue
+                ctx.step = s
+                x, y = to_device(next(iters[i]), device)
+                for c in components:
+                    x, y = c.transform_batch(ctx, x, y)
+                batches[i] = (x, y)
+                groups.setdefault(_signature((x, y)), []).append(i)
+                if ctx.cost is not None:
+                    ctx.flops += ctx.cost.train_step(len(positions[i][s]), scope)
+            for idx in groups.values():
+                x, y = _stack([batches[i][0] for i in idx]), _stack([batches[i][1] for i in idx])
+                lr = torch.tensor([_rate(local, s, ctxs[i].num_steps) for i in idx], device=device, dtype=dtype)
+                if len(idx) == K:
+                    P, new_buffers, mom, loss = vstep(P, rest, mom, own, x, y, lr)
+                    rest.update(new_buffers)
+                    loss_sum += loss
+                    continue
+                at = torch.tensor(idx, device=device)
+                pick = functools.partial(torch.index_select, dim=0, index=at)
+                sub_rest = {k: pick(v) if rest_dims[k] == 0 else v for k, v in rest.items()}
+                new_p, new_buffers, new_mom, loss = vstep(tree_map(pick, P), sub_rest, tree_map(pick, mom),
+                                                          tree_map(pick, own), x, y, lr)
+                for store, new in ((P, new_p), (rest, new_buffers), (mom, new_mom)):
+                    for k, v in new.items():
+                        store[k] = store[k].index_copy(0, at, v)
+                loss_sum.index_add_(0, at, loss)
+    finals = [{k: (P[k][i] if k in P else rest[k][i] if rest_dims[k] == 0 else rest[k]) for k in state_keys}
+              for i in range(K)]
+    return finals, loss_sum
+
+
+def _rate(local: LocalTraining, step: int, num_steps: int) -> float:
+    return local.lr * local.lr_factor(step, num_steps) if local.lr_schedule == "poly" else local.lr

@@ -1,0 +1,223 @@
+"""Vectorised local training (``engine.vectorize``): the clients of a round trained together under vmap compute
+what sequential training computes, recipe part by recipe part, for unequal clients; the functional BatchNorm
+matches ``nn.BatchNorm``; what cannot be vectorised is said, refused under ``true`` and trained sequentially under
+``"auto"``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fedsight.api import build_simulation, vectorize_mode
+from fedsight.config import ConfigError, validate
+from fedsight.errors import ModelRefused
+from fedsight.state import PERSONAL
+from fedsight.training import Component
+from fedsight.training.vectorized import _batch_norm, blockers
+from helpers import close, tiny
+
+# unequal clients: Dirichlet sizes, a short last batch, and 1 to 4 local steps drawn per client and round
+UNEQUAL = {"partition.alpha": 0.3, "train.batch_size": 8, "train.epochs": None, "train.steps_range": [1, 4],
+           "server.rounds": 2, "server.clients_per_round": 4, "eval.every": 2}
+
+CASES = {
+    "fedavg": {},
+    "epochs": {"train.steps_range": None, "train.epochs": 1},  # passes with a short last batch per client
+    "momentum_wd_poly": {"train.momentum": 0.9, "train.weight_decay": 1e-3, "train.lr_schedule": "poly"},
+    "fedprox": {"recipe.components": [{"name": "fedprox", "mu": 0.5}]},
+    "scaffold": {"recipe.components": ["scaffold"], "recipe.weighting": "uniform"},
+    "feddyn": {"recipe.components": [{"name": "feddyn", "alpha": 0.1, "max_grad_norm": 0.5}]},
+    "batchnorm": {"model.norm": "batch"},
+    "silobn": {"model.norm": "batch", "recipe.sharing": "silobn"},
+    "frozen_head": {"model.norm": "batch", "train.freeze": ["backbone"]},
+    "chunked": {"engine.max_clients_per_batch": 3, "recipe.components": ["scaffold"]},
+}
+
+
+def _run(vectorize, **over):
+    cfg = validate(tiny(**{**UNEQUAL, "engine.vectorize": vectorize, **over}))
+    sim = build_simulation(cfg)
+    start = {k: v.clone() for k, v in sim.global_model.state_dict().items()}
+    rows = [sim.run_round(r)[0] for r in (1, 2)]
+    assert any(not torch.equal(start[k], v) for k, v in sim.global_model.state_dict().items()), "nothing trained"
+    return sim, rows
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_vectorised_equals_sequential(case):
+    seq, seq_rows = _run(False, **CASES[case])
+    vec, vec_rows = _run(True, **CASES[case])
+    sizes = {seq.task.num_train_examples(c) for c in range(seq.task.num_clients)}
+    assert len(sizes) > 2, "the federation must have unequal clients"
+    assert vec.runtime.vectorizes(4) and not seq.runtime.vectorizes(4)
+    a, b = seq.global_model.state_dict(), vec.global_model.state_dict()
+    for k in a:
+        if a[k].is_floating_point():
+            close(b[k], a[k], atol=2e-6, rtol=1e-5)
+        else:
+            assert torch.equal(a[k], b[k]), k  # BatchNorm's batch counts
+    for ra, rb in zip(seq_rows, vec_rows):
+        assert ra["train/loss"] == pytest.approx(rb["train/loss"], rel=1e-5)
+        assert ra["cost/flops"] == rb["cost/flops"] > 0
+    # per-client state: SCAFFOLD's c_i, FedDyn's linear terms, SiloBN's statistics
+    for key in ("scaffold", "feddyn", PERSONAL):
+        clients = seq.store.clients(key)
+        assert clients == vec.store.clients(key)
+        for c in clients:
+            sa, sb = seq.store.get(key, c), vec.store.get(key, c)
+            for k in sa:
+                close(sb[k], sa[k], atol=2e-6, rtol=1e-5)
+
+
+def test_unequal_steps_leave_finished_clients_unmoved():
+    """A client with fewer steps is in no group once it is done: its upload is its own K steps, the same as when it
+    is trained alone."""
+    vec, _ = _run(True, **{"server.rounds": 3})
+    plan = vec.server.begin_round(3)
+    gstate = vec.server.global_state()
+    together = {cid: res for cid, res, _ in vec.runtime.run_many(3, plan.sampled, gstate, plan.broadcast_for)}
+    steps = {cid: res.num_steps for cid, res in together.items()}
+    assert len(set(steps.values())) > 1, steps
+    for cid in plan.sampled:
+        (_, alone, _), = vec.runtime.run_many(3, [cid], gstate, plan.broadcast_for)
+        for k, d in together[cid].delta.items():
+            close(alone.delta[k], d, atol=1e-6, rtol=1e-5)
+
+
+class Refuser(Component):
+    """Refuses the model on client 1 (a watermark check that fails, say)."""
+
+    name = "refuser"
+
+    def client_start(self, ctx):
+        if ctx.client_id == 1:
+            raise ModelRefused("client 1 refuses", info={"reason": "test"})
+
+
+def _sim_with(component, vectorize, **over):
+    """A simulation with ``component`` added and the runtime's ``vectorize`` mode set directly (``"auto"`` is
+    sequential on a CPU at the config level)."""
+    cfg = validate(tiny(**{**UNEQUAL, "server.clients_per_round": 6, **over}))
+    sim = build_simulation(cfg)
+    for stage in sim.stages:
+        stage.recipe.components.append(component)
+    sim.runtime.vectorize = vectorize
+    sim.runtime.stage_index = -1  # re-read the stage's blockers
+    sim.runtime.enter_stage(0)
+    return sim
+
+
+def test_a_refusing_client_is_left_out_and_the_rest_train_together():
+    seq, vec = _sim_with(Refuser(), False), _sim_with(Refuser(), True)
+    assert vec.runtime.vectorizes(6)
+    rows = []
+    for sim in (seq, vec):
+        row, events = sim.run_round(1)
+        assert [e["client"] for e in events if e["event"] == "model_refused"] == [1]
+        rows.append(row)
+    for k, v in seq.global_model.state_dict().items():
+        close(vec.global_model.state_dict()[k].float(), v.float(), atol=2e-6, rtol=1e-5)
+
+
+class Stepper(Component):
+    """Changes the local step with no vectorised form."""
+
+    name = "stepper"
+
+    def loss_term(self, ctx, outputs, targets):
+        return outputs.pow(2).mean()
+
+
+def test_auto_trains_a_stage_that_cannot_be_vectorised_sequentially_and_says_so_once():
+    sim = _sim_with(Stepper(), "auto")
+    assert not sim.runtime.vectorizes(6)
+    assert sim.runtime.sequential_reasons == ["component 'stepper' changes the local step (loss_term) and has no vector_step"]
+    said = [e for r in (1, 2) for e in sim.run_round(r)[1] if e["event"] == "sequential_training"]
+    assert len(said) == 1 and said[0]["reasons"] == sim.runtime.sequential_reasons
+
+
+def test_true_refuses_what_cannot_be_vectorised_before_the_run_starts():
+    with pytest.raises(ValueError, match=r"engine.vectorize = true: stage 'federated' .*train.optimizer = 'adam'"):
+        build_simulation(validate(tiny(**{"engine.vectorize": True, "train.optimizer": "adam"})))
+    with pytest.raises(ValueError, match=r"Dropout p = 0.5"):
+        build_simulation(validate(tiny(**{"engine.vectorize": True, "model.dropout": 0.5})))
+
+
+def test_blockers_name_each_reason():
+    from fedsight.recipe.personalize import Ditto
+    from fedsight.training.local import LocalTraining
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.InstanceNorm1d(2, track_running_stats=True), nn.Dropout(0.1))
+    ditto = Ditto(mu=0.1)
+    got = blockers(model, [Stepper(), ditto], ditto.trainer(), LocalTraining(batch_size=1, lr=0.1, optimizer="adamw"))
+    assert len(got) == 5, got
+    assert any("'stepper'" in g for g in got) and any("adamw" in g for g in got) and any("InstanceNorm1d" in g for g in got)
+    plain = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Dropout(0.0))
+    from fedsight.training.local import SGD_TRAINER
+    assert blockers(plain, [], SGD_TRAINER, LocalTraining(batch_size=1, lr=0.1)) == []
+
+
+def test_auto_is_sequential_on_a_cpu_and_vectorised_on_cuda():
+    assert vectorize_mode("auto", torch.device("cpu")) is False
+    assert vectorize_mode("auto", torch.device("cuda", 0)) == "auto"
+    assert vectorize_mode(True, torch.device("cpu")) is True
+    with pytest.raises(ConfigError, match="engine.vectorize"):
+        validate(tiny(**{"engine.vectorize": "sometimes"}))
+    with pytest.raises(ConfigError, match="engine.max_clients_per_batch"):
+        validate(tiny(**{"engine.max_clients_per_batch": 0}))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kind=st.sampled_from(["1d", "2d"]),
+    momentum=st.sampled_from([None, 0.1, 0.5]),
+    affine=st.booleans(),
+    track=st.booleans(),
+    training=st.booleans(),
+    batches=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_functional_batch_norm_matches_torch(kind, momentum, affine, track, training, batches, seed):
+    """Output and running statistics after several batches, against ``nn.BatchNorm1d/2d`` itself."""
+    gen = torch.Generator().manual_seed(seed)
+    cls, shape = (nn.BatchNorm1d, (5, 3)) if kind == "1d" else (nn.BatchNorm2d, (4, 3, 2, 3))
+    ref = cls(3, momentum=momentum, affine=affine, track_running_stats=track)
+    with torch.no_grad():
+        for t in ref.state_dict(keep_vars=True).values():
+            if t.is_floating_point():
+                t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
+    ours = cls(3, momentum=momentum, affine=affine, track_running_stats=track)
+    ours.load_state_dict(ref.state_dict())
+    ref.train(training)
+    ours.train(training)
+    for _ in range(batches):
+        x = torch.randn(shape, generator=gen) * 3 + 1
+        updates = {}
+        got = _batch_norm(ours, "", updates, x)
+        close(got, ref(x), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            for k, v in updates.items():
+                getattr(ours, k).copy_(v)
+    assert bool(updates) == (training and track)
+    for k, v in ref.state_dict().items():
+        if v.is_floating_point():
+            close(ours.state_dict()[k], v, atol=1e-6, rtol=1e-5)
+        else:
+            assert torch.equal(ours.state_dict()[k], v)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["fedavg", "scaffold", "silobn"])
+def test_vectorised_equals_sequential_on_cuda(case):
+    """``"auto"`` vectorises on CUDA; the result is sequential training's on the same GPU (to float tolerance)."""
+    over = {**CASES[case], "engine.device": "cuda"}
+    seq, _ = _run(False, **over)
+    vec, _ = _run("auto", **over)
+    assert vec.runtime.vectorizes(4)
+    a, b = seq.global_model.state_dict(), vec.global_model.state_dict()
+    for k in a:
+        close(b[k].cpu().double(), a[k].cpu().double(), atol=1e-5, rtol=1e-4)
