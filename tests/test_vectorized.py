@@ -16,7 +16,7 @@ from fedsight.config import ConfigError, validate
 from fedsight.errors import ModelRefused
 from fedsight.state import PERSONAL
 from fedsight.training import Component
-from fedsight.training.vectorized import _batch_norm, blockers
+from fedsight.training.vectorized import NormState, _batch_norm, blockers
 from helpers import close, tiny
 
 # unequal clients: Dirichlet sizes, a short last batch, and 1 to 4 local steps drawn per client and round
@@ -34,12 +34,17 @@ CASES = {
     "silobn": {"model.norm": "batch", "recipe.sharing": "silobn"},
     "frozen_head": {"model.norm": "batch", "train.freeze": ["backbone"]},
     "chunked": {"engine.max_clients_per_batch": 3, "recipe.components": ["scaffold"]},
+    # a task whose loss is not a mean of per-example losses: unequal batches are trained in separate groups
+    "grouped": {"model.norm": "batch", "_grouped": True},
+    "grouped_epochs": {"train.steps_range": None, "train.epochs": 1, "_grouped": True},
 }
 
 
-def _run(vectorize, **over):
+def _run(vectorize, _grouped=False, **over):
     cfg = validate(tiny(**{**UNEQUAL, "engine.vectorize": vectorize, **over}))
     sim = build_simulation(cfg)
+    if _grouped:
+        sim.task.loss_is_example_mean = False
     start = {k: v.clone() for k, v in sim.global_model.state_dict().items()}
     rows = [sim.run_round(r)[0] for r in (1, 2)]
     assert any(not torch.equal(start[k], v) for k, v in sim.global_model.state_dict().items()), "nothing trained"
@@ -178,10 +183,12 @@ def test_auto_is_sequential_on_a_cpu_and_vectorised_on_cuda():
     track=st.booleans(),
     training=st.booleans(),
     batches=st.integers(1, 3),
+    pad=st.sampled_from([0, 0, 1, 3]),
     seed=st.integers(0, 2**16),
 )
-def test_functional_batch_norm_matches_torch(kind, momentum, affine, track, training, batches, seed):
-    """Output and running statistics after several batches, against ``nn.BatchNorm1d/2d`` itself."""
+def test_functional_batch_norm_matches_torch(kind, momentum, affine, track, training, batches, pad, seed):
+    """Output and running statistics after several batches, against ``nn.BatchNorm1d/2d`` itself; a padded batch
+    with its padding masked out gives what the unpadded batch gives."""
     gen = torch.Generator().manual_seed(seed)
     cls, shape = (nn.BatchNorm1d, (5, 3)) if kind == "1d" else (nn.BatchNorm2d, (4, 3, 2, 3))
     ref = cls(3, momentum=momentum, affine=affine, track_running_stats=track)
@@ -195,13 +202,17 @@ def test_functional_batch_norm_matches_torch(kind, momentum, affine, track, trai
     ours.train(training)
     for _ in range(batches):
         x = torch.randn(shape, generator=gen) * 3 + 1
-        updates = {}
-        got = _batch_norm(ours, "", updates, x)
+        state = NormState()
+        if pad:  # the batch padded with copies of its first example, the padding masked out
+            state.mask = torch.cat([torch.ones(len(x)), torch.zeros(pad)])
+            got = _batch_norm(ours, "", state, torch.cat([x, x[:1].expand(pad, *x.shape[1:])]))[: len(x)]
+        else:
+            got = _batch_norm(ours, "", state, x)
         close(got, ref(x), atol=1e-5, rtol=1e-5)
         with torch.no_grad():
-            for k, v in updates.items():
+            for k, v in state.updates.items():
                 getattr(ours, k).copy_(v)
-    assert bool(updates) == (training and track)
+    assert bool(state.updates) == (training and track)
     for k, v in ref.state_dict().items():
         if v.is_floating_point():
             close(ours.state_dict()[k], v, atol=1e-6, rtol=1e-5)

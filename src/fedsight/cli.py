@@ -519,6 +519,10 @@ from .etlc_cli import etlc_app  # noqa: E402  (encryption-then-lossy-compression
 
 app.add_typer(etlc_app, name="etlc")
 
+from .bench_cli import bench  # noqa: E402  (speed and memory of the engines)
+
+app.command()(bench)
+
 
 #: set to show the traceback of an unexpected error instead of its one-line summary
 DEBUG_ENV = "FEDSIGHT_DEBUG"

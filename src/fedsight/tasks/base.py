@@ -54,6 +54,11 @@ class Task(ABC):
     provides: ClassVar[frozenset[str]] = frozenset()
     #: the task's metrics (set by subclasses in ``__init__``)
     metrics: MetricSet
+    #: whether ``loss`` of a batch is the mean over its examples of ``loss`` of each example alone (a cross-entropy,
+    #: an L1 over same-sized images; not a segmentation loss averaged over the valid pixels of the whole batch):
+    #: vectorised training then pads a short batch and masks the padding, so unequal clients still train in one
+    #: call per step (``fedsight.training.vectorized``)
+    loss_is_example_mean: ClassVar[bool] = False
 
     @property
     def primary_metric(self) -> str:

@@ -82,6 +82,7 @@ class ClassificationTask(Task):
 
     name = "classification"
     provides = PROVIDES
+    loss_is_example_mean = True  # a cross-entropy mean over the batch
 
     @classmethod
     def spec(cls, params: Any = None) -> TaskSpec:

@@ -154,6 +154,7 @@ def tiled_forward(model: nn.Module, lr: torch.Tensor, scale: int, tile: int | No
 class ImageSRTask(ClientExamples, Task):
     name = "image_sr"
     provides = PROVIDES
+    loss_is_example_mean = True  # L1 / L2 / Charbonnier means over same-sized patches
 
     @classmethod
     def spec(cls, params: ImageSRParams | None = None) -> TaskSpec:

@@ -98,6 +98,7 @@ def _to_float(x: torch.Tensor) -> torch.Tensor:
 class VideoSRTask(ClientExamples, Task):
     name = "video_sr"
     provides = PROVIDES
+    loss_is_example_mean = True  # a Charbonnier mean over same-sized clips
 
     @classmethod
     def spec(cls, params: "VideoSRParams | None" = None) -> TaskSpec:

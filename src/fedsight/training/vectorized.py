@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,25 +76,39 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
 
 # -- functional BatchNorm --------------------------------------------------------------------------
 
-def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, updates: dict[str, torch.Tensor],
-                x: torch.Tensor) -> torch.Tensor:
-    """``m``'s forward as pure tensor operations, its new running statistics put in ``updates`` (what
+@dataclass
+class NormState:
+    """What the functional BatchNorms of one forward share: the new running statistics they computed (by state
+    key) and the mask of the batch's real examples (None: every example is real)."""
+
+    updates: dict[str, torch.Tensor] = field(default_factory=dict)
+    mask: torch.Tensor | None = None
+
+
+def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, state: NormState, x: torch.Tensor) -> torch.Tensor:
+    """``m``'s forward as pure tensor operations, its new running statistics put in ``state.updates`` (what
     ``nn.BatchNorm``'s forward updates in place: ``num_batches_tracked + 1``, then the running mean and the
-    unbiased variance moved by ``momentum``, or by 1 / count when ``momentum`` is None)."""
+    unbiased variance moved by ``momentum``, or by 1 / count when ``momentum`` is None). With ``state.mask``, the
+    batch statistics are those of the masked-in examples only (padding does not count)."""
     shape = (1, -1) + (1,) * (x.dim() - 2)
-    batch_stats = m.training or m.running_mean is None
-    if batch_stats:
+    if m.training or m.running_mean is None:
         dims = [0, *range(2, x.dim())]
-        mean, var = x.mean(dims), x.var(dims, correction=0)
+        if state.mask is None:
+            mean, var = x.mean(dims), x.var(dims, correction=0)
+            n = x.numel() // x.shape[1]
+        else:
+            w = state.mask.reshape((-1,) + (1,) * (x.dim() - 1))
+            n = state.mask.sum() * (x.numel() // (x.shape[0] * x.shape[1]))
+            mean = (x * w).sum(dims) / n
+            var = ((x - mean.reshape(shape)).pow(2) * w).sum(dims) / n
         if m.training and m.track_running_stats:
+            if isinstance(n, int) and n < 2:
+                raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
             count = m.num_batches_tracked + 1
             f = 1.0 / count if m.momentum is None else m.momentum
-            n = x.numel() // x.shape[1]
-            if n < 2:
-                raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
-            updates[prefix + "num_batches_tracked"] = count
-            updates[prefix + "running_mean"] = (1 - f) * m.running_mean + f * mean.detach()
-            updates[prefix + "running_var"] = (1 - f) * m.running_var + f * (var.detach() * (n / (n - 1)))
+            state.updates[prefix + "num_batches_tracked"] = count
+            state.updates[prefix + "running_mean"] = (1 - f) * m.running_mean + f * mean.detach()
+            state.updates[prefix + "running_var"] = (1 - f) * m.running_var + f * (var.detach() * (n / (n - 1)))
     else:
         mean, var = m.running_mean, m.running_var
     y = (x - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + m.eps)
@@ -103,17 +118,17 @@ def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, updates: dict[s
 
 
 @contextlib.contextmanager
-def functional_batch_norm(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+def functional_batch_norm(model: nn.Module) -> Iterator[NormState]:
     """Within the block, every BatchNorm of ``model`` runs ``_batch_norm`` (vmap-safe: nothing in place) and
-    puts its new running statistics, by state key, in the yielded dict."""
-    updates: dict[str, torch.Tensor] = {}
+    puts its new running statistics, by state key, in the yielded state's ``updates``."""
+    state = NormState()
     patched = []
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.forward = functools.partial(_batch_norm, m, f"{name}." if name else "", updates)
+            m.forward = functools.partial(_batch_norm, m, f"{name}." if name else "", state)
             patched.append(m)
     try:
-        yield updates
+        yield state
     finally:
         for m in patched:
             del m.forward
@@ -127,27 +142,37 @@ def batch_norm_buffers(model: nn.Module) -> set[str]:
 
 # -- the vmapped step ------------------------------------------------------------------------------
 
-def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], updates: dict[str, torch.Tensor]):
+def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], norms: NormState, masked: bool):
     """One client's SGD step as a pure function of (trainable params, other state, momentum, own tensors,
-    inputs, targets, lr) -> (params, BatchNorm buffers, momentum, loss); ``hooks``: each stepping component's
-    name and first client's ``VectorStep`` (its functions serve every client)."""
+    inputs, targets, mask, lr) -> (params, BatchNorm buffers, momentum, loss); ``hooks``: each stepping component's
+    name and first client's ``VectorStep`` (its functions serve every client). ``masked``: the batch is padded and
+    ``mask`` marks its real examples: the task loss is the mean of the real examples' losses (``loss`` of each
+    example alone, ``Task.loss_is_example_mean``) and BatchNorm's statistics are theirs."""
     model, task, local = ctx.model, ctx.task, ctx.local
     tau, momentum, wd = local.temperature, local.momentum, local.step_weight_decay
 
-    def objective(params, rest, own, x, y):
-        updates.clear()
+    def example_loss(out, y):
+        return task.loss(tree_map(lambda t: t.unsqueeze(0), out), tree_map(lambda t: t.unsqueeze(0), y))
+
+    def objective(params, rest, own, x, y, mask):
+        norms.updates.clear()
+        norms.mask = mask if masked else None
         out = functional_call(model, {**params, **rest}, (x,))
+        norms.mask = None
         tempered = out if tau == 1.0 else (tuple(o / tau for o in out) if isinstance(out, (tuple, list)) else out / tau)
-        loss = task.loss(tempered, y)
+        if masked:
+            loss = (vmap(example_loss)(tempered, y) * mask).sum() / mask.sum()
+        else:
+            loss = task.loss(tempered, y)
         for name, vs in hooks:
             if vs.loss_term is not None:
                 term = vs.loss_term(own[name], params, out, y)
                 if term is not None:
                     loss = loss + term
-        return loss, (loss.detach(), dict(updates))
+        return loss, (loss.detach(), dict(norms.updates))
 
-    def step(params, rest, mom, own, x, y, lr):
-        grads, (loss, new_buffers) = grad(objective, has_aux=True)(params, rest, own, x, y)
+    def step(params, rest, mom, own, x, y, mask, lr):
+        grads, (loss, new_buffers) = grad(objective, has_aux=True)(params, rest, own, x, y, mask)
         for name, vs in hooks:
             if vs.grads is not None:
                 grads = dict(vs.grads(own[name], params, grads))
@@ -168,9 +193,19 @@ def _stack(values: Sequence[Any]) -> Any:
     return tree_unflatten([torch.stack(group) for group in zip(*flat)], tree_flatten(values[0])[1])
 
 
-def _signature(batch: Any) -> tuple:
+def _signature(batch: Any, pad: bool) -> tuple:
+    """What must be equal for batches to be stacked: structure, shapes (without the batch size when ``pad``) and
+    dtypes."""
     leaves, spec = tree_flatten(batch)
-    return (str(spec), *((tuple(t.shape), t.dtype) for t in leaves))
+    return (str(spec), *((tuple(t.shape[1:] if pad else t.shape), t.dtype) for t in leaves))
+
+
+def _padded(batch: Any, size: int) -> Any:
+    """``batch`` grown to ``size`` examples by repeating its first one (real data: finite through any model)."""
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        extra = size - t.shape[0]
+        return t if extra == 0 else torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
+    return tree_map(grow, batch)
 
 
 def train_together(
@@ -187,6 +222,7 @@ def train_together(
     model, task, local = ctx0.model, ctx0.task, ctx0.local
     device = model_device(model)
     K = len(ctxs)
+    pad = bool(getattr(task, "loss_is_example_mean", False))
     trainable = [k for k, p in model.named_parameters() if p.requires_grad]
     per_client = batch_norm_buffers(model) | set(ctx0.personal_keys)
     state_keys = list(starts[0])
@@ -208,8 +244,10 @@ def train_together(
         positions.append(list(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)))
         iters.append(iter(task.train_batches(ctx.client_id, positions[-1], seed=ctx.seed, round=ctx.round)))
     longest = max((c.num_steps for c in ctxs), default=0)
-    with functional_batch_norm(model) as updates:
-        vstep = vmap(_step_function(ctx0, hooks, updates), in_dims=(0, rest_dims, 0, 0, 0, 0, 0), randomness="error")
+    with functional_batch_norm(model) as norms:
+        in_dims = (0, rest_dims, 0, 0, 0, 0, 0, 0)
+        vsteps = {m: vmap(_step_function(ctx0, hooks, norms, m), in_dims=in_dims, randomness="error")
+                  for m in (False, True)}
         for s in range(longest):
             groups: dict[tuple, list[int]] = {}
             batches = {}
@@ -221,14 +259,18 @@ def train_together(
                 for c in components:
                     x, y = c.transform_batch(ctx, x, y)
                 batches[i] = (x, y)
-                groups.setdefault(_signature((x, y)), []).append(i)
+                groups.setdefault(_signature((x, y), pad), []).append(i)
                 if ctx.cost is not None:
                     ctx.flops += ctx.cost.train_step(len(positions[i][s]), scope)
             for idx in groups.values():
-                x, y = _stack([batches[i][0] for i in idx]), _stack([batches[i][1] for i in idx])
+                sizes = [len(tree_flatten(batches[i])[0][0]) for i in idx]
+                size = max(sizes)
+                xy = _stack([_padded(batches[i], size) for i in idx])
+                mask = (torch.arange(size, device=device) < torch.tensor(sizes, device=device)[:, None]).to(dtype)
                 lr = torch.tensor([_rate(local, s, ctxs[i].num_steps) for i in idx], device=device, dtype=dtype)
+                vstep = vsteps[min(sizes) < size]
                 if len(idx) == K:
-                    P, new_buffers, mom, loss = vstep(P, rest, mom, own, x, y, lr)
+                    P, new_buffers, mom, loss = vstep(P, rest, mom, own, *xy, mask, lr)
                     rest.update(new_buffers)
                     loss_sum += loss
                     continue
@@ -236,7 +278,7 @@ def train_together(
                 pick = functools.partial(torch.index_select, dim=0, index=at)
                 sub_rest = {k: pick(v) if rest_dims[k] == 0 else v for k, v in rest.items()}
                 new_p, new_buffers, new_mom, loss = vstep(tree_map(pick, P), sub_rest, tree_map(pick, mom),
-                                                          tree_map(pick, own), x, y, lr)
+                                                          tree_map(pick, own), *xy, mask, lr)
                 for store, new in ((P, new_p), (rest, new_buffers), (mom, new_mom)):
                     for k, v in new.items():
                         store[k] = store[k].index_copy(0, at, v)

@@ -1,0 +1,57 @@
+"""``fedsight bench``: the plain loop does the engine's work, and the command prints and records every row (no
+assertion on speed: tests never time anything)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from fedsight.api import build_simulation
+from fedsight.bench import cnn_workload, plain_round
+from fedsight.config import validate
+from helpers import close
+
+
+def test_the_plain_loop_does_what_a_sequential_client_does():
+    """Same batches, same SGD: the plain loop's model after client c's round is the global model plus c's delta."""
+    raw = cnn_workload(4, 2)
+    raw["model"] = {"name": "cnn", "channels": [8], "hidden": 16}
+    raw["train"].update(momentum=0.9, weight_decay=1e-3)
+    sim = build_simulation(validate({**raw, "engine": {"vectorize": False}}))
+    gstate = {k: v.clone() for k, v in sim.global_model.state_dict().items()}
+    model = sim.task.build_model()
+    for cid in range(4):
+        res, _ = sim.runtime.run(1, cid, gstate)
+        assert res.num_steps > 0
+        plain_round(sim.task, model, gstate, [cid], 1, 0, sim.local)
+        for k, p in model.named_parameters():
+            close(p, gstate[k] + res.delta[k], atol=1e-6, rtol=1e-5)
+
+
+def test_bench_prints_and_records_every_engine_and_the_memory_runs(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedsight.cli", "bench", "-w", "cnn", "--clients", "3", "--rounds", "2", "--no-flower",
+         "--memory-clients", "5,30", "--memory-rounds", "1", "--json", str(out)],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"}, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "small CNN on digits: 3 clients a round" in proc.stdout and "peak RSS" in proc.stdout
+    got = json.loads(out.read_text())
+    rows = got["workloads"]["cnn"]
+    engines = {(r["engine"], r["threads"]) for r in rows}
+    for t in got["threads"]:
+        assert {("plain loop", t), ("sequential engine", t), ("vectorised engine", t)} <= engines
+    for r in rows:
+        assert r["seconds"] > 0 and abs(r["updates_per_s"] - 3 / r["seconds"]) < 1e-9
+    assert [m["clients"] for m in got["memory"]] == [5, 30]
+    for m in got["memory"]:
+        assert m["peak_rss_mb"] > 50 and 1 <= m["with_state"] <= m["clients"]
+
+
+def test_bench_refuses_an_unknown_workload_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "fedsight.cli", "bench", "-w", "gan", "--no-memory"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == "error: --workload 'gan': expected one of cnn, sr"
