@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from fedsight.api import build_simulation
 from fedsight.bench import cnn_workload, plain_round
 from fedsight.config import validate
@@ -50,8 +52,16 @@ def test_bench_prints_and_records_every_engine_and_the_memory_runs(tmp_path):
         assert m["peak_rss_mb"] > 50 and 1 <= m["with_state"] <= m["clients"]
 
 
-def test_bench_refuses_an_unknown_workload_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "fedsight.cli", "bench", "-w", "gan", "--no-memory"],
+@pytest.mark.parametrize("args, says", [
+    (["-w", "gan"], "error: --workload 'gan': expected one of cnn, sr"),
+    (["--memory-clients", "100,x"], "error: --memory-clients '100,x': expected comma-separated integers"),
+    (["--memory-clients", "0"], "error: --memory-clients '0': every count must be >= 1"),
+    (["--rounds", "1"], "error: Invalid value for '--rounds': 1 is not in the range x>=2."),
+    (["--device", "tpu"], "error: config: engine.device = 'tpu': expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\""),
+])
+def test_bench_refuses_bad_arguments_in_one_line_before_measuring(args, says):
+    proc = subprocess.run([sys.executable, "-m", "fedsight.cli", "bench", "--no-flower", "--no-memory", *args],
                           capture_output=True, text=True, check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines()[0] == "error: --workload 'gan': expected one of cnn, sr"
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[0].startswith(says), proc.stderr
+    assert proc.stdout == ""

@@ -32,3 +32,19 @@ def test_per_class_accuracy_is_sklearns_recall_however_the_batches_and_clients_s
     assert {k: v for k, v in got.items() if k.startswith("acc/")} == pytest.approx(
         {f"acc/k{c_}": r for c_, r in zip(present, ref)}, abs=1e-12)
     assert metrics.higher_is_better("acc/k0") is True
+
+
+def test_client_label_counts_are_each_clients_training_labels():
+    """The task's vectorised [clients, classes] counts against a per-client bincount of ``client_labels``, with
+    local test sets carved out (they are not counted)."""
+    import numpy as np
+
+    from fedsight.api import build_task
+    from fedsight.config import validate
+    from helpers import tiny
+
+    task = build_task(validate(tiny(**{"partition.local_test_fraction": 0.3, "partition.num_clients": 7})))
+    assert any(task.num_test_examples(c) for c in range(7))
+    want = np.stack([np.bincount(task.client_labels(c), minlength=task.num_classes) for c in range(7)])
+    assert np.array_equal(task.client_label_counts(), want)
+    assert want.sum() == sum(task.num_train_examples(c) for c in range(7))

@@ -65,7 +65,8 @@ def test_split_is_disjoint_from_every_client_and_from_validation(tmp_path):
     task = build_task(cfg)
     pre = tags(task, task.pretrain_x)
     val = tags(task, task.val_x)
-    clients = [tags(task, task.pool_x[sl]) for sl in task._train_slices + task._test_slices]
+    clients = [tags(task, task.pool_x[sl]) for c in range(task.num_clients)
+               for sl in (task._train_slice(c), task._test_slice(c))]
     held = np.concatenate(clients)
     assert len(set(pre)) == len(pre) and len(set(held)) == len(held)
     assert not set(pre) & set(held) and not set(pre) & set(val) and not set(val) & set(held)

@@ -60,7 +60,7 @@ def test_crop_flip_draws_each_sample_from_its_own_stream(tmp_path):
     steps = [torch.tensor([3, 0, 2]), torch.tensor([1, 4])]
     got = list(task.train_batches(c, steps, seed=seed, round=rnd))
     aug = RandomCropFlip(2)
-    start = task._train_slices[c].start
+    start = task._train_slice(c).start
     changed = 0
     for step, (pos, (x, y)) in enumerate(zip(steps, got)):
         raw = task.pool.store.get(pos.numpy() + start)

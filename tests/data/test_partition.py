@@ -522,3 +522,32 @@ def test_partition_heatmap_title_names_the_key_in_plural(tmp_path, monkeypatch, 
                                                                   original(self, *a, **k)))
     plot_partition_heatmap(np.array([[3, 1], [0, 4]]), tmp_path / "p.png", key=key)
     assert f"1.5 {plural}/client" in titles[-1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=12), seed=st.integers(0, 99))
+def test_client_splits_pack_every_client_into_two_arrays(sizes, seed) -> None:
+    """Packing is lossless: indexing (positive, negative, slices) gives each client's own arrays back."""
+    from fedsight.data.partition import ClientSplits
+
+    rng = np.random.default_rng(seed)
+    trains = [np.sort(rng.choice(1000, n, replace=False)) for n, _ in sizes]
+    tests = [np.sort(rng.choice(1000, m, replace=False)) for _, m in sizes]
+    packed = ClientSplits.pack(trains, tests)
+    assert len(packed) == len(sizes)
+    for c in range(len(sizes)):
+        for got in (packed[c], packed[c - len(sizes)]):
+            assert np.array_equal(got.train, trains[c]) and np.array_equal(got.test, tests[c])
+    assert [np.array_equal(s.train, t) for s, t in zip(packed[1::2], trains[1::2])] == [True] * len(trains[1::2])
+    assert list(packed.train_sizes()) == [n for n, _ in sizes] and list(packed.test_sizes()) == [m for _, m in sizes]
+    with pytest.raises(IndexError):
+        packed[len(sizes)]
+
+
+def test_100000_clients_are_stored_in_a_few_arrays_and_match_the_partitioner() -> None:
+    labels = np.arange(100_000) % 10
+    splits = make_client_splits(labels, num_clients=100_000, partitioner="iid", seed=0, local_test_fraction=0.0)
+    parts = partition(labels, num_clients=100_000, partitioner="iid", seed=0)
+    assert len(splits) == 100_000 and all(np.array_equal(splits[c].train, parts[c]) for c in (0, 1, 4_567, 99_999))
+    arrays = [v for v in vars(splits).values() if isinstance(v, np.ndarray)]
+    assert len(arrays) == 4 and sum(a.nbytes for a in arrays) <= 8 * (100_000 + 2 * 100_001 + 1)

@@ -194,7 +194,7 @@ def test_client_app_error_becomes_a_lost_client_with_the_reason(tmp_path):
 
 def _write_client_npz(task, cid, path):
     """Client ``cid``'s partition as a MedMNIST-style npz of uint8 images (digits are k/16, so k*16 is exact)."""
-    sl_tr, sl_te = task._train_slices[cid], task._test_slices[cid]
+    sl_tr, sl_te = task._train_slice(cid), task._test_slice(cid)
     raw = task.pool_x * task.std + task.mean  # undo the standardisation: values k/16
     img = lambda sl: np.round(raw[sl, 0].numpy() * 16).astype(np.uint8) * 16  # noqa: E731
     np.savez(path, train_images=img(sl_tr), train_labels=task.pool_y[sl_tr].numpy(),

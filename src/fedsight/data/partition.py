@@ -28,6 +28,7 @@ from fedsight.rng import np_rng
 
 __all__ = [
     "ClientSplit",
+    "ClientSplits",
     "make_client_splits",
     "partition",
     "partition_counts",
@@ -418,7 +419,7 @@ def _local_test_counts(local_labels: np.ndarray, fraction: float) -> tuple[list[
     return strata, take
 
 
-def partition_from_config(labels: np.ndarray, cfg: Any, attributes: Mapping[str, np.ndarray] | None = None) -> list["ClientSplit"]:
+def partition_from_config(labels: np.ndarray, cfg: Any, attributes: Mapping[str, np.ndarray] | None = None) -> "ClientSplits":
     """``make_client_splits`` for a validated config's ``partition`` section and seed."""
     part = cfg.partition
     params = {k: v for k, v in part.model_dump().items() if k not in ("name", "num_clients", "local_test_fraction")}
@@ -442,7 +443,7 @@ def make_client_splits(
     seed: int,
     local_test_fraction: float,
     attributes: Mapping[str, np.ndarray] | None = None,
-) -> list[ClientSplit]:
+) -> "ClientSplits":
     """Partition the training pool over clients, then split each client's samples into local train and test.
 
     The partition uses stream ``np_rng(seed, "partition")``; client ``i``'s local split uses
@@ -454,12 +455,12 @@ def make_client_splits(
     labels = np.asarray(labels)
     parts = partition(labels, num_clients=num_clients, partitioner=partitioner, params=params, seed=seed,
                       attributes=attributes)
-    splits: list[ClientSplit] = []
+    trains, tests = [], []
     for cid, idx in enumerate(parts):
         if len(idx) == 0:
             raise ValueError(f"partitioner {partitioner!r} gave client {cid} no samples")
         if local_test_fraction == 0.0:
-            splits.append(ClientSplit(train=idx, test=np.zeros(0, dtype=np.int64)))
+            trains.append(idx)
             continue
         rng = np_rng(seed, "local-test", cid)
         strata, take = _local_test_counts(labels[idx], local_test_fraction)
@@ -470,8 +471,48 @@ def make_client_splits(
         is_test = np.zeros(len(idx), dtype=bool)
         if test_pos:
             is_test[np.concatenate(test_pos)] = True
-        splits.append(ClientSplit(train=idx[~is_test], test=idx[is_test]))
-    return splits
+        trains.append(idx[~is_test])
+        tests.append(idx[is_test])
+    return ClientSplits.pack(trains, tests or [np.zeros(0, dtype=np.int64)] * len(trains))
+
+
+class ClientSplits(Sequence[ClientSplit]):
+    """Every client's ``ClientSplit``, stored compactly: the clients' training positions back to back in one array
+    (client c's at ``train[train_offsets[c]:train_offsets[c + 1]]``), the local test positions likewise. Two arrays
+    whatever the number of clients (100,000 clients cost a few MB, not a Python object and two arrays each);
+    ``splits[c]`` is a ``ClientSplit`` of views."""
+
+    def __init__(self, train: np.ndarray, train_offsets: np.ndarray, test: np.ndarray, test_offsets: np.ndarray):
+        self.train, self.train_offsets = np.asarray(train, dtype=np.int64), np.asarray(train_offsets, dtype=np.int64)
+        self.test, self.test_offsets = np.asarray(test, dtype=np.int64), np.asarray(test_offsets, dtype=np.int64)
+
+    @classmethod
+    def pack(cls, trains: Sequence[np.ndarray], tests: Sequence[np.ndarray]) -> "ClientSplits":
+        """From each client's training and local test positions."""
+        def packed(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+            sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+            flat = np.concatenate(parts).astype(np.int64, copy=False) if len(parts) else np.zeros(0, dtype=np.int64)
+            return flat, np.concatenate([[0], np.cumsum(sizes)])
+        return cls(*packed(trains), *packed(tests))
+
+    def __len__(self) -> int:
+        return len(self.train_offsets) - 1
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"client {i} of {n}")
+        i %= n
+        return ClientSplit(train=self.train[self.train_offsets[i]:self.train_offsets[i + 1]],
+                           test=self.test[self.test_offsets[i]:self.test_offsets[i + 1]])
+
+    def train_sizes(self) -> np.ndarray:
+        return np.diff(self.train_offsets)
+
+    def test_sizes(self) -> np.ndarray:
+        return np.diff(self.test_offsets)
 
 
 # ------------------------------------------------------------------------------- counts and statistics

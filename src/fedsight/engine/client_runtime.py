@@ -206,12 +206,13 @@ class ClientRuntime:
                     yield cid, exc, None
                     continue
                 steps = [c.vector_step(ctx) for c in components]
-                started.append((ctx, state, {k: v.detach().clone() for k, v in self._wstate.items()}, steps))
+                started.append((ctx, state, {k: v.detach().clone() for k, v in self._wstate.items()}, steps,
+                                torch.get_rng_state()))
             if not started:
                 continue
-            finals, losses = train_together([s[0] for s in started], [s[2] for s in started], components,
-                                            [s[3] for s in started])
-            for (ctx, state, _, _), final, loss in zip(started, finals, losses):
+            ctxs, states, starts, steps, rngs = zip(*started)
+            finals, losses = train_together(ctxs, starts, components, steps, rngs)
+            for ctx, state, final, loss in zip(ctxs, states, finals, losses):
                 with torch.no_grad():
                     for k, v in final.items():
                         self._wstate[k].copy_(v)

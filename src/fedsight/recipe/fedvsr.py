@@ -43,7 +43,7 @@ Super-Resolution") as two independent recipe parts.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -52,7 +52,7 @@ from ..functional.dwt import high_frequency_loss
 from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, WEIGHTINGS, Params
-from ..training import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ServerContext, VectorStep
 from .weighting import ClientWeighting
 
 __all__ = ["DWTLoss", "DWTLossParams", "FedVSRWeighting", "FedVSRWeightingParams", "fedvsr_exponent"]
@@ -83,15 +83,25 @@ class DWTLoss(Component):
                 f"dwt_loss needs image outputs [..., C, H, W] shaped like the targets (a super-resolution task); "
                 f"got outputs {tuple(outputs.shape)} and targets {tuple(targets.shape)}"
             )
-        term = None
-        if self.p.lambda_hifr != 0.0:
-            term = self.p.lambda_hifr * high_frequency_loss(outputs, targets, self.p.eps, self.p.reduction, self.p.mode)
-        if self.p.lambda_vsr != 1.0:
-            if ctx.task is None:
+        parts = [fn(outputs, targets) for fn, _ in self.parts(getattr(ctx, "task", None))]
+        return sum(parts[1:], parts[0]) if parts else None
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        """Both parts per example: over a batch of same-sized frames, L_HiFr's coefficient mean (or sum) is the mean
+        (or sum) over the examples of each example's, and the task loss the mean of each example's."""
+        return VectorStep(example_terms=tuple(self.parts(ctx.task)))
+
+    def parts(self, task) -> list[tuple[Any, str]]:
+        """(term of a batch, its reduction over the examples): ``lambda_HiFr L_HiFr`` and ``(lambda_VSR - 1) L_VSR``,
+        each only when its weight changes the objective."""
+        p, out = self.p, []
+        if p.lambda_hifr != 0.0:
+            out.append((lambda o, y: p.lambda_hifr * high_frequency_loss(o, y, p.eps, p.reduction, p.mode), p.reduction))
+        if p.lambda_vsr != 1.0:
+            if task is None:
                 raise ValueError("dwt_loss: lambda_vsr != 1 needs the task loss, but the client context has no task")
-            extra = (self.p.lambda_vsr - 1.0) * ctx.task.loss(outputs, targets)
-            term = extra if term is None else term + extra
-        return term
+            out.append((lambda o, y: (p.lambda_vsr - 1.0) * task.loss(o, y), "mean"))
+        return out
 
 
 @COMPONENTS.register(

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.base import ArrayDataset, DatasetSplits, StoredDataset
-from ..data.partition import ClientSplit
+from ..data.partition import ClientSplit, ClientSplits
 from ..metrics import Mean, MetricSet, MetricState, PerClassAccuracy
 from ..models.base import ModelIO
 from ..registry import MODELS, TASKS, NoParams, Params, build
@@ -91,7 +91,7 @@ class ClassificationTask(Task):
     def __init__(
         self,
         splits: DatasetSplits,
-        clients: list[ClientSplit],
+        clients: Sequence[ClientSplit],
         model_name: str,
         model_params: Params | None,
         val: ArrayDataset | StoredDataset | None = None,
@@ -121,17 +121,20 @@ class ClassificationTask(Task):
         self.mean, self.std = mean, std
         # the pool is stored client by client ([client 0 train, client 0 test, client 1 train, ...]) so a
         # client's data is a contiguous slice and a batch is a single gather
-        order = np.concatenate([np.concatenate([c.train, c.test]) for c in clients]).astype(np.int64)
+        packed = clients if isinstance(clients, ClientSplits) else ClientSplits.pack([c.train for c in clients],
+                                                                                     [c.test for c in clients])
+        n_train, n_test = packed.train_sizes(), packed.test_sizes()
+        # client c's train examples at [start, mid), its local test examples at [mid, end): three offsets a client
+        end = np.cumsum(n_train + n_test)
+        mid = end - n_test
+        start = mid - n_train
+        self._bounds = np.stack([start, mid, end], axis=1)
+        order = np.empty(int(end[-1]) if len(end) else 0, dtype=np.int64)
+        order[np.repeat(start - packed.train_offsets[:-1], n_train) + np.arange(len(packed.train))] = packed.train
+        order[np.repeat(mid - packed.test_offsets[:-1], n_test) + np.arange(len(packed.test))] = packed.test
         self.pool = SplitImages(train, mean, std, order)
         self.pool_y = train.y[torch.from_numpy(order)].contiguous()
         self._labels = self.pool_y.numpy().copy()  # CPU copy for partition statistics (pool_y may move)
-        self._train_slices: list[slice] = []
-        self._test_slices: list[slice] = []
-        start = 0
-        for c in clients:
-            self._train_slices.append(slice(start, start + len(c.train)))
-            self._test_slices.append(slice(start + len(c.train), start + len(c.train) + len(c.test)))
-            start += len(c.train) + len(c.test)
         self.test = SplitImages(test, mean, std)
         self.test_y = test.y.contiguous()
         self.val = SplitImages(val, mean, std) if val is not None else None
@@ -186,20 +189,32 @@ class ClassificationTask(Task):
                 setattr(self, name, t.to(device))
         return self
 
+    def _train_slice(self, client: int) -> slice:
+        start, mid, _ = self._bounds[client]
+        return slice(int(start), int(mid))
+
+    def _test_slice(self, client: int) -> slice:
+        _, mid, end = self._bounds[client]
+        return slice(int(mid), int(end))
+
     def num_train_examples(self, client: int) -> int:
-        sl = self._train_slices[client]
-        return sl.stop - sl.start
+        start, mid, _ = self._bounds[client]
+        return int(mid - start)
 
     def num_test_examples(self, client: int) -> int:
-        sl = self._test_slices[client]
-        return sl.stop - sl.start
+        _, mid, end = self._bounds[client]
+        return int(end - mid)
 
     def client_labels(self, client: int) -> np.ndarray:
-        return self._labels[self._train_slices[client]]
+        return self._labels[self._train_slice(client)]
 
     def client_label_counts(self) -> np.ndarray:
         """[clients, classes] counts of each client's local training labels."""
-        return np.stack([np.bincount(self.client_labels(c), minlength=self.num_classes) for c in range(self.num_clients)])
+        start, mid, end = self._bounds.T
+        client = np.repeat(np.arange(len(start)), end - start)  # the client of every pool position
+        train = np.arange(len(client)) < mid[client]
+        flat = client[train] * self.num_classes + self._labels[train]
+        return np.bincount(flat, minlength=len(start) * self.num_classes).reshape(len(start), self.num_classes)
 
     def num_val_examples(self) -> int:
         return 0 if self.val_y is None else len(self.val_y)
@@ -238,7 +253,7 @@ class ClassificationTask(Task):
         }
 
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        sl = self._train_slices[client]
+        sl = self._train_slice(client)
         if self.pool.x is not None:
             return self.pool.x[sl][positions], self.pool_y[sl][positions]
         idx = positions.cpu() + sl.start
@@ -254,7 +269,7 @@ class ClassificationTask(Task):
             return
         from ..data.pipeline import BatchLoader
 
-        start = self._train_slices[client].start
+        start = self._train_slice(client).start
         jobs = [(pos.cpu().numpy() + start, ("augment", round, client, step)) for step, pos in enumerate(batches)]
         loader = BatchLoader(self.pool.store, self.augment, seed)
         for (idx, _), images in zip(jobs, self.prefetcher.map(loader, jobs)):
@@ -277,7 +292,7 @@ class ClassificationTask(Task):
                     'this run has no server-held validation set (split "val"); set [validation] source = "carve" or "dataset"'
                 )
             return self.val, self.val_y, 0
-        sl = self._test_slices[int(split)]
+        sl = self._test_slice(int(split))
         return self.pool, self.pool_y[sl], sl.start
 
     def eval_batches(self, split: str | int, batch_size: int = 512, subset: Any = None

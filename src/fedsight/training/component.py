@@ -53,11 +53,17 @@ class VectorStep:
     ``Component.loss_term`` adds, from the client's trainable parameters ``params`` (name -> tensor) instead of
     the model's; ``grads(own, params, grads)``: the gradients ``Component.after_backward`` would leave (a new
     dict, nothing in place). Values every client shares (the received global model) may be closed over; a
-    client's own values must come through ``tensors``."""
+    client's own values must come through ``tensors``.
+
+    ``example_terms``: (term, reduction) pairs, each ``term(outputs, targets)`` of a batch being the ``reduction``
+    ("mean" or "sum") over its examples of the same term of each example alone (a per-pixel loss over same-sized
+    images): on a padded batch (``Task.loss_is_example_mean``) the trainer reduces them over the real examples
+    only, where ``loss_term`` would see the padding."""
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     loss_term: Callable[..., torch.Tensor | None] | None = None
     grads: Callable[..., Mapping[str, torch.Tensor]] | None = None
+    example_terms: tuple[tuple[Callable[[Any, Any], torch.Tensor], str], ...] = ()
 
 
 class Component:

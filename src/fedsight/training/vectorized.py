@@ -151,8 +151,7 @@ def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], 
     model, task, local = ctx.model, ctx.task, ctx.local
     tau, momentum, wd = local.temperature, local.momentum, local.step_weight_decay
 
-    def example_loss(out, y):
-        return task.loss(tree_map(lambda t: t.unsqueeze(0), out), tree_map(lambda t: t.unsqueeze(0), y))
+    example_loss = functools.partial(_one_example, task.loss)
 
     def objective(params, rest, own, x, y, mask):
         norms.updates.clear()
@@ -160,15 +159,18 @@ def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], 
         out = functional_call(model, {**params, **rest}, (x,))
         norms.mask = None
         tempered = out if tau == 1.0 else (tuple(o / tau for o in out) if isinstance(out, (tuple, list)) else out / tau)
-        if masked:
-            loss = (vmap(example_loss)(tempered, y) * mask).sum() / mask.sum()
-        else:
-            loss = task.loss(tempered, y)
+        loss = masked_mean(example_loss, tempered, y, mask) if masked else task.loss(tempered, y)
         for name, vs in hooks:
             if vs.loss_term is not None:
                 term = vs.loss_term(own[name], params, out, y)
                 if term is not None:
                     loss = loss + term
+            for fn, reduction in vs.example_terms:
+                if not masked:
+                    loss = loss + fn(out, y)
+                else:
+                    term = masked_mean(functools.partial(_one_example, fn), out, y, mask)
+                    loss = loss + (term if reduction == "mean" else term * mask.sum())
         return loss, (loss.detach(), dict(norms.updates))
 
     def step(params, rest, mom, own, x, y, mask, lr):
@@ -185,6 +187,16 @@ def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], 
         return new_params, new_buffers, new_mom, loss
 
     return step
+
+
+def _one_example(fn, out: Any, y: Any) -> torch.Tensor:
+    """``fn`` of one example as a batch of one."""
+    return fn(tree_map(lambda t: t.unsqueeze(0), out), tree_map(lambda t: t.unsqueeze(0), y))
+
+
+def masked_mean(per_example, out: Any, y: Any, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of ``per_example(out_j, y_j)`` over the examples j that ``mask`` marks real."""
+    return (vmap(per_example)(out, y) * mask).sum() / mask.sum()
 
 
 def _stack(values: Sequence[Any]) -> Any:
@@ -210,14 +222,17 @@ def _padded(batch: Any, size: int) -> Any:
 
 def train_together(
     ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], components: Sequence[Component],
-    steps: Sequence[Sequence[VectorStep | None]],
+    steps: Sequence[Sequence[VectorStep | None]], rng_states: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
     """Train the clients of ``ctxs`` (started: ``start_client``; all on one model, one stage) together.
 
     ``starts[i]``: client i's whole model state at the start (its global and personal entries); ``steps[i]``:
-    each component's ``vector_step`` for client i. Returns each client's model state after its
-    ``ctx.num_steps`` steps and the sum of each client's step objectives (in the model's floating dtype);
-    ``ctx.flops`` of each client is counted as in ``sgd_steps``."""
+    each component's ``vector_step`` for client i; ``rng_states[i]``: torch's global CPU generator as client i's
+    sequential training would find it after ``client_start`` (seeded from the stream ("client", round, client)):
+    each client's batches and ``transform_batch`` draw from their own state, so tasks that crop or augment with the
+    global generator (image and video SR, keypoints) give every client the batches sequential training gives it.
+    Returns each client's model state after its ``ctx.num_steps`` steps and the sum of each client's step
+    objectives (in the model's floating dtype); ``ctx.flops`` of each client is counted as in ``sgd_steps``."""
     ctx0 = ctxs[0]
     model, task, local = ctx0.model, ctx0.task, ctx0.local
     device = model_device(model)
@@ -244,6 +259,7 @@ def train_together(
         positions.append(list(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)))
         iters.append(iter(task.train_batches(ctx.client_id, positions[-1], seed=ctx.seed, round=ctx.round)))
     longest = max((c.num_steps for c in ctxs), default=0)
+    rng = list(rng_states) if rng_states is not None else None
     with functional_batch_norm(model) as norms:
         in_dims = (0, rest_dims, 0, 0, 0, 0, 0, 0)
         vsteps = {m: vmap(_step_function(ctx0, hooks, norms, m), in_dims=in_dims, randomness="error")
@@ -255,9 +271,13 @@ def train_together(
                 if s >= ctx.num_steps:
                     continue
                 ctx.step = s
+                if rng is not None:
+                    torch.set_rng_state(rng[i])
                 x, y = to_device(next(iters[i]), device)
                 for c in components:
                     x, y = c.transform_batch(ctx, x, y)
+                if rng is not None:
+                    rng[i] = torch.get_rng_state()
                 batches[i] = (x, y)
                 groups.setdefault(_signature((x, y), pad), []).append(i)
                 if ctx.cost is not None:
