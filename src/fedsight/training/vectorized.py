@@ -18,17 +18,20 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
   statistics and returns each client's new running mean, variance and batch count, as ``nn.BatchNorm`` in train
   mode would leave them (torch's ``replace_all_batch_norm_modules_`` drops running statistics, which SiloBN and
   FedBN need); frozen norm layers (eval mode) read their running statistics;
-* the local objective: the task loss of the tempered outputs plus every component's ``VectorStep.loss_term``;
-  then every component's ``VectorStep.grads`` in list order, then SGD with ``train.momentum`` and
-  ``train.weight_decay`` (torch's ``SGD`` update, momentum buffer starting at zero) at the step's rate
-  (``train.lr_schedule = "poly"`` per client).
+* the local objective: the task loss of the tempered outputs plus every component's ``VectorStep`` terms;
+  then every component's ``VectorStep.grads`` in list order, with ``train.optimizer``'s Adam / AdamW transform
+  where ``sgd_steps`` puts it, then SGD with ``train.momentum`` and ``train.weight_decay`` (torch's ``SGD``
+  update, momentum buffer starting at zero) at the step's rate (``train.lr_schedule = "poly"`` per client);
+* randomness: each client's batches (and ``transform_batch``) draw from that client's own state of torch's
+  global generator, which is what sequential training seeds per client.
 
-One difference from ``torch.optim.SGD``: a trainable parameter the loss does not reach gets a zero gradient here
-(so weight decay and momentum still move it), where ``SGD`` skips a parameter without ``.grad``.
+One difference from ``torch.optim.SGD`` and ``AdamDirection``: a trainable parameter the loss does not reach gets a
+zero gradient here (so weight decay, momentum and Adam's moments still move it), where they skip a parameter
+without ``.grad``.
 
-What cannot be vectorised (``blockers``) trains sequentially: a trainer other than plain SGD, Adam, a component
-that changes the step without a ``VectorStep``, a model that draws random numbers in training (dropout), a norm
-layer with running statistics other than BatchNorm.
+What cannot be vectorised (``blockers``) trains sequentially: a trainer other than the SGD loop's (Ditto's,
+Fed3R's statistics pass, ...), a component that changes the step without a ``VectorStep``, a model that draws
+random numbers in training (dropout), a norm layer with running statistics other than BatchNorm.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from ..device import model_device, to_device
 from ..rng import torch_gen
 from .component import Component, VectorStep
 from .context import ClientContext
-from .local import SGD_TRAINER, LocalTraining, backward_scope, batch_positions
+from .local import SGD_TRAINER, LocalTraining, backward_scope, batch_positions, direction_position
 
 #: the hooks that act inside a local step: a component overriding one needs a ``vector_step``
 STEP_HOOKS = ("outputs", "batch_positions", "loss_term", "after_backward")
@@ -59,8 +62,6 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
     out = []
     if trainer is not SGD_TRAINER:
         out.append(f"the local procedure {getattr(trainer, 'name', type(trainer).__name__)!r} trains one client at a time")
-    if local.optimizer != "sgd":
-        out.append(f"train.optimizer = {local.optimizer!r} (vectorised training runs SGD)")
     for c in components:
         overrides = [h for h in STEP_HOOKS if getattr(type(c), h) is not getattr(Component, h)]
         if overrides and type(c).vector_step is Component.vector_step:
@@ -142,14 +143,20 @@ def batch_norm_buffers(model: nn.Module) -> set[str]:
 
 # -- the vmapped step ------------------------------------------------------------------------------
 
-def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], norms: NormState, masked: bool):
-    """One client's SGD step as a pure function of (trainable params, other state, momentum, own tensors,
-    inputs, targets, mask, lr) -> (params, BatchNorm buffers, momentum, loss); ``hooks``: each stepping component's
-    name and first client's ``VectorStep`` (its functions serve every client). ``masked``: the batch is padded and
-    ``mask`` marks its real examples: the task loss is the mean of the real examples' losses (``loss`` of each
-    example alone, ``Task.loss_is_example_mean``) and BatchNorm's statistics are theirs."""
+def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], at: int, norms: NormState,
+                   masked: bool):
+    """One client's step as a pure function of (trainable params, other state, optimizer state, own tensors,
+    inputs, targets, mask, lr, Adam's bias corrections) -> (params, BatchNorm buffers, optimizer state, loss).
+    ``hooks``: each stepping component's name and first client's ``VectorStep`` (its functions serve every
+    client), the first ``at`` of them before ``train.optimizer``'s Adam transform, the rest after
+    (``fedsight.training.local.direction_position``). ``masked``: the batch is padded and ``mask`` marks its real
+    examples: the task loss is the mean of the real examples' losses (``loss`` of each example alone,
+    ``Task.loss_is_example_mean``) and BatchNorm's statistics are theirs. The optimizer state is SGD's momentum
+    buffer (``"mom"``, starting at zero, which torch's first step equals) or Adam's moments (``"m"``, ``"v"``:
+    ``fedsight.training.optim.AdamDirection``'s arithmetic, t = the step number)."""
     model, task, local = ctx.model, ctx.task, ctx.local
     tau, momentum, wd = local.temperature, local.momentum, local.step_weight_decay
+    adam = local.adam_direction()
 
     example_loss = functools.partial(_one_example, task.loss)
 
@@ -173,20 +180,40 @@ def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], 
                     loss = loss + (term if reduction == "mean" else term * mask.sum())
         return loss, (loss.detach(), dict(norms.updates))
 
-    def step(params, rest, mom, own, x, y, mask, lr):
+    def step(params, rest, opt, own, x, y, mask, lr, bias):
         grads, (loss, new_buffers) = grad(objective, has_aux=True)(params, rest, own, x, y, mask)
-        for name, vs in hooks:
+        new_opt = {}
+        for i, (name, vs) in enumerate(hooks):
+            if i == at and adam is not None:
+                grads, new_opt = _adam(adam, params, grads, opt, bias)
             if vs.grads is not None:
                 grads = dict(vs.grads(own[name], params, grads))
-        new_params, new_mom = {}, {}
+        if at == len(hooks) and adam is not None:
+            grads, new_opt = _adam(adam, params, grads, opt, bias)
+        new_params = {}
         for k, p in params.items():
             d = grads[k] if wd == 0 else grads[k] + wd * p
             if momentum != 0:
-                d = new_mom[k] = momentum * mom[k] + d
+                d = momentum * opt["mom"][k] + d
+                new_opt.setdefault("mom", {})[k] = d
             new_params[k] = p - lr * d
-        return new_params, new_buffers, new_mom, loss
+        return new_params, new_buffers, new_opt, loss
 
     return step
+
+
+def _adam(adam: Any, params, grads, opt, bias):
+    """Adam's direction (``AdamDirection.apply_`` as a pure function): the new gradients and moments; ``bias``:
+    (1 - beta1^t, sqrt(1 - beta2^t))."""
+    b1, b2 = adam.beta1, adam.beta2
+    out, m_new, v_new = {}, {}, {}
+    for k, g in grads.items():
+        if adam.l2:
+            g = g + adam.l2 * params[k]
+        m_new[k] = opt["m"][k] * b1 + (1 - b1) * g
+        v_new[k] = opt["v"][k] * b2 + (1 - b2) * g * g
+        out[k] = (m_new[k] / bias[0]) / (v_new[k].sqrt() / bias[1] + adam.eps)
+    return out, {"m": m_new, "v": v_new}
 
 
 def _one_example(fn, out: Any, y: Any) -> torch.Tensor:
@@ -246,9 +273,14 @@ def train_together(
             for k in state_keys if k not in P}
     rest_dims = {k: 0 if k in per_client else None for k in rest}
     hooks = [(c.name, vs) for c, vs in zip(components, steps[0]) if vs is not None]
+    # Adam runs before the first step correction (SCAFFOLD): after the hooks of the components listed before it
+    at = sum(1 for c, vs in zip(components[:direction_position(components)], steps[0]) if vs is not None)
     own = {c.name: {k: torch.stack([steps[i][j].tensors[k] for i in range(K)]) for k in vs.tensors}
            for j, (c, vs) in enumerate(zip(components, steps[0])) if vs is not None}
-    mom = {k: torch.zeros_like(v) for k, v in P.items()} if local.momentum != 0 else {}
+    zeros = {k: torch.zeros_like(v) for k, v in P.items()}
+    opt = {"mom": zeros} if local.momentum != 0 else {}
+    if local.optimizer != "sgd":
+        opt = {"m": zeros, "v": {k: torch.zeros_like(v) for k, v in P.items()}}
     dtype = next((v.dtype for v in P.values() if v.is_floating_point()), torch.float32)
     loss_sum = torch.zeros(K, device=device, dtype=dtype)
     scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
@@ -261,9 +293,10 @@ def train_together(
     longest = max((c.num_steps for c in ctxs), default=0)
     rng = list(rng_states) if rng_states is not None else None
     with functional_batch_norm(model) as norms:
-        in_dims = (0, rest_dims, 0, 0, 0, 0, 0, 0)
-        vsteps = {m: vmap(_step_function(ctx0, hooks, norms, m), in_dims=in_dims, randomness="error")
+        in_dims = (0, rest_dims, 0, 0, 0, 0, 0, 0, None)
+        vsteps = {m: vmap(_step_function(ctx0, hooks, at, norms, m), in_dims=in_dims, randomness="error")
                   for m in (False, True)}
+        betas = local.betas
         for s in range(longest):
             groups: dict[tuple, list[int]] = {}
             batches = {}
@@ -288,21 +321,23 @@ def train_together(
                 xy = _stack([_padded(batches[i], size) for i in idx])
                 mask = (torch.arange(size, device=device) < torch.tensor(sizes, device=device)[:, None]).to(dtype)
                 lr = torch.tensor([_rate(local, s, ctxs[i].num_steps) for i in idx], device=device, dtype=dtype)
+                bias = torch.tensor([1.0 - betas[0] ** (s + 1), (1.0 - betas[1] ** (s + 1)) ** 0.5], device=device,
+                                    dtype=dtype)  # Adam's t = s + 1 for every client at step s
                 vstep = vsteps[min(sizes) < size]
                 if len(idx) == K:
-                    P, new_buffers, mom, loss = vstep(P, rest, mom, own, *xy, mask, lr)
+                    P, new_buffers, opt, loss = vstep(P, rest, opt, own, *xy, mask, lr, bias)
                     rest.update(new_buffers)
                     loss_sum += loss
                     continue
-                at = torch.tensor(idx, device=device)
-                pick = functools.partial(torch.index_select, dim=0, index=at)
+                where = torch.tensor(idx, device=device)
+                pick = functools.partial(torch.index_select, dim=0, index=where)
                 sub_rest = {k: pick(v) if rest_dims[k] == 0 else v for k, v in rest.items()}
-                new_p, new_buffers, new_mom, loss = vstep(tree_map(pick, P), sub_rest, tree_map(pick, mom),
-                                                          tree_map(pick, own), *xy, mask, lr)
-                for store, new in ((P, new_p), (rest, new_buffers), (mom, new_mom)):
+                new_p, new_buffers, new_opt, loss = vstep(tree_map(pick, P), sub_rest, tree_map(pick, opt),
+                                                          tree_map(pick, own), *xy, mask, lr, bias)
+                for store, new in ((P, new_p), (rest, new_buffers), *((opt[n], new_opt[n]) for n in opt)):
                     for k, v in new.items():
-                        store[k] = store[k].index_copy(0, at, v)
-                loss_sum.index_add_(0, at, loss)
+                        store[k] = store[k].index_copy(0, where, v)
+                loss_sum.index_add_(0, where, loss)
     finals = [{k: (P[k][i] if k in P else rest[k][i] if rest_dims[k] == 0 else rest[k]) for k in state_keys}
               for i in range(K)]
     return finals, loss_sum
