@@ -23,7 +23,9 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
   where ``sgd_steps`` puts it, then SGD with ``train.momentum`` and ``train.weight_decay`` (torch's ``SGD``
   update, momentum buffer starting at zero) at the step's rate (``train.lr_schedule = "poly"`` per client);
 * randomness: each client's batches (and ``transform_batch``) draw from that client's own state of torch's
-  global generator, which is what sequential training seeds per client.
+  global generator, which is what sequential training seeds per client; so does its ``nn.Dropout`` noise, drawn
+  before the vmapped step in the order the forward calls the layers (``dropout_shapes`` probes the shapes once
+  per batch shape), the masks of sequential training on a CPU bit for bit.
 
 One difference from ``torch.optim.SGD`` and ``AdamDirection``: a trainable parameter the loss does not reach gets a
 zero gradient here (so weight decay, momentum and Adam's moments still move it), where they skip a parameter
@@ -31,7 +33,8 @@ without ``.grad``.
 
 What cannot be vectorised (``blockers``) trains sequentially: a trainer other than the SGD loop's (Ditto's,
 Fed3R's statistics pass, ...), a component that changes the step without a ``VectorStep``, a model that draws
-random numbers in training (dropout), a norm layer with running statistics other than BatchNorm.
+random numbers in training other than through ``nn.Dropout`` (``Dropout2d``, ...), a norm layer with running
+statistics other than BatchNorm.
 """
 
 from __future__ import annotations
@@ -67,23 +70,76 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
         if overrides and type(c).vector_step is Component.vector_step:
             out.append(f"component {c.name!r} changes the local step ({', '.join(overrides)}) and has no vector_step")
     for name, m in model.named_modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            out.append(f"the model draws random numbers in training ({name or 'model'}: {type(m).__name__} p = {m.p:g})")
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and type(m) is not nn.Dropout:
+            out.append(f"the model draws random numbers in training ({name or 'model'}: {type(m).__name__} p = {m.p:g}; "
+                       "only nn.Dropout is vectorised)")
         elif (isinstance(m, nn.modules.batchnorm._NormBase) and not isinstance(m, nn.modules.batchnorm._BatchNorm)
               and m.track_running_stats):
             out.append(f"{name}: {type(m).__name__} with running statistics (only BatchNorm is vectorised)")
     return out
 
 
-# -- functional BatchNorm --------------------------------------------------------------------------
+# -- functional BatchNorm and dropout ------------------------------------------------------------------
 
 @dataclass
 class NormState:
-    """What the functional BatchNorms of one forward share: the new running statistics they computed (by state
-    key) and the mask of the batch's real examples (None: every example is real)."""
+    """What the functional layers of one forward share: the new running statistics the BatchNorms computed (by
+    state key), the mask of the batch's real examples (None: every example is real), and the dropout noise of
+    this forward, one tensor per dropout call in call order (``noise_at``: the next one)."""
 
     updates: dict[str, torch.Tensor] = field(default_factory=dict)
     mask: torch.Tensor | None = None
+    noise: Sequence[torch.Tensor] = ()
+    noise_at: int = 0
+
+
+def _dropout(m: nn.Dropout, state: NormState, x: torch.Tensor) -> torch.Tensor:
+    """``m``'s forward with the noise drawn beforehand (``draw_noise``): ``x * noise``, as torch's dropout."""
+    if not m.training or m.p == 0:
+        return x
+    noise = state.noise[state.noise_at]
+    state.noise_at += 1
+    return x * noise
+
+
+def draw_noise(shapes: Sequence[tuple[tuple[int, ...], torch.dtype, float]], device: torch.device) -> list[torch.Tensor]:
+    """The noise of each dropout call, drawn from torch's global CPU generator in call order exactly as torch's
+    dropout draws it (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``): on a CPU the masks of sequential
+    training, bit for bit. On CUDA, where sequential dropout draws from CUDA's generator, the noise still comes
+    from each client's CPU stream (a deterministic function of (seed, round, client), resumable)."""
+    out = []
+    for shape, dtype, p in shapes:
+        noise = torch.empty(shape, dtype=dtype)
+        noise = noise.zero_() if p == 1 else noise.bernoulli_(1 - p).div_(1 - p)
+        out.append(noise.to(device))
+    return out
+
+
+def dropout_modules(model: nn.Module) -> list[nn.Dropout]:
+    """The model's ``nn.Dropout`` layers that draw noise (p > 0)."""
+    return [m for m in model.modules() if type(m) is nn.Dropout and m.p > 0]
+
+
+@torch.no_grad()
+def dropout_shapes(model: nn.Module, x: Any, state: NormState) -> list[tuple[tuple[int, ...], torch.dtype, float]]:
+    """(input shape, dtype, p) of every dropout call of a training forward of ``model`` on ``x``, in call order
+    (a forward that draws nothing: dropout passes through, the functional BatchNorms write only to ``state``)."""
+    seen: list[tuple[tuple[int, ...], torch.dtype, float]] = []
+    patched = dropout_modules(model)
+
+    def record(m: nn.Dropout, t: torch.Tensor) -> torch.Tensor:
+        seen.append((tuple(t.shape), t.dtype, m.p))
+        return t
+
+    for m in patched:
+        m.forward = functools.partial(record, m)
+    try:
+        model(x)
+    finally:
+        for m in patched:
+            m.forward = functools.partial(_dropout, m, state)
+        state.updates.clear()
+    return seen
 
 
 def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, state: NormState, x: torch.Tensor) -> torch.Tensor:
@@ -121,13 +177,17 @@ def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, state: NormStat
 @contextlib.contextmanager
 def functional_batch_norm(model: nn.Module) -> Iterator[NormState]:
     """Within the block, every BatchNorm of ``model`` runs ``_batch_norm`` (vmap-safe: nothing in place) and
-    puts its new running statistics, by state key, in the yielded state's ``updates``."""
+    puts its new running statistics, by state key, in the yielded state's ``updates``; every ``nn.Dropout`` runs
+    ``_dropout`` (multiplies by the state's next noise tensor)."""
     state = NormState()
     patched = []
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.forward = functools.partial(_batch_norm, m, f"{name}." if name else "", state)
             patched.append(m)
+    for m in dropout_modules(model):
+        m.forward = functools.partial(_dropout, m, state)
+        patched.append(m)
     try:
         yield state
     finally:
@@ -160,11 +220,12 @@ def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], 
 
     example_loss = functools.partial(_one_example, task.loss)
 
-    def objective(params, rest, own, x, y, mask):
+    def objective(params, rest, own, x, y, mask, noise):
         norms.updates.clear()
         norms.mask = mask if masked else None
+        norms.noise, norms.noise_at = noise, 0
         out = functional_call(model, {**params, **rest}, (x,))
-        norms.mask = None
+        norms.mask, norms.noise = None, ()
         tempered = out if tau == 1.0 else (tuple(o / tau for o in out) if isinstance(out, (tuple, list)) else out / tau)
         loss = masked_mean(example_loss, tempered, y, mask) if masked else task.loss(tempered, y)
         for name, vs in hooks:
@@ -180,8 +241,8 @@ def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], 
                     loss = loss + (term if reduction == "mean" else term * mask.sum())
         return loss, (loss.detach(), dict(norms.updates))
 
-    def step(params, rest, opt, own, x, y, mask, lr, bias):
-        grads, (loss, new_buffers) = grad(objective, has_aux=True)(params, rest, own, x, y, mask)
+    def step(params, rest, opt, own, x, y, mask, noise, lr, bias):
+        grads, (loss, new_buffers) = grad(objective, has_aux=True)(params, rest, own, x, y, mask, noise)
         new_opt = {}
         for i, (name, vs) in enumerate(hooks):
             if i == at and adam is not None:
@@ -239,11 +300,15 @@ def _signature(batch: Any, pad: bool) -> tuple:
     return (str(spec), *((tuple(t.shape[1:] if pad else t.shape), t.dtype) for t in leaves))
 
 
-def _padded(batch: Any, size: int) -> Any:
-    """``batch`` grown to ``size`` examples by repeating its first one (real data: finite through any model)."""
+def _padded(batch: Any, size: int, fill: float | None = None) -> Any:
+    """``batch`` grown to ``size`` examples by repeating its first one (real data: finite through any model), or
+    by rows of ``fill``."""
     def grow(t: torch.Tensor) -> torch.Tensor:
         extra = size - t.shape[0]
-        return t if extra == 0 else torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
+        if extra == 0:
+            return t
+        rows = t[:1].expand(extra, *t.shape[1:]) if fill is None else t.new_full((extra, *t.shape[1:]), fill)
+        return torch.cat([t, rows])
     return tree_map(grow, batch)
 
 
@@ -293,7 +358,10 @@ def train_together(
     longest = max((c.num_steps for c in ctxs), default=0)
     rng = list(rng_states) if rng_states is not None else None
     with functional_batch_norm(model) as norms:
-        in_dims = (0, rest_dims, 0, 0, 0, 0, 0, 0, None)
+        in_dims = (0, rest_dims, 0, 0, 0, 0, 0, 0, 0, None)
+        drops = bool(dropout_modules(model))
+        probed: dict[tuple, list] = {}  # dropout shapes by batch signature
+        noise: dict[int, list[torch.Tensor]] = {}
         vsteps = {m: vmap(_step_function(ctx0, hooks, at, norms, m), in_dims=in_dims, randomness="error")
                   for m in (False, True)}
         betas = local.betas
@@ -309,6 +377,11 @@ def train_together(
                 x, y = to_device(next(iters[i]), device)
                 for c in components:
                     x, y = c.transform_batch(ctx, x, y)
+                if drops:  # the step's dropout noise, drawn where the sequential forward would draw it
+                    sig = _signature(x, False)
+                    if sig not in probed:
+                        probed[sig] = dropout_shapes(model, x, norms)
+                    noise[i] = draw_noise(probed[sig], device)
                 if rng is not None:
                     rng[i] = torch.get_rng_state()
                 batches[i] = (x, y)
@@ -320,12 +393,13 @@ def train_together(
                 size = max(sizes)
                 xy = _stack([_padded(batches[i], size) for i in idx])
                 mask = (torch.arange(size, device=device) < torch.tensor(sizes, device=device)[:, None]).to(dtype)
+                eps = _stack([[_padded(t, size, 1.0) for t in noise[i]] for i in idx]) if drops else []
                 lr = torch.tensor([_rate(local, s, ctxs[i].num_steps) for i in idx], device=device, dtype=dtype)
                 bias = torch.tensor([1.0 - betas[0] ** (s + 1), (1.0 - betas[1] ** (s + 1)) ** 0.5], device=device,
                                     dtype=dtype)  # Adam's t = s + 1 for every client at step s
                 vstep = vsteps[min(sizes) < size]
                 if len(idx) == K:
-                    P, new_buffers, opt, loss = vstep(P, rest, opt, own, *xy, mask, lr, bias)
+                    P, new_buffers, opt, loss = vstep(P, rest, opt, own, *xy, mask, eps, lr, bias)
                     rest.update(new_buffers)
                     loss_sum += loss
                     continue
@@ -333,7 +407,7 @@ def train_together(
                 pick = functools.partial(torch.index_select, dim=0, index=where)
                 sub_rest = {k: pick(v) if rest_dims[k] == 0 else v for k, v in rest.items()}
                 new_p, new_buffers, new_opt, loss = vstep(tree_map(pick, P), sub_rest, tree_map(pick, opt),
-                                                          tree_map(pick, own), *xy, mask, lr, bias)
+                                                          tree_map(pick, own), *xy, mask, eps, lr, bias)
                 for store, new in ((P, new_p), (rest, new_buffers), *((opt[n], new_opt[n]) for n in opt)):
                     for k, v in new.items():
                         store[k] = store[k].index_copy(0, where, v)
