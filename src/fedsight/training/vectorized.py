@@ -355,39 +355,62 @@ def train_together(
         gen = torch_gen(ctx.seed, "shuffle", ctx.round, ctx.client_id)
         positions.append(list(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)))
         iters.append(iter(task.train_batches(ctx.client_id, positions[-1], seed=ctx.seed, round=ctx.round)))
-    longest = max((c.num_steps for c in ctxs), default=0)
     rng = list(rng_states) if rng_states is not None else None
+    drops = bool(dropout_modules(model))
+    probed: dict[tuple, list] = {}  # dropout shapes by batch signature
+
+    def next_batch(i: int, s: int, norms: NormState) -> tuple[Any, list[torch.Tensor]]:
+        """Client i's batch of step s (after the components' transforms) and its dropout noise, drawn from the
+        client's own random state where its sequential training would draw them."""
+        ctx = ctxs[i]
+        ctx.step = s
+        if rng is not None:
+            torch.set_rng_state(rng[i])
+        x, y = to_device(next(iters[i]), device)
+        for c in components:
+            x, y = c.transform_batch(ctx, x, y)
+        noise = []
+        if drops:
+            sig = _signature(x, False)
+            if sig not in probed:
+                probed[sig] = dropout_shapes(model, x, norms)
+            noise = draw_noise(probed[sig], device)
+        if rng is not None:
+            rng[i] = torch.get_rng_state()
+        if ctx.cost is not None:
+            ctx.flops += ctx.cost.train_step(len(positions[i][s]), scope)
+        return (x, y), noise
+
+    def apply(vstep: Any, idx: list[int], *args: Any) -> None:
+        """One vmapped step of the clients ``idx`` (all of them, or gathered and scattered back)."""
+        nonlocal P, opt
+        if len(idx) == K:
+            P, new_buffers, opt, loss = vstep(P, rest, opt, own, *args)
+            rest.update(new_buffers)
+            loss_sum.add_(loss)
+            return
+        where = torch.tensor(idx, device=device)
+        pick = functools.partial(torch.index_select, dim=0, index=where)
+        sub_rest = {k: pick(v) if rest_dims[k] == 0 else v for k, v in rest.items()}
+        new_p, new_buffers, new_opt, loss = vstep(tree_map(pick, P), sub_rest, tree_map(pick, opt), tree_map(pick, own),
+                                                  *args)
+        for store, new in ((P, new_p), (rest, new_buffers), *((opt[n], new_opt[n]) for n in opt)):
+            for k, v in new.items():
+                store[k] = store[k].index_copy(0, where, v)
+        loss_sum.index_add_(0, where, loss)
+
     with functional_batch_norm(model) as norms:
         in_dims = (0, rest_dims, 0, 0, 0, 0, 0, 0, 0, None)
-        drops = bool(dropout_modules(model))
-        probed: dict[tuple, list] = {}  # dropout shapes by batch signature
-        noise: dict[int, list[torch.Tensor]] = {}
         vsteps = {m: vmap(_step_function(ctx0, hooks, at, norms, m), in_dims=in_dims, randomness="error")
                   for m in (False, True)}
-        betas = local.betas
-        for s in range(longest):
+        b1, b2 = local.betas
+        for s in range(max((c.num_steps for c in ctxs), default=0)):
             groups: dict[tuple, list[int]] = {}
-            batches = {}
+            batches, noise = {}, {}
             for i, ctx in enumerate(ctxs):
-                if s >= ctx.num_steps:
-                    continue
-                ctx.step = s
-                if rng is not None:
-                    torch.set_rng_state(rng[i])
-                x, y = to_device(next(iters[i]), device)
-                for c in components:
-                    x, y = c.transform_batch(ctx, x, y)
-                if drops:  # the step's dropout noise, drawn where the sequential forward would draw it
-                    sig = _signature(x, False)
-                    if sig not in probed:
-                        probed[sig] = dropout_shapes(model, x, norms)
-                    noise[i] = draw_noise(probed[sig], device)
-                if rng is not None:
-                    rng[i] = torch.get_rng_state()
-                batches[i] = (x, y)
-                groups.setdefault(_signature((x, y), pad), []).append(i)
-                if ctx.cost is not None:
-                    ctx.flops += ctx.cost.train_step(len(positions[i][s]), scope)
+                if s < ctx.num_steps:
+                    batches[i], noise[i] = next_batch(i, s, norms)
+                    groups.setdefault(_signature(batches[i], pad), []).append(i)
             for idx in groups.values():
                 sizes = [len(tree_flatten(batches[i])[0][0]) for i in idx]
                 size = max(sizes)
@@ -395,23 +418,9 @@ def train_together(
                 mask = (torch.arange(size, device=device) < torch.tensor(sizes, device=device)[:, None]).to(dtype)
                 eps = _stack([[_padded(t, size, 1.0) for t in noise[i]] for i in idx]) if drops else []
                 lr = torch.tensor([_rate(local, s, ctxs[i].num_steps) for i in idx], device=device, dtype=dtype)
-                bias = torch.tensor([1.0 - betas[0] ** (s + 1), (1.0 - betas[1] ** (s + 1)) ** 0.5], device=device,
-                                    dtype=dtype)  # Adam's t = s + 1 for every client at step s
-                vstep = vsteps[min(sizes) < size]
-                if len(idx) == K:
-                    P, new_buffers, opt, loss = vstep(P, rest, opt, own, *xy, mask, eps, lr, bias)
-                    rest.update(new_buffers)
-                    loss_sum += loss
-                    continue
-                where = torch.tensor(idx, device=device)
-                pick = functools.partial(torch.index_select, dim=0, index=where)
-                sub_rest = {k: pick(v) if rest_dims[k] == 0 else v for k, v in rest.items()}
-                new_p, new_buffers, new_opt, loss = vstep(tree_map(pick, P), sub_rest, tree_map(pick, opt),
-                                                          tree_map(pick, own), *xy, mask, eps, lr, bias)
-                for store, new in ((P, new_p), (rest, new_buffers), *((opt[n], new_opt[n]) for n in opt)):
-                    for k, v in new.items():
-                        store[k] = store[k].index_copy(0, where, v)
-                loss_sum.index_add_(0, where, loss)
+                # Adam's bias corrections: t = s + 1 for every client at step s
+                bias = torch.tensor([1.0 - b1 ** (s + 1), (1.0 - b2 ** (s + 1)) ** 0.5], device=device, dtype=dtype)
+                apply(vsteps[min(sizes) < size], idx, *xy, mask, eps, lr, bias)
     finals = [{k: (P[k][i] if k in P else rest[k][i] if rest_dims[k] == 0 else rest[k]) for k in state_keys}
               for i in range(K)]
     return finals, loss_sum
