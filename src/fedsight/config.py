@@ -209,11 +209,18 @@ class EngineSection(Params):
     max_clients_per_batch: int | None = Field(
         None, ge=1, description="vectorised training: at most this many clients at once (bounds memory); none = all")
 
-    @field_validator("threads")
+    @field_validator("threads", mode="before")
     @classmethod
     def _threads(cls, value: Any) -> Any:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("must be >= 1 or \"auto\"")
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError("expected an integer >= 1 or \"auto\"")
+        return value
+
+    @field_validator("vectorize", mode="before")
+    @classmethod
+    def _vectorize(cls, value: Any) -> Any:
+        if value not in ("auto", True, False) or isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ValueError('expected true, false or "auto"')
         return value
 
     @field_validator("device")
