@@ -224,6 +224,18 @@ def test_functional_batch_norm_matches_torch(kind, momentum, affine, track, trai
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_vectorised_dropout_on_cuda_is_a_function_of_the_seed():
+    """On CUDA the dropout noise is drawn on the GPU from a generator seeded by each client's stream: two runs agree
+    (sequential CUDA dropout draws from CUDA's unseeded generator, so there is nothing to compare it with)."""
+    over = {**CASES["dropout"], "engine.device": "cuda", "engine.deterministic": True}
+    a, _ = _run(True, **over)
+    b, _ = _run(True, **over)
+    for k, v in a.global_model.state_dict().items():
+        close(b.global_model.state_dict()[k].cpu().double(), v.cpu().double(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", ["fedavg", "scaffold", "silobn"])
 def test_vectorised_equals_sequential_on_cuda(case):
     """``"auto"`` vectorises on CUDA; the result is sequential training's on the same GPU (to float tolerance)."""

@@ -103,15 +103,20 @@ def _dropout(m: nn.Dropout, state: NormState, x: torch.Tensor) -> torch.Tensor:
 
 
 def draw_noise(shapes: Sequence[tuple[tuple[int, ...], torch.dtype, float]], device: torch.device) -> list[torch.Tensor]:
-    """The noise of each dropout call, drawn from torch's global CPU generator in call order exactly as torch's
-    dropout draws it (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``): on a CPU the masks of sequential
-    training, bit for bit. On CUDA, where sequential dropout draws from CUDA's generator, the noise still comes
-    from each client's CPU stream (a deterministic function of (seed, round, client), resumable)."""
+    """The noise of each dropout call in call order. On a CPU it is drawn from torch's global generator exactly as
+    torch's dropout draws it (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``): the masks of sequential
+    training, bit for bit. On another device (where sequential dropout draws from that device's generator, which
+    nothing seeds per client) it is drawn there, from a generator seeded by one number of the global CPU
+    generator: a deterministic function of (seed, round, client), without building masks on the CPU and copying
+    them over."""
+    gen = None
+    if device.type != "cpu":
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(torch.randint(2**62, (1,))))
     out = []
     for shape, dtype, p in shapes:
-        noise = torch.empty(shape, dtype=dtype)
-        noise = noise.zero_() if p == 1 else noise.bernoulli_(1 - p).div_(1 - p)
-        out.append(noise.to(device))
+        noise = torch.empty(shape, dtype=dtype, device=device)
+        out.append(noise.zero_() if p == 1 else noise.bernoulli_(1 - p, generator=gen).div_(1 - p))
     return out
 
 
@@ -396,7 +401,7 @@ def train_together(
                                                   *args)
         for store, new in ((P, new_p), (rest, new_buffers), *((opt[n], new_opt[n]) for n in opt)):
             for k, v in new.items():
-                store[k] = store[k].index_copy(0, where, v)
+                store[k] = store[k].index_put((where,), v)  # deterministic on CUDA too
         loss_sum.index_add_(0, where, loss)
 
     with functional_batch_norm(model) as norms:
