@@ -386,3 +386,42 @@ def test_the_documented_vector_step_example_is_fedprox_vectorised():
         seq.run_round(r)
     for k, v in seq.global_model.state_dict().items():
         close(vec.global_model.state_dict()[k].double(), v.double(), atol=2e-6, rtol=1e-5)
+
+
+def test_out_of_memory_narrows_the_group_and_loses_nothing(monkeypatch):
+    """A group of clients that does not fit in memory starts over as two halves (a ``vectorize_width`` event), down
+    to what fits; the run's numbers are those of sequential training."""
+    import fedsight.engine.client_runtime as CR
+
+    real = CR.train_together
+
+    def small_memory(ctxs, *args, **kwargs):
+        if len(ctxs) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(ctxs, *args, **kwargs)
+
+    monkeypatch.setattr(CR, "train_together", small_memory)
+    over = {"server.clients_per_round": 6, "recipe.components": ["scaffold"]}
+    vec, _ = _run(True, **over)
+    seq, _ = _run(False, **over)
+    assert vec.runtime.max_clients_per_batch == 2
+    for k, v in seq.global_model.state_dict().items():
+        close(vec.global_model.state_dict()[k].double(), v.double(), atol=2e-6, rtol=1e-5)
+    for c in seq.store.clients("scaffold"):
+        for k, v in seq.store.get("scaffold", c).items():
+            close(vec.store.get("scaffold", c)[k], v, atol=2e-6, rtol=1e-5)
+
+
+def test_out_of_memory_events_name_the_new_width(monkeypatch):
+    import fedsight.engine.client_runtime as CR
+
+    real = CR.train_together
+    monkeypatch.setattr(CR, "train_together", lambda ctxs, *a, **k: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("simulated")) if len(ctxs) > 3 else real(ctxs, *a, **k))
+    cfg = validate(tiny(**{**UNEQUAL, "engine.vectorize": True, "server.clients_per_round": 6}))
+    sim = build_simulation(cfg)
+    _, events = sim.run_round(1)
+    widths = [e for e in events if e["event"] == "vectorize_width"]
+    assert [e["max_clients_per_batch"] for e in widths] == [3] and "6 clients" in widths[0]["reason"]
+    _, events = sim.run_round(2)  # the narrower width holds: no new event
+    assert not [e for e in events if e["event"] == "vectorize_width"]

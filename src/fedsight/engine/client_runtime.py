@@ -32,6 +32,9 @@ from ..training.local import make_result, start_client
 from ..training.vectorized import blockers, train_together
 from .plan import Stage, StageLayout, build_models, personal_eval, stage_layout, stage_of_round
 
+#: an allocation failure on any device (``torch.OutOfMemoryError`` from torch 2.5; CUDA's before)
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
 
 def is_finite_result(res: ClientResult) -> bool:
     """Every uploaded tensor and the training loss are finite."""
@@ -99,6 +102,8 @@ class ClientRuntime:
         cannot is an error at ``enter_stage``) or False; at most ``max_clients_per_batch`` at once."""
         self.task, self.stages, self.seed, self.store = task, list(stages), seed, store
         self.vectorize, self.max_clients_per_batch = vectorize, max_clients_per_batch
+        #: what the runtime reports for the round's events (``run_many`` narrowing its width); the backend drains it
+        self.events: list[dict[str, Any]] = []
         self.device = torch.device(device)
         self.eval_batch_size = eval_batch_size
         if model is None:
@@ -192,14 +197,19 @@ class ClientRuntime:
         ``max_clients_per_batch`` at a time: yields (client, its upload, its state) in order, or (client, the
         ``ModelRefused``, None) for a client that refused the model. While a client's upload is being consumed the
         work model holds that client's trained weights (``keep`` reads its personal entries from it), so consume
-        each before the next. ``broadcast_for(client)``: what the client receives besides the model."""
+        each before the next. ``broadcast_for(client)``: what the client receives besides the model.
+
+        Out of memory while training a group of clients together (a large model, many clients), the group starts
+        over as two halves, and the width is kept for the rest of the run (a ``vectorize_width`` event in
+        ``events``); nothing of the failed attempt is kept."""
         self.enter_round(r)
         gstate = to_device(dict(global_state), self.device)
         components = self.stage.recipe.components
         width = self.max_clients_per_batch or len(clients)
-        for first in range(0, len(clients), width):
+        queue = [list(clients[i:i + width]) for i in range(0, len(clients), width)]
+        while queue:
             started = []
-            for cid in clients[first:first + width]:
+            for cid in queue.pop(0):
                 try:
                     ctx, state = self.start(r, cid, gstate, broadcast_for(cid) if broadcast_for else None)
                 except ModelRefused as exc:
@@ -211,7 +221,21 @@ class ClientRuntime:
             if not started:
                 continue
             ctxs, states, starts, steps, rngs = zip(*started)
-            finals, losses = train_together(ctxs, starts, components, steps, rngs)
+            try:
+                finals, losses = train_together(ctxs, starts, components, steps, rngs)
+            except OUT_OF_MEMORY:
+                if len(ctxs) == 1:
+                    raise
+                half = (len(ctxs) + 1) // 2
+                ids = [c.client_id for c in ctxs]
+                del started, ctxs, states, starts, steps, rngs
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                queue[:0] = [ids[:half], ids[half:]]
+                self.max_clients_per_batch = half
+                self.events.append({"round": r, "event": "vectorize_width", "max_clients_per_batch": half,
+                                    "reason": f"out of memory training {len(ids)} clients together"})
+                continue
             for ctx, state, final, loss in zip(ctxs, states, finals, losses):
                 with torch.no_grad():
                     for k, v in final.items():

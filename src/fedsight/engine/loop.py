@@ -110,6 +110,8 @@ class InProcessBackend:
                                                            f"of {sch.deadline:g}")
                     continue
             replies[cid] = Reply(cid, res, runtime.keep(res, state))
+        events += runtime.events
+        runtime.events.clear()
         return [replies[cid] for cid in plan.sampled], events
 
     def _run_one(self, plan: RoundPlan, gstate: dict[str, Any], cid: int) -> tuple[int, Any, Any]:
