@@ -26,7 +26,7 @@ from ..records import ClientResult
 from ..rng import derive_seed, seed_torch
 from ..state import PERSONAL, ClientStateStore
 from ..tasks.base import Task
-from ..errors import ModelRefused
+from ..errors import ConfigError, ModelRefused
 from ..training import ClientState, Component, EvalContext
 from ..training.local import make_result, start_client
 from ..training.vectorized import blockers, train_together
@@ -99,7 +99,7 @@ class ClientRuntime:
         stream (seed, "init"). ``cost``: the model's per-example forward FLOPs if already known (a
         Flower node reuses the server's measurement instead of counting again). ``vectorize``: train a
         round's clients together (``run_many``) when the stage allows it: ``"auto"``, True (a stage that
-        cannot is an error at ``enter_stage``) or False; at most ``max_clients_per_batch`` at once."""
+        cannot is a ``ConfigError`` here) or False; at most ``max_clients_per_batch`` at once."""
         self.task, self.stages, self.seed, self.store = task, list(stages), seed, store
         self.vectorize, self.max_clients_per_batch = vectorize, max_clients_per_batch
         #: what the runtime reports for the round's events (``run_many`` narrowing its width); the backend drains it
@@ -128,11 +128,11 @@ class ClientRuntime:
 
     def vector_blockers(self, stage: Stage) -> list[str]:
         """Why ``stage``'s clients cannot be trained together (``fedsight.training.vectorized.blockers``); with
-        ``vectorize = True`` a stage that cannot is a ``ValueError``."""
+        ``vectorize = True`` a stage that cannot is a ``ConfigError``."""
         recipe = stage.recipe
         reasons = blockers(self.work_model, recipe.components, recipe.trainer, stage.local)
         if reasons and self.vectorize is True:
-            raise ValueError(f"engine.vectorize = true: stage {stage.name!r} cannot train its clients together: "
+            raise ConfigError(f"engine.vectorize = true: stage {stage.name!r} cannot train its clients together: "
                              + "; ".join(reasons) + ' (use "auto" to train such a stage sequentially)')
         return reasons
 
