@@ -83,7 +83,7 @@ def test_training_windows(tmp_path):
     assert torch.equal(x, x2) and torch.equal(y, y2)  # a function of torch's (engine-seeded) generator
     assert x.shape == (2, 3, 3, 6, 6) and y.shape == (2, 3, 3, 24, 24)
     # the HR patch is the scale-times larger region of the LR patch: locate the LR patch, check the HR one
-    ci, start = task._examples[0][0].tolist()
+    ci, start = task.client_rows(0)[0].tolist()
     lr_full, hr_full = clips[ci].lr(start, 3).float() / 255, clips[ci].hr(start, 3).float() / 255
     hits = [(t, l) for t in range(12 - 6 + 1) for l in range(12 - 6 + 1) if torch.equal(lr_full[..., t:t + 6, l:l + 6], x[0])]
     assert hits

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -183,18 +184,33 @@ class Task(ABC):
 
 class ClientExamples:
     """The sizes of a task whose clients are ``self.clients`` (``ClientSplit``: train and local-test positions)
-    and whose client k trains on the rows of ``self._examples[k]`` (crops, patches, windows): list it before
-    ``Task`` in the bases."""
+    and whose client k trains on the rows ``client_rows(k)`` (images, instances, clip windows): list it before
+    ``Task`` in the bases. The rows of every client are one tensor and offsets (``pack_rows``), not a tensor a
+    client."""
 
     clients: Sequence[Any]
-    _examples: Sequence[torch.Tensor]
+    _rows: torch.Tensor
+    _row_offsets: np.ndarray
+
+    def pack_rows(self, rows: Sequence[Any], what: str) -> None:
+        """Keep each client's training rows (``rows[k]``: anything ``torch.as_tensor`` takes, int64), packed; a
+        client without any is an error naming ``what`` it lacks."""
+        sizes = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        empty = np.flatnonzero(sizes == 0)
+        if len(empty):
+            raise ValueError(f"client {int(empty[0])} has no {what}")
+        self._rows = torch.cat([torch.as_tensor(np.asarray(r), dtype=torch.long) for r in rows])
+        self._row_offsets = np.concatenate([[0], np.cumsum(sizes)])
+
+    def client_rows(self, client: int) -> torch.Tensor:
+        return self._rows[self._row_offsets[client]:self._row_offsets[client + 1]]
 
     @property
     def num_clients(self) -> int:
         return len(self.clients)
 
     def num_train_examples(self, client: int) -> int:
-        return int(self._examples[client].shape[0])
+        return int(self._row_offsets[client + 1] - self._row_offsets[client])
 
     def num_test_examples(self, client: int) -> int:
         return len(self.clients[client].test)

@@ -193,10 +193,7 @@ class ImageSRTask(ClientExamples, Task):
                         f"test set {n!r}: {im.source} is {im.hr_size[1]}x{im.hr_size[0]} (WxH), too small for SSIM "
                         f"after removing crop_border={self.crop_border} pixels per side (needs {need})"
                     )
-        self._examples = [torch.as_tensor(np.asarray(c.train), dtype=torch.long) for c in self.clients]
-        for k, ex in enumerate(self._examples):
-            if len(ex) == 0:
-                raise ValueError(f"client {k} has no training image")
+        self.pack_rows([c.train for c in self.clients], "training image")
         first = self.splits.train.images[0]
         self._decimate = first.offset if first.lr_mode == "decimate" else None
 
@@ -234,7 +231,7 @@ class ImageSRTask(ClientExamples, Task):
         """LR patches ``[B, 3, P, P]`` and HR patches ``[B, 3, sP, sP]`` in [0, 1]."""
         pool = self.splits.train.images
         pairs = []
-        for i in self._examples[client][positions].tolist():
+        for i in self.client_rows(client)[positions].tolist():
             hr, lr = pool[int(i)].pair()
             pairs.append(random_patch(lr, hr, self.patch, self.scale, self.params.augment, self._decimate))
         return _to_float(torch.stack([a for a, _ in pairs])), _to_float(torch.stack([b for _, b in pairs]))

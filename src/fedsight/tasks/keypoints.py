@@ -192,10 +192,7 @@ class KeypointTask(ClientExamples, Task):
                 if not bool(np.isfinite(ks.head_size).any()):
                     raise ValueError(f"task.primary = 'pckh' but test set {name!r} has no head sizes (COCO files have "
                                      "none); set task.primary = 'ap' or 'pck'")
-        self._examples = [torch.as_tensor(np.asarray(c.train), dtype=torch.long) for c in self.clients]
-        for k, ex in enumerate(self._examples):
-            if len(ex) == 0:
-                raise ValueError(f"client {k} has no training instance")
+        self.pack_rows([c.train for c in self.clients], "training instance")
 
     # -- sizes ------------------------------------------------------------------------------------
 
@@ -287,7 +284,7 @@ class KeypointTask(ClientExamples, Task):
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Crops at the client's native size and ``{"heatmaps", "weight", "joints"}`` (joints in input pixels)."""
         size = self.native_size(client)
-        idx = self._examples[client][positions].tolist()
+        idx = self.client_rows(client)[positions].tolist()
         x, joints, _ = self._crops(self.splits.train, idx, size, train=True)
         return x, self._targets(joints, size)
 

@@ -127,12 +127,8 @@ class VideoSRTask(ClientExamples, Task):
         self.val_info = val_info
         self.scale, self.num_frames, self.patch = splits.scale, splits.num_frames, splits.patch_size
         pool = splits.train.clips
-        self._examples: list[torch.Tensor] = []
-        for k, c in enumerate(self.clients):
-            rows = [(int(i), s) for i in c.train for s in range(len(pool[int(i)]) - self.num_frames + 1)]
-            if not rows:
-                raise ValueError(f"client {k} has no training window of {self.num_frames} frames")
-            self._examples.append(torch.tensor(rows, dtype=torch.long))
+        self.pack_rows([[(int(i), s) for i in c.train for s in range(len(pool[int(i)]) - self.num_frames + 1)]
+                        for c in self.clients], f"training window of {self.num_frames} frames")
 
     # -- sizes ------------------------------------------------------------------------------------
 
@@ -178,7 +174,7 @@ class VideoSRTask(ClientExamples, Task):
 
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """LR windows ``[B, N, 3, P, P]`` and HR windows ``[B, N, 3, sP, sP]`` in [0, 1]."""
-        ex = self._examples[client][positions]
+        ex = self.client_rows(client)[positions]
         pool = self.splits.train.clips
         pairs = [self._window(pool[int(ci)], int(st)) for ci, st in ex.tolist()]
         x = _to_float(torch.stack([a for a, _ in pairs]))
