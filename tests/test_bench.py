@@ -65,3 +65,21 @@ def test_bench_refuses_bad_arguments_in_one_line_before_measuring(args, says):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines()[0].startswith(says), proc.stderr
     assert proc.stdout == ""
+
+
+def test_bench_without_flower_says_how_to_get_it(monkeypatch):
+    """No flwr: the Flower row says how to install it instead of failing the benchmark."""
+    import builtins
+
+    from fedsight.bench import time_flower
+
+    real = builtins.__import__
+
+    def no_flwr(name, *args, **kwargs):
+        if name == "flwr" or name.startswith("flwr."):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_flwr)
+    row = time_flower(cnn_workload(3, 2), 3)
+    assert row.seconds is None and row.note == 'not installed: pip install "fedsight[flower]"'

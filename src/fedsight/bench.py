@@ -147,9 +147,11 @@ def time_flower(raw: dict[str, Any], rounds: int) -> Row:
     last, which evaluates, left out)."""
     m = raw["server"]["clients_per_round"]
     try:
+        import flwr.simulation  # noqa: F401  (the ``flower`` extra: flwr with Ray)
+
         from .flower.simulation import flower_simulate
-    except ImportError as exc:
-        return Row("Flower simulation (Ray)", None, None, m, f"not installed ({exc.name})")
+    except ImportError:
+        return Row("Flower simulation (Ray)", None, None, m, 'not installed: pip install "fedsight[flower]"')
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # Ray's FutureWarning about GPU variables
     cfg = validate({**raw, "run": {"name": "flower", "checkpoint_keep": 1}, "engine": {"threads": 1, "device": "cpu"},
