@@ -36,8 +36,11 @@ class FedProx(Component):
             raise ValueError(f"fedprox: mu must be >= 0, got {mu}")
         self.mu = float(mu)
 
+    def client_start(self, ctx: ClientContext) -> None:
+        ctx.scratch[self.name] = dict(ctx.model.named_parameters())  # looked up once, not at every step
+
     def loss_term(self, ctx: ClientContext, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        return self.term(ctx.global_params, dict(ctx.model.named_parameters()))
+        return self.term(ctx.global_params, ctx.scratch[self.name])
 
     def term(self, global_params: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """(mu/2) ||w - w^t||^2 over the shared trainable parameters (None at mu = 0)."""
