@@ -60,13 +60,14 @@ def test_threads_default_to_one_and_each_session_is_recorded(tmp_path):
         torch.set_num_threads(2)
         execute(validate(tiny(**{"server.rounds": 2})), tmp_path / "run", stop_after=1)
         assert torch.get_num_threads() == 1  # engine.threads = "auto"
-        cfg = load_run_config(tmp_path / "run", {"threads": 2})
+        cfg = load_run_config(tmp_path / "run", {"threads": 2, "vectorize": True})
         execute(cfg, tmp_path / "run")  # resume with another engine: the same experiment
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(old)
     sessions = json.loads((tmp_path / "run" / "run.json").read_text())["sessions"]
     assert [(s["device"], s["threads"]) for s in sessions] == [("cpu", 1), ("cpu", 2)]
+    assert [s["vectorize"] for s in sessions] == [False, True]  # "auto" on a CPU trains one client at a time
     assert all(s["torch"] == torch.__version__ for s in sessions)
     # the run directory keeps the config it was started with
     assert json.loads((tmp_path / "run" / "config.json").read_text())["engine"]["threads"] == "auto"

@@ -250,7 +250,7 @@ OnRound = Callable[[int, dict[str, Any]], None]
 
 
 def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True,
-                  backend: str = "in-process") -> None:
+                  backend: str = "in-process", vectorize: bool | str | None = None) -> None:
     """Write a run's config (first session only), its partition description (``partition``: the task's
     partition is the clients' data) and its ``run.json`` (``backend``: where the clients train; a run that
     trained on Flower never resumes in-process)."""
@@ -261,7 +261,10 @@ def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, parti
     if describe_data:  # per-client label counts and the server-held splits, for plots
         atomic_write_text(run.path / "partition.json", json.dumps(describe_data) + "\n")
     metrics, primary = metric_directions(cfg)
-    run.write_run_meta(metrics, primary, {**session_info(device), "backend": backend},
+    session = {**session_info(device), "backend": backend}
+    if vectorize is not None:  # the in-process engine's mode on this session's device (``vectorize_mode``)
+        session["vectorize"] = vectorize
+    run.write_run_meta(metrics, primary, session,
                        model_io=dataclasses.asdict(task.model_io))
 
 
@@ -366,7 +369,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
                                "the run over")
         notes += run.truncate_metrics(sim.round)
     run.sweep_leftovers()  # also for a new run in a folder a killed run left before its config was written
-    start_run_dir(run, cfg, sim.task, sim.server.device)
+    start_run_dir(run, cfg, sim.task, sim.server.device, vectorize=sim.runtime.vectorize)
     if resume:
         for note in notes:
             run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
