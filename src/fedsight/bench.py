@@ -121,7 +121,7 @@ def time_engines(raw: dict[str, Any], rounds: int, threads: list[int], device: s
     model = task.build_model().to(seq.server.device)
     global_state = {k: v.clone() for k, v in seq.global_model.state_dict().items()}
     engines: dict[str, Callable[[int], Any]] = {
-        "plain loop": lambda r: plain_round(task, model, global_state, list(range(m)), r, 0, seq.local),
+        "plain loop": lambda r: plain_round(task, model, global_state, list(range(m)), r, seq.seed, seq.local),
         "sequential engine": seq.train_round,
     }
     if vec is not None:
