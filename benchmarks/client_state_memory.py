@@ -22,26 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-
-def make_npz(path: Path, copies: int = 28, seed: int = 0) -> int:
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    rng = np.random.default_rng(seed)
-    imgs, labels = [], []
-    base = d.images / 16.0
-    for _ in range(copies):
-        shifted = np.stack([np.roll(np.roll(im, rng.integers(-1, 2), 0), rng.integers(-1, 2), 1) for im in base])
-        noisy = np.clip(shifted + rng.normal(0, 1 / 16, shifted.shape), 0, 1)
-        imgs.append((noisy * 255).round().astype(np.uint8))
-        labels.append(d.target)
-    x = np.concatenate(imgs)
-    y = np.concatenate(labels)[:, None].astype(np.int64)
-    n_test = 2000
-    np.savez(path, train_images=x[n_test:], train_labels=y[n_test:], test_images=x[:n_test], test_labels=y[:n_test])
-    return len(x) - n_test
+from fedsight.bench import make_digits_npz
 
 
 CHILD = r"""
@@ -91,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         npz = Path(tmp) / "digits28.npz"
-        n = make_npz(npz)
+        n = make_digits_npz(npz, copies=28)
         res = {}
         for clients in (100, 10_000):
             res[clients] = run_child(npz=str(npz), out=tmp, clients=clients, rounds=args.rounds,

@@ -18,33 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 
 from fedsight.api import build_simulation
+from fedsight.bench import plain_round
 from fedsight.sweep import load
 from fedsight.engine.simulation import sample_clients
-from fedsight.rng import torch_gen
 from fedsight.runs import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def plain_round(task, model, global_state, r, seed, m, epochs, bs, lr):
-    for cid in sample_clients(seed, r, task.num_clients, m):
-        model.load_state_dict(global_state)
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-        n = task.num_train_examples(cid)
-        x, y = task.train_batch(cid, torch.arange(n))
-        g = torch_gen(seed, "shuffle", r, cid)
-        for _ in range(epochs):
-            perm = torch.randperm(n, generator=g)
-            for s in range(0, n, bs):
-                idx = perm[s : s + bs]
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
 
 
 def main() -> None:
@@ -71,7 +52,7 @@ def main() -> None:
             run.save_checkpoint(r, sim.state_dict(), keep_last=2)
         t_engine.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        plain_round(task, model, global_state, r, cfg.seed, m, cfg.train.epochs, cfg.train.batch_size, cfg.train.lr)
+        plain_round(task, model, global_state, sample_clients(cfg.seed, r, task.num_clients, m), r, cfg.seed, sim.local)
         t_plain.append(time.perf_counter() - t0)
     warm = slice(2, None)  # first rounds warm up allocators
     e, p = statistics.median(t_engine[warm]), statistics.median(t_plain[warm])

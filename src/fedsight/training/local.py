@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -217,6 +218,14 @@ def backward_scope(ctx: ClientContext, params: Sequence[nn.Parameter]) -> str:
     return "head" if head_ids and all(id(p) in head_ids for p in params) else "all"
 
 
+def tempered(out: Any, tau: float) -> Any:
+    """The model's outputs divided by the temperature ``tau`` (every element of a tuple of main and auxiliary
+    outputs)."""
+    if tau == 1.0:
+        return out
+    return tuple(o / tau for o in out) if isinstance(out, (tuple, list)) else out / tau
+
+
 def local_objective(ctx: ClientContext, components: Sequence[Component], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The local objective on one batch (after every component's ``transform_batch``): the task loss of the
     (component-transformed) outputs divided by the temperature, plus every component's loss term."""
@@ -226,12 +235,7 @@ def local_objective(ctx: ClientContext, components: Sequence[Component], x: torc
     out = ctx.model(x)
     for c in components:
         out = c.outputs(ctx, out)
-    tau = ctx.local.temperature
-    if tau != 1.0:
-        tempered = tuple(o / tau for o in out) if isinstance(out, (tuple, list)) else out / tau
-    else:
-        tempered = out
-    loss = ctx.task.loss(tempered, y)
+    loss = ctx.task.loss(tempered(out, ctx.local.temperature), y)
     for c in components:
         term = c.loss_term(ctx, out, y)
         if term is not None:

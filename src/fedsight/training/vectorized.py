@@ -54,7 +54,7 @@ from ..device import model_device, to_device
 from ..rng import torch_gen
 from .component import Component, VectorStep
 from .context import ClientContext
-from .local import SGD_TRAINER, LocalTraining, backward_scope, batch_positions, direction_position
+from .local import SGD_TRAINER, LocalTraining, backward_scope, batch_positions, direction_position, tempered
 
 #: the hooks that act inside a local step: a component overriding one needs a ``vector_step``
 STEP_HOOKS = ("outputs", "batch_positions", "loss_term", "after_backward")
@@ -231,8 +231,8 @@ def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], 
         norms.noise, norms.noise_at = noise, 0
         out = functional_call(model, {**params, **rest}, (x,))
         norms.mask, norms.noise = None, ()
-        tempered = out if tau == 1.0 else (tuple(o / tau for o in out) if isinstance(out, (tuple, list)) else out / tau)
-        loss = masked_mean(example_loss, tempered, y, mask) if masked else task.loss(tempered, y)
+        scaled = tempered(out, tau)
+        loss = masked_mean(example_loss, scaled, y, mask) if masked else task.loss(scaled, y)
         for name, vs in hooks:
             if vs.loss_term is not None:
                 term = vs.loss_term(own[name], params, out, y)
