@@ -2,7 +2,8 @@
 
 Each node has its own ``Context`` (node config with ``partition-id``, ``num-partitions``, its own
 ``state-dir``); a node can be "killed" (its messages are never answered) to test the server's fault
-handling without Flower's runtime.
+handling without Flower's runtime. Every message's content crosses Flower's own serialisation on the
+way to the node and back (``wire``), as in a deployment: no object is shared between the server and a node.
 """
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ from pathlib import Path
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from flwr.supercore.task_identity import TaskIdentity  # internal in 1.41: lets tests build messages
+
+
+def wire(content: RecordDict) -> RecordDict:
+    """``content`` through Flower's own serialisation (deflate every nested object, inflate)."""
+    set_identity()
+    msg = Message(content, dst_node_id=5, message_type="train")
+    objs = get_all_nested_objects(msg)
+    return inflate_object_from_contents(msg.object_id, {k: v.deflate() for k, v in objs.items()}).content
 
 
 def set_identity() -> None:
@@ -82,7 +93,11 @@ class DirectGrid(Grid):
             if node in self.dead:
                 continue  # never answered: the server's timeout decides
             try:
-                out.append(self.app(m, self.contexts[node]))
+                m.content = wire(m.content)
+                reply = self.app(m, self.contexts[node])
+                if not reply.has_error():
+                    reply.content = wire(reply.content)
+                out.append(reply)
             except Exception as exc:  # what Flower's runtime does: an error reply
                 out.append(Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=m))
         return out

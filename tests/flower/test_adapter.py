@@ -10,9 +10,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import Message
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from safetensors.torch import load_file
 
 from fedsight.api import execute
@@ -21,18 +18,11 @@ from fedsight.engine.simulation import sample_clients
 from fedsight.flower import records as FR
 from fedsight.records import ClientResult
 
-from flower_direct import run_direct, set_identity
+from flower_direct import run_direct
+from flower_direct import wire as _wire
 from helpers import tiny
 
 pytestmark = pytest.mark.flower
-
-
-def _wire(content):
-    """``content`` through Flower's own serialisation (deflate every nested object, inflate)."""
-    set_identity()
-    msg = Message(content, dst_node_id=5, message_type="train")
-    objs = get_all_nested_objects(msg)
-    return inflate_object_from_contents(msg.object_id, {k: v.deflate() for k, v in objs.items()}).content
 
 
 def test_client_result_survives_the_wire_bit_for_bit():

@@ -1,10 +1,11 @@
-"""Real Flower processes on loopback, three deployments: `fedsight flower local` with 1 SuperLink + 3
-SuperNodes running a SCAFFOLD recipe for 2 rounds (bit-identical to the in-process simulator), a SuperNode
+"""Real Flower processes on loopback, four deployments: `fedsight flower local` with 1 SuperLink + 3
+SuperNodes running a SCAFFOLD recipe for 2 rounds (bit-identical to the in-process simulator), the same
+with SecAgg+ (FedAvg, one round, equal to the in-process run within the quantisation), a SuperNode
 killed mid-run (over TLS with SuperNode authentication), and `fedsight flower local` interrupted with SIGINT
 (over TLS with SuperNode authentication; the TLS/auth refusals are checked on that deployment while it runs).
 
 A deployment's time is mostly Flower's latency (polling sleeps, a fresh ClientApp process per message, a
-round timeout), not CPU, so the three run at once: a module fixture starts them together (the two CLI ones
+round timeout), not CPU, so the four run at once: a module fixture starts them together (the two CLI ones
 as subprocesses, the killed-node one in a thread) and each test checks its own.
 
 Every deployment has its own free ports and a private FLWR_HOME under tmp_path, runtime dependency
@@ -163,6 +164,24 @@ def _killed(d: Path) -> dict:
     return killed
 
 
+def _secagg(d: Path) -> dict:
+    """`fedsight flower local CONFIG --nodes 3 --secagg` (FedAvg, one round of all three clients: setup, share
+    keys, masked vectors and unmask are four exchanges with every node), and the plain in-process run."""
+    raw = tiny(**{**RUN, "server.clients_per_round": 3, "server.rounds": 1, "recipe.components": []})
+    (d / "run.toml").write_text(tomli_w.dumps(raw))
+    t0 = time.monotonic()
+    proc = _cli(["flower", "local", str(d / "run.toml"), "--nodes", "3", "--run-dir", str(d / "flower"), "--secagg",
+                 "--workdir", str(d / "work"), "--timeout", str(TIMEOUT), "--round-timeout", "120"], d)
+    try:
+        execute(validate(raw), d / "inproc")
+    except BaseException:
+        proc.send_signal(__import__("signal").SIGINT)
+        proc.wait(timeout=120)
+        raise
+    output, _ = proc.communicate(timeout=TIMEOUT + 60)
+    return {"rc": proc.returncode, "output": output, "elapsed": time.monotonic() - t0}
+
+
 ROUNDS = 20  # of the interrupted deployment
 
 
@@ -208,7 +227,7 @@ def deployments(tmp_path_factory):
     """The three deployments, started together: name -> (its directory, a future of what it observed)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = {"loopback": _loopback, "killed": _killed, "interrupted": _interrupted}
+    jobs = {"loopback": _loopback, "killed": _killed, "interrupted": _interrupted, "secagg": _secagg}
     dirs = {name: tmp_path_factory.mktemp(name) for name in jobs}
     with ThreadPoolExecutor(len(jobs)) as pool:
         yield {name: (dirs[name], pool.submit(job, dirs[name])) for name, job in jobs.items()}
@@ -234,6 +253,23 @@ def test_loopback_deployment_equals_in_process(deployments):
     assert json.loads((d / "flower" / "flower-run.json").read_text())["status"] == "finished:completed"
     assert not _processes_with_home(flwr_home)
     print(f"loopback deployment, 3 nodes, 2 rounds: {result['elapsed']:.1f} s (with two other deployments running)")
+
+
+def test_secagg_deployment_equals_the_plain_in_process_run_to_the_quantisation(deployments):
+    """SecAgg+ on a real loopback deployment (Flower's workflow on the SuperLink side, its mod in every
+    ClientApp): the run completes with all three updates in the unmasked mean, and the final model is the
+    plain in-process FedAvg model within a few quantisation levels (3.8e-6 each)."""
+    d, future = deployments["secagg"]
+    result = future.result(timeout=TIMEOUT + 120)
+    assert result["rc"] == 0, result["output"]
+    a, b = load_file(str(d / "inproc" / "model.safetensors")), load_file(str(d / "flower" / "model.safetensors"))
+    gap = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert 0 < gap < 1e-4, gap
+    rows = _rows(d / "flower")
+    assert [r["clients/aggregated"] for r in rows if "event" not in r] == [3], rows
+    assert not [r for r in rows if "event" in r], rows
+    assert not _processes_with_home(d / "work" / "flwr-home")
+    print(f"SecAgg+ loopback deployment, 3 nodes, 1 round: {result['elapsed']:.1f} s (with other deployments running)")
 
 
 def test_killed_supernode_over_tls_with_node_auth(deployments):

@@ -32,6 +32,12 @@ BAD = {
     "buffers": ({"model.norm": "batch"}, DP, "model.norm"),
     "sizes": ({"stages": TWO_SIZES}, DP, "server.clients_per_round"),
     "min-clients": ({}, ["--min-clients", "3"], "--min-clients = 3"),
+    "secagg aggregator": ({"recipe.aggregator": "median", "server.clients_per_round": 3}, ["--secagg"],
+                          "recipe.aggregator = 'median'"),
+    "secagg clients": ({}, ["--secagg"], "at least 3 clients a round"),
+    "secagg shares": ({"server.clients_per_round": 3}, ["--secagg", "--secagg-shares", "4"], "--secagg-shares = 4 exceeds"),
+    "secagg with dp": ({"server.clients_per_round": 3}, ["--secagg", *DP], "with central DP"),
+    "secagg flag alone": ({}, ["--secagg-clip", "4"], "add --secagg"),
 }
 
 

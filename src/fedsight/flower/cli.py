@@ -55,6 +55,15 @@ DpSampling = Annotated[str, typer.Option(help="Central DP sampling assumption: '
                                               "'without-replacement' (amplification by FedSight's fixed-size sampling, "
                                               "replace-one neighbours; needs a secret seed).")]
 Overwrite = Annotated[bool, typer.Option(help="Replace a run directory that already holds a run.")]
+SecAgg = Annotated[bool, typer.Option("--secagg", help="Secure aggregation (Flower's SecAgg+): the server sees only the "
+                                      "weighted mean of the updates. Needs aggregator 'mean', weighting 'uniform' or "
+                                      "'data_size', 3+ clients a round.")]
+SecAggShares = Annotated[float, typer.Option(help="SecAgg+ shares per secret: an integer >= 3 (the node and its "
+                                                  "neighbours) or a fraction in (0, 1] of the sampled clients.")]
+SecAggThreshold = Annotated[float, typer.Option(help="SecAgg+ shares that reconstruct a secret: an integer >= 2, below "
+                                                     "--secagg-shares, or a fraction in (0, 1].")]
+SecAggClip = Annotated[float, typer.Option(help="SecAgg+ clipping range: each weighted update value is clipped to "
+                                                "+-this before quantisation.")]
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -79,7 +88,8 @@ def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
 #: run-config keys of the ServerApp -> the flags that set them
 _FLAGS = {"round-timeout": "--round-timeout", "min-clients": "--min-clients", "dp-noise-multiplier": "--dp-noise",
           "dp-clipping-norm": "--dp-clip", "dp-delta": "--dp-delta", "dp-accountant": "--dp-accountant",
-          "dp-sampling": "--dp-sampling"}
+          "dp-sampling": "--dp-sampling", "secagg-num-shares": "--secagg-shares",
+          "secagg-reconstruction-threshold": "--secagg-threshold", "secagg-clipping-range": "--secagg-clip"}
 
 
 def _flagged(msg: str) -> str:
@@ -90,10 +100,16 @@ def _flagged(msg: str) -> str:
 
 
 def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, dp_clip: float, dp_delta: float,
-             overwrite: bool = False, dp_accountant: str = "rdp", dp_sampling: str = "none") -> dict[str, Any]:
+             overwrite: bool = False, dp_accountant: str = "rdp", dp_sampling: str = "none", secagg: bool = False,
+             secagg_shares: float = 3, secagg_threshold: float = 2, secagg_clip: float = 8.0) -> dict[str, Any]:
     from .server_app import ServerOptions
 
     out: dict[str, Any] = {"round-timeout": round_timeout, "min-clients": min_clients, "overwrite": overwrite}
+    if secagg:
+        out.update({"secagg": True, "secagg-num-shares": secagg_shares, "secagg-reconstruction-threshold": secagg_threshold,
+                    "secagg-clipping-range": secagg_clip})
+    elif (secagg_shares, secagg_threshold, secagg_clip) != (3, 2, 8.0):
+        _fail("--secagg-shares, --secagg-threshold and --secagg-clip configure secure aggregation: add --secagg")
     if dp_noise != 0:
         if dp_clip <= 0:
             _fail("--dp-clip must be positive with --dp-noise")
@@ -163,6 +179,10 @@ def app_cmd(
     dp_delta: DpDelta = 0.0,
     dp_accountant: DpAccountant = "rdp",
     dp_sampling: DpSampling = "none",
+    secagg: SecAgg = False,
+    secagg_shares: SecAggShares = 3,
+    secagg_threshold: SecAggThreshold = 2,
+    secagg_clip: SecAggClip = 8.0,
     data_dir_nodes: Annotated[bool, typer.Option("--data-dir-nodes", help="SuperNodes read their own data-dir (no partition.json).")] = False,
     overwrite: Overwrite = False,
 ) -> None:
@@ -170,7 +190,8 @@ def app_cmd(
     from .app import write_app
 
     cfg, rd = _one_config(config, set_, run_dir)
-    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling)
+    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
+                    secagg, secagg_shares, secagg_threshold, secagg_clip)
     if data_dir_nodes:
         opts["data"] = "data-dir"
     _preflight(cfg, opts, rd, data_here=False)
@@ -203,6 +224,10 @@ def local_cmd(
     dp_delta: DpDelta = 0.0,
     dp_accountant: DpAccountant = "rdp",
     dp_sampling: DpSampling = "none",
+    secagg: SecAgg = False,
+    secagg_shares: SecAggShares = 3,
+    secagg_threshold: SecAggThreshold = 2,
+    secagg_clip: SecAggClip = 8.0,
     overwrite: Overwrite = False,
 ) -> None:
     """Start a SuperLink and N SuperNodes on loopback, run CONFIG as a Flower app, stream progress,
@@ -212,7 +237,8 @@ def local_cmd(
     from .local import FlowerInterrupted, FlowerRunError, run_local
 
     cfg, rd = _one_config(config, set_, run_dir)
-    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling)
+    opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
+                    secagg, secagg_shares, secagg_threshold, secagg_clip)
     _preflight(cfg, opts, rd)  # before the first line of progress (run_local checks again, for its Python callers)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
@@ -250,6 +276,10 @@ def simulate_cmd(
     dp_delta: DpDelta = 0.0,
     dp_accountant: DpAccountant = "rdp",
     dp_sampling: DpSampling = "none",
+    secagg: SecAgg = False,
+    secagg_shares: SecAggShares = 3,
+    secagg_threshold: SecAggThreshold = 2,
+    secagg_clip: SecAggClip = 8.0,
     overwrite: Overwrite = False,
 ) -> None:
     """Run CONFIG on Flower's Ray-backed simulation engine (one virtual SuperNode per client)."""
@@ -258,7 +288,8 @@ def simulate_cmd(
     from .simulation import flower_simulate
 
     cfg, rd = _one_config(config, set_, run_dir)
-    opts = _options(cfg, 600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling)
+    opts = _options(cfg, 600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
+                    secagg, secagg_shares, secagg_threshold, secagg_clip)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
     try:

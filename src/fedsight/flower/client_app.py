@@ -8,7 +8,8 @@ Two handlers, no algorithm logic of their own:
   node. The instruction's global state is loaded into the work model with this client's stored personal
   entries, the stage's trainer runs, and the node's ``ClientStateStore`` holds the client's persistent
   state (SCAFFOLD's ``c_i`` ...). Personal entries and state are kept only if the update is finite. A
-  node whose client is not sampled this round replies with its partition only.
+  node whose client is not sampled this round replies with its partition only. Under secure aggregation
+  the same training runs inside Flower's SecAgg+ protocol (``secagg.secagg_train``).
 * ``evaluate``: the client's local-test metric state (``Task.eval_state``) on the model the simulator
   would use (the global model, or global shared + personal entries, inside the recipe's evaluation
   hooks), for the server's WMA / worst-10% summary and merged metrics.
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..cost import ModelCost
@@ -36,6 +37,7 @@ from ..engine.client_runtime import ClientRuntime
 from ..errors import ModelRefused
 from ..state import PERSONAL, ClientStateStore
 from . import records as FR
+from .secagg import is_secagg, secagg_train
 from .node import build_node_task, node_config_model, restore_index, state_root
 
 
@@ -86,18 +88,28 @@ def node_runtime(context: Context, config: Mapping[str, Any], settings: Mapping[
     return rt, partition
 
 
-def handle_train(msg: Message, context: Context, settings: Mapping[str, Any] | None = None) -> Message:
+def train_content(content: RecordDict, context: Context, settings: Mapping[str, Any] | None = None) -> RecordDict:
+    """The reply content to a training instruction: the client's result, its refusal of the model, or (not
+    sampled) its partition only."""
     _, _, partition, _ = _settings(context, settings)
-    config, global_state, broadcast = FR.read_instruction(msg.content, partition)
+    config, global_state, broadcast = FR.read_instruction(content, partition)
     if partition not in config["sampled"]:
-        return Message(FR.skipped_content(partition), reply_to=msg)
+        return FR.skipped_content(partition)
     rt, partition = node_runtime(context, config, settings)
     try:
         res, accepted = rt.train(int(config["round"]), partition, global_state, broadcast)
     except ModelRefused as exc:  # an integrity check failed: answer with the refusal, train nothing
-        return Message(FR.refused_content(partition, str(exc), exc.info), reply_to=msg)
+        return FR.refused_content(partition, str(exc), exc.info)
     rt.store.commit()
-    return Message(FR.result_content(res, partition=partition, accepted=accepted), reply_to=msg)
+    return FR.result_content(res, partition=partition, accepted=accepted)
+
+
+def handle_train(msg: Message, context: Context, settings: Mapping[str, Any] | None = None) -> Message:
+    """A training instruction, or a message of the SecAgg+ protocol (``secagg.secagg_train``, which trains
+    through ``train_content`` in its masked-vector stage)."""
+    if is_secagg(msg.content):
+        return secagg_train(msg, context, lambda content: train_content(content, context, settings))
+    return Message(train_content(msg.content, context, settings), reply_to=msg)
 
 
 def handle_evaluate(msg: Message, context: Context, settings: Mapping[str, Any] | None = None) -> Message:

@@ -54,6 +54,8 @@ from ..device import to_device
 from ..engine.loop import ClientEvaluation
 from ..engine.plan import Reply
 from . import records as FR
+from .exchange import exchange
+from .secagg import OPTIONS as SECAGG_OPTIONS
 
 
 #: run-config keys of the ServerApp (with their defaults); ``fedsight-config`` and ``run-dir`` are required
@@ -72,6 +74,7 @@ OPTIONS: dict[str, Any] = {
     "overwrite": False,  # replace a run directory that already holds a run
     "max-reply-mb": 1024.0,  # a training reply's arrays above this many MB are rejected before they are parsed
     "max-examples": 1_000_000,  # data-dir: the most training examples a reply may claim (partition: the server's)
+    **SECAGG_OPTIONS,  # secure aggregation (SecAgg+, secagg.py)
 }
 
 
@@ -92,6 +95,11 @@ class ServerOptions:
     overwrite: bool = False
     max_reply_mb: float = 1024.0
     max_examples: int = 1_000_000
+    secagg: bool = False
+    secagg_num_shares: int | float = 3
+    secagg_reconstruction_threshold: int | float = 2
+    secagg_clipping_range: float = 8.0
+    secagg_quantization_range: int = 1 << 22
 
     @classmethod
     def from_run_config(cls, rc: Mapping[str, Any]) -> "ServerOptions":
@@ -114,7 +122,18 @@ class ServerOptions:
             overwrite=bool(vals["overwrite"]),
             max_reply_mb=float(vals["max-reply-mb"]),
             max_examples=int(vals["max-examples"]),
+            secagg=bool(vals["secagg"]),
+            secagg_num_shares=vals["secagg-num-shares"],
+            secagg_reconstruction_threshold=vals["secagg-reconstruction-threshold"],
+            secagg_clipping_range=vals["secagg-clipping-range"],
+            secagg_quantization_range=vals["secagg-quantization-range"],
         ).checked()
+
+    def secagg_settings(self) -> Any:
+        """The SecAgg+ settings (``secagg.SecAggSettings``), or a ``ConfigError`` naming the run-config key."""
+        from .secagg import SecAggSettings
+
+        return SecAggSettings.from_options({k: getattr(self, k.replace("-", "_")) for k in SECAGG_OPTIONS})
 
     def checked(self) -> "ServerOptions":
         """These options, or a ``ConfigError`` naming the first invalid one (run-config key)."""
@@ -143,6 +162,7 @@ class ServerOptions:
             if not ok:
                 value = getattr(self, key.replace("-", "_"))
                 raise ConfigError(f"run config {key} = {value!r} {why}")
+        self.secagg_settings()
         return self
 
     def checked_for(self, cfg: Any) -> "ServerOptions":
@@ -163,6 +183,21 @@ class ServerOptions:
                                   f"round{where} (server.clients_per_round / server.fraction): every round would be skipped")
         return self
 
+    def install(self, server: Any) -> Any:
+        """Check the run's ``server`` (an ``engine.server.Server``) against secure aggregation (``secagg.check_secagg``)
+        and install central DP (``dp.install_central_dp``) when these options ask for them: a ``ConfigError`` names
+        what the recipe cannot do. Returns the ``CentralDP`` or None."""
+        if self.secagg:
+            from .secagg import check_secagg
+
+            check_secagg(server, self.secagg_settings(), dp=self.dp_noise_multiplier > 0)
+        if self.dp_noise_multiplier <= 0:
+            return None
+        from .dp import install_central_dp
+
+        return install_central_dp(server, noise_multiplier=self.dp_noise_multiplier, clipping_norm=self.dp_clipping_norm,
+                                  delta=self.dp_delta or None, accountant=self.dp_accountant, sampling=self.dp_sampling)
+
 
 def preflight(cfg: Any, options: Mapping[str, Any] | None, run_dir: str | Path) -> ServerOptions:
     """Every check of a Flower run that needs no Flower runtime, before anything starts or is written (Ray, a
@@ -179,58 +214,17 @@ def preflight(cfg: Any, options: Mapping[str, Any] | None, run_dir: str | Path) 
     if unknown:
         raise ConfigError(f"unknown Flower option(s) {unknown}; known: {sorted(OPTIONS)}")
     opts = ServerOptions.from_run_config({**dict(options or {}), "run-dir": str(run_dir)}).checked_for(cfg)
-    if opts.dp_noise_multiplier > 0:
+    if opts.dp_noise_multiplier > 0 or opts.secagg:
         import torch
 
         from ..api import build_schedule, build_stages, build_task
         from ..engine.server import Server
-        from .dp import install_central_dp
 
         with torch.random.fork_rng(devices=[]):  # building seeds torch's generator: leave the caller's as it was
             task = build_task(cfg)
             server = Server(task, build_stages(cfg, task), build_schedule(cfg, task), cfg.seed)
-        install_central_dp(server, noise_multiplier=opts.dp_noise_multiplier, clipping_norm=opts.dp_clipping_norm,
-                           delta=opts.dp_delta or None, accountant=opts.dp_accountant, sampling=opts.dp_sampling)
+        opts.install(server)
     return opts
-
-
-def exchange(
-    grid: Grid, nodes: list[int], content, message_type: str, group: str, timeout: float, poll: float,
-    enough=None,
-) -> tuple[dict[int, Message], dict[int, str]]:
-    """Send ``content`` to each of ``nodes`` (one push per message: no request grows with the number
-    of nodes), pull replies every ``poll`` seconds until all arrived, ``enough(replies)`` says the
-    replies so far suffice, or ``timeout`` passed.
-
-    Returns (node -> reply, node -> why no usable reply). Error replies (the ClientApp raised, the node
-    left the federation) are failures, with Flower's reason."""
-    pending: dict[str, int] = {}
-    failed: dict[int, str] = {}
-    for node in nodes:
-        msg = Message(content, dst_node_id=int(node), message_type=message_type, group_id=group)
-        ids = list(grid.push_messages([msg]))
-        if not ids or ids[0] is None:
-            failed[node] = "the SuperLink did not accept the message"
-            continue
-        pending[str(ids[0])] = node
-    got: dict[int, Message] = {}
-    deadline = time.monotonic() + timeout
-    while pending:
-        for reply in grid.pull_messages(list(pending)):
-            node = pending.pop(reply.metadata.reply_to_message_id, None)
-            if node is None:
-                continue
-            if reply.has_error():
-                failed[node] = f"error {reply.error.code}: {reply.error.reason}"
-            else:
-                got[node] = reply
-        if not pending or time.monotonic() >= deadline or (enough is not None and enough(got)):
-            break
-        time.sleep(poll)
-    if time.monotonic() >= deadline:  # (after an early stop the rest were not needed: not failures)
-        for node in pending.values():
-            failed[node] = f"no reply within {timeout:g} s"
-    return got, failed
 
 
 class FlowerBackend:
@@ -247,8 +241,13 @@ class FlowerBackend:
         # the reply contract's sizes: the server's own partition, or (nodes' own data) a bound
         server.sizes_known = opts.data == "partition"
         server.max_examples = opts.max_examples
-        self._online: set[int] = set()
-        self._failed: set[int] = set()  # nodes that failed in the last training exchange
+        self.online: set[int] = set()
+        self.failed_nodes: set[int] = set()  # nodes that failed in the last training exchange
+        self.secagg = None
+        if opts.secagg:
+            from .secagg import SecAggRound
+
+            self.secagg = SecAggRound(self, opts.secagg_settings())
 
     def wait_for_nodes(self) -> list[dict[str, Any]]:
         want = self.opts.min_nodes or self.server.task.num_clients
@@ -308,15 +307,37 @@ class FlowerBackend:
     def enter_round(self, r: int) -> None:
         pass
 
+    def identify(self, r: int) -> list[dict[str, Any]]:
+        """Learn which client each online node not yet known holds: a training instruction that samples no one
+        (and carries no model) is answered by every node with its partition only. Returns the events."""
+        self.online = set(int(n) for n in self.grid.get_node_ids())
+        self._keys = self._node_keys()
+        unknown = sorted(self.online - set(self.node_of.values()))
+        if not unknown:
+            return []
+        content = FR.instruction_content(r, [], {}, **self.task_info)
+        replies, _ = exchange(self.grid, unknown, content, MessageType.TRAIN, f"identify-{r}", self.opts.round_timeout,
+                              self.opts.poll_interval)
+        events: list[dict[str, Any]] = []
+        for node, reply in replies.items():
+            learned, why = self._learn(node, reply.content, r)
+            events += learned
+            if why is not None:
+                events.append({"round": r, "event": "rejected_update", "client": FR.reply_partition(reply.content),
+                               "node": node, "reason": why})
+        return events
+
     def train(self, plan: Any) -> tuple[list[Reply], list[dict[str, Any]]]:
         if not plan.sampled:  # a server-only round
             return [], []
+        if self.secagg is not None:
+            return self.secagg.train(plan)
         r, opts = plan.round, self.opts
-        self._online = set(int(n) for n in self.grid.get_node_ids())
+        self.online = set(int(n) for n in self.grid.get_node_ids())
         self._keys = self._node_keys()
         known = set(self.node_of.values())
         # the nodes of the sampled clients (if Flower still lists them online) and every unidentified node
-        targets = sorted({self.node_of[c] for c in plan.sampled if self.node_of.get(c) in self._online} | (self._online - known))
+        targets = sorted({self.node_of[c] for c in plan.sampled if self.node_of.get(c) in self.online} | (self.online - known))
         content = FR.instruction_content(r, plan.sampled, self.server.global_model.state_dict(), plan.broadcast,
                                          plan.client_broadcast, **self.task_info)
         wanted = set(plan.sampled)
@@ -327,7 +348,7 @@ class FlowerBackend:
 
         replies, failed = exchange(self.grid, targets, content, MessageType.TRAIN, str(r), opts.round_timeout,
                                    opts.poll_interval, enough)
-        self._failed = set(failed)
+        self.failed_nodes = set(failed)
         events: list[dict[str, Any]] = []
         got: dict[int, Reply] = {}
         for node, reply in replies.items():
@@ -371,7 +392,7 @@ class FlowerBackend:
                 reason = "no node known to hold this client" + (
                     "; unidentified nodes that did not answer: " + "; ".join(f"{n}: {failed[n]}" for n in unknown)
                     if unknown else "")
-            elif node not in self._online:
+            elif node not in self.online:
                 reason = "its node is offline"
             else:
                 reason = failed.get(node, "no reply")
@@ -389,7 +410,7 @@ class FlowerBackend:
         return results
 
     def round_metrics(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"flower/nodes_online": len(self._online)}
+        row: dict[str, Any] = {"flower/nodes_online": len(self.online)}
         if self.dp is not None:
             row.update(self.dp.privacy_spent())
         return row
@@ -405,7 +426,7 @@ class FlowerBackend:
         out = ClientEvaluation(store=store)
         if not (local or personal):
             return out
-        server, skip = self.server, self._failed
+        server, skip = self.server, self.failed_nodes
         online = set(int(n) for n in self.grid.get_node_ids())
         self._keys = self._node_keys()
         known = set(self.node_of.values())
@@ -450,14 +471,7 @@ class FlowerServer:
 
         self.cfg, self.opts = cfg, options.checked_for(cfg)
         self.server = build_server(cfg)  # in-memory client store: client state lives on the nodes
-        self.dp = None
-        if options.dp_noise_multiplier > 0:
-            from .dp import install_central_dp
-
-            self.dp = install_central_dp(
-                self.server, noise_multiplier=options.dp_noise_multiplier, clipping_norm=options.dp_clipping_norm,
-                delta=options.dp_delta or None, accountant=options.dp_accountant, sampling=options.dp_sampling,
-            )
+        self.dp = options.install(self.server)
         splits = getattr(self.server.task, "splits", None)
         #: what a data-dir node needs to build the run's model whatever classes it holds
         self.task_info: dict[str, Any] = {"class-names": list(splits.train.class_names)} if splits is not None else {}

@@ -114,6 +114,13 @@ class FedDyn(Component):
 
     # -- server side -----------------------------------------------------------------------------
 
+    def secure_aggregation_problem(self, weighting: str) -> str | None:
+        # h sums the round's updates; the secure mean times m is that sum only when the weights are equal
+        if weighting != "uniform":
+            return (f"sums the round's updates into its server state h, which the secure weighted mean gives only with "
+                    f"recipe.weighting = 'uniform' (not {weighting!r})")
+        return None
+
     @torch.no_grad()
     def server_round_end(self, sctx: ServerContext, results: list[ClientResult], weights: torch.Tensor) -> None:
         if not results:

@@ -294,6 +294,9 @@ class NormBound(Component):
     def __init__(self, params: NormBoundParams):
         self.params = params
 
+    def secure_aggregation_problem(self, weighting: str) -> str | None:
+        return "clips each client's update by its norm, and the server never sees an update"
+
     def server_results(self, sctx: ServerContext, results: list[ClientResult]) -> list[ClientResult]:
         norms = [math.sqrt(sum(float(v.detach().double().pow(2).sum()) for v in r.delta.values())) for r in results]
         p = self.params

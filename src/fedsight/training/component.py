@@ -130,6 +130,15 @@ class Component:
         finite tensors (unchecked: declare them)."""
         return ExtrasSpec(None, required=False) if self.uploads_extras else None
 
+    def secure_aggregation_problem(self, weighting: str) -> str | None:
+        """Why this component cannot run when the server sees only the weighted mean of the round's updates
+        (Flower's SecAgg+, ``fedsight.flower.secagg``; ``weighting`` is the stage's ``recipe.weighting``), or
+        None. The default: a component that uploads extra tensors cannot (the secure sum carries the model
+        update only). The plain metrics (``result.metrics``) still reach the server one by one."""
+        if self.uploads_extras:
+            return "uploads extra tensors beside the model update, which the secure sum does not carry"
+        return None
+
     # -- server side ---------------------------------------------------------------------------
     def server_broadcast(self, sctx: "ServerContext") -> dict[str, torch.Tensor] | None:
         """Tensors sent to every sampled client with the global model this round (e.g. SCAFFOLD's

@@ -1,0 +1,560 @@
+"""Secure aggregation (SecAgg+) of the clients' updates through Flower's ``SecAggPlusWorkflow``.
+
+SecAgg+ (Bell et al. 2020, "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead"; Bonawitz
+et al. 2017 for SecAgg): each sampled client quantises its weighted update, adds a private mask and
+pairwise masks agreed with ``num_shares - 1`` neighbours, and uploads only the masked integer vector; the
+server learns the sum of the vectors and nothing else, and still gets the sum when clients drop out, as long
+as ``reconstruction_threshold`` shares of each secret reach it. The protocol is Flower's, unchanged: the
+server side is ``flwr.server.workflow.SecAggPlusWorkflow`` (four message exchanges a round: setup, share
+keys, collect masked vectors, unmask), the node side ``flwr.client.mod.secaggplus_mod``. Flower 1.41 has
+them only on its legacy ``Strategy``/``FitRes`` path; this module is the adapter:
+
+* server (``SecAggRound``): the round's instruction (global state, broadcasts, config) travels to each
+  sampled client's node as a legacy ``FitIns`` (``instruction_fitins``); a legacy ``Strategy`` hands the
+  workflow the sampled nodes and receives the unmasked weighted mean. Each reply of every stage is
+  checked first (``_CheckedGrid``): a reply that does not have the records, types, node ids, array count,
+  shapes and value range that stage expects, or that is larger than ``max-reply-mb``, is dropped with its
+  reason, and the protocol treats that node as dropped out (its masks are removed with the other nodes'
+  shares). The round's clients become ``Reply``s that all carry the unmasked mean, so the round loop, the
+  reply contract (shapes, dtypes, finite values, the example counts against the server's own sizes), the
+  weighting and the server optimizer are the ones of every other run: the weighted mean of identical
+  updates is that update. A node that leaves before the masked-vector stage restarts the protocol without it
+  (``_EarlyDropout``). A protocol that halts (fewer live neighbours than the threshold) or fails (a share that
+  does not reconstruct) skips the round with an event; nothing raises out of it.
+* node (``secagg_train``): ``secaggplus_mod`` runs the protocol; for its masked-vector stage it calls
+  FedSight's own training of the instruction and uploads, as one vector in the order the server names,
+  the shared trainable parameters' update and the shared float buffers' change (local - global), with
+  the recipe's weight: 1 (``recipe.weighting = "uniform"``) or the client's number of examples
+  (``"data_size"``, divided by ``max_weight``, the largest client). A client that refuses the model or
+  produces a non-finite update raises there, so the protocol sees it drop out.
+
+Quantisation (Flower's): each value ``x * w / max_weight`` is clipped to ``[-clipping_range,
+clipping_range]`` and stochastically rounded to one of ``quantization_range`` levels, so the mean differs
+from the plain mean by at most one level (``2 clipping_range / quantization_range``, 3.8e-6 with the
+defaults) divided by the mean weight ratio. Values outside the range are clipped: each node counts them
+(``secagg/clipped`` in its reply; a ``secagg_clipped`` event on the server). The sum of ``m`` clients' levels
+must stay below the modulus (``2**32``), so ``m * quantization_range < 2**32`` is checked before the run.
+The stochastic rounding draws from NumPy's global generator, seeded per (run seed, round, client) just
+before the node quantises, so a SecAgg run is reproducible.
+
+What it does not do: the server cannot inspect an update, so a malicious client can add any vector
+in the quantised range to the sum (it controls its masked vector, including its weight factor), and nothing
+per update (norm bounding, robust aggregators, FedVG) can run; those recipes are refused before the run
+(``check_secagg``). Flower 1.41 seeds each mask's generator (NumPy's ``RandomState``) with 32 bits folded
+from the 32-byte shared secret (``secaggplus_utils.pseudo_rand_gen``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+#: run-config keys of secure aggregation (``server_app.OPTIONS``) and their defaults
+OPTIONS: dict[str, Any] = {
+    "secagg": False,  # true: SecAgg+ through Flower's workflow
+    "secagg-num-shares": 3,  # int >= 3: shares (neighbours + itself) per secret; float in (0, 1]: fraction of m
+    "secagg-reconstruction-threshold": 2,  # int >= 2: shares that reconstruct a secret; float in (0, 1]: fraction
+    "secagg-clipping-range": 8.0,  # |x * w / max_weight| above this is clipped before quantisation
+    "secagg-quantization-range": 1 << 22,  # quantisation levels
+}
+MODULUS = 1 << 32  # Flower's modulus_range (its maximum)
+WEIGHTINGS = ("uniform", "data_size")
+
+
+@dataclass(frozen=True)
+class SecAggSettings:
+    num_shares: int | float = 3
+    reconstruction_threshold: int | float = 2
+    clipping_range: float = 8.0
+    quantization_range: int = 1 << 22
+
+    @classmethod
+    def from_options(cls, opts: Mapping[str, Any]) -> "SecAggSettings":
+        """The settings of run-config values (``OPTIONS`` keys), or a ``ConfigError`` naming the key."""
+        import math
+
+        def share(key: str, low: int) -> int | float:
+            v = opts.get(key, OPTIONS[key])
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"run config {key} = {v!r} must be an integer or a fraction in (0, 1]")
+            if isinstance(v, float) and v.is_integer() and v > 1:
+                v = int(v)
+            if isinstance(v, int) and v < low:
+                raise ConfigError(f"run config {key} = {v!r} must be an integer >= {low} or a fraction in (0, 1]")
+            if isinstance(v, float) and not 0 < v <= 1:
+                raise ConfigError(f"run config {key} = {v!r} must be an integer >= {low} or a fraction in (0, 1]")
+            return v
+
+        shares = share("secagg-num-shares", 3)
+        threshold = share("secagg-reconstruction-threshold", 2)
+        if isinstance(shares, int) and isinstance(threshold, int) and threshold >= shares:
+            raise ConfigError(f"run config secagg-reconstruction-threshold = {threshold} must be below "
+                              f"secagg-num-shares = {shares}")
+        clip = opts.get("secagg-clipping-range", OPTIONS["secagg-clipping-range"])
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (math.isfinite(clip) and clip > 0):
+            raise ConfigError(f"run config secagg-clipping-range = {clip!r} must be a finite number > 0")
+        q = opts.get("secagg-quantization-range", OPTIONS["secagg-quantization-range"])
+        if isinstance(q, float) and q.is_integer():
+            q = int(q)
+        if isinstance(q, bool) or not isinstance(q, int) or not 2 <= q < MODULUS:
+            raise ConfigError(f"run config secagg-quantization-range = {q!r} must be an integer in [2, 2**32)")
+        return cls(shares, threshold, float(clip), q)
+
+
+# -- what may run under secure aggregation ----------------------------------------------------------
+
+
+def check_secagg(sim: Any, settings: SecAggSettings, *, dp: bool = False) -> None:
+    """Refuse (``ConfigError`` naming the config key) a run whose recipe needs more than the weighted mean of
+    the updates: ``sim`` is an ``engine.server.Server``. Every stage must train, aggregate with
+    ``recipe.aggregator = "mean"`` and weight with ``"uniform"`` or ``"data_size"``, share no integer buffer
+    (BatchNorm's ``num_batches_tracked``: its change per round is the number of steps, outside any useful
+    quantisation range) and have no component that needs each update (``Component.secure_aggregation_problem``);
+    every round must sample at least 3 clients, at least ``num_shares`` when that is an integer, and few enough
+    that their quantised sum fits the modulus. Central DP clips each update on the server: not with SecAgg."""
+    from ..engine.plan import stage_layout
+
+    if dp:
+        raise ConfigError("run config secagg = true with central DP (dp-noise-multiplier > 0): Flower's server-side DP "
+                          "clips each client's update, which secure aggregation hides; use one or the other")
+    for st in sim.stages:
+        where = f"stage {st.name!r}"
+        w, a = st.recipe.weighting.name, st.recipe.aggregator.name
+        if a != "mean":
+            raise ConfigError(f"secure aggregation gives the server only the weighted mean of the updates, but "
+                              f"recipe.aggregator = {a!r} ({where}) needs each update; use 'mean' or drop secagg")
+        if w not in WEIGHTINGS:
+            raise ConfigError(f"secure aggregation weights each update inside the mask by 1 or its example count, "
+                              f"but recipe.weighting = {w!r} ({where}) needs each update; use 'uniform' or 'data_size'")
+        if not st.recipe.trainer.trains:
+            raise ConfigError(f"secure aggregation sums model updates, but {where} trains nothing (its trainer "
+                              f"{getattr(st.recipe.trainer, 'name', type(st.recipe.trainer).__name__)!r} uploads "
+                              "statistics); drop that stage or secagg")
+        for c in st.recipe.components:
+            why = c.secure_aggregation_problem(w)
+            if why:
+                raise ConfigError(f"recipe.components {c.name} ({where}) {why}: it cannot run under secure aggregation")
+        layout = stage_layout(sim.global_model, st)
+        state = sim.global_model.state_dict()
+        ints = [k for k in layout.shared_buffers if not state[k].is_floating_point()]
+        if ints:
+            raise ConfigError(f"secure aggregation cannot carry the shared integer buffer {ints[0]!r} ({where}; BatchNorm's "
+                              "step counter): keep BatchNorm local (a norm-sharing component such as fedbn, or "
+                              "recipe.sharing) or use model.norm = 'group' or 'none'")
+        if not layout.shared_params and not layout.shared_buffers:
+            raise ConfigError(f"secure aggregation sums model updates, but {where} shares nothing (recipe.sharing, "
+                              "train.freeze)")
+    for name, m in stage_sample_sizes(sim):
+        where = f" in stage {name!r}" if name else ""
+        if m < 3:
+            raise ConfigError(f"secure aggregation needs at least 3 clients a round, but {m} are sampled{where} "
+                              "(server.clients_per_round / server.fraction)")
+        if isinstance(settings.num_shares, int) and settings.num_shares > m:
+            raise ConfigError(f"run config secagg-num-shares = {settings.num_shares} exceeds the {m} clients sampled "
+                              f"per round{where}")
+        if m * settings.quantization_range >= MODULUS:
+            raise ConfigError(f"run config secagg-quantization-range = {settings.quantization_range} is too large for "
+                              f"{m} clients a round{where}: their quantised sum must stay below 2**32")
+
+
+def stage_sample_sizes(sim: Any) -> list[tuple[str, int]]:
+    """(stage name, clients sampled per round) of each stage of ``sim``."""
+    n = sim.task.num_clients
+    return [(st.name, min(n, st.clients_per_round or sim.schedule.clients_per_round)) for st in sim.stages]
+
+
+# -- the instruction as a legacy FitIns, and back ---------------------------------------------------
+
+INSTRUCTION = "fedsight"  # the FitIns config key holding the instruction's records and config (JSON)
+
+
+def instruction_fitins(content: Any) -> Any:
+    """A FedSight instruction (``records.instruction_content``) as a legacy ``FitIns``: every array of every
+    array record in order as the parameters, and the records' names, keys and the config as JSON."""
+    from flwr.common import FitIns, ndarrays_to_parameters
+
+    entries, arrays = [], []
+    for name, record in content.array_records.items():
+        for key, arr in record.items():
+            entries.append([name, key])
+            arrays.append(arr.numpy())
+    meta = {"entries": entries, "config": dict(content["config"])}
+    return FitIns(ndarrays_to_parameters(arrays), {INSTRUCTION: json.dumps(meta)})
+
+
+def fitins_instruction(fitins: Any) -> Any:
+    """The instruction ``RecordDict`` of a ``FitIns`` written by ``instruction_fitins``."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+    from flwr.common import parameters_to_ndarrays
+
+    meta = json.loads(str(fitins.config[INSTRUCTION]))
+    arrays = parameters_to_ndarrays(fitins.parameters)
+    content = RecordDict()
+    for (name, key), arr in zip(meta["entries"], arrays, strict=True):
+        if name not in content.array_records:
+            content[name] = ArrayRecord()
+        content[name][key] = Array(np.ascontiguousarray(arr))
+    content["config"] = ConfigRecord(meta["config"])
+    return content
+
+
+# -- the node side ----------------------------------------------------------------------------------
+
+META = "meta/"  # prefix of the reply's plain scalars (client-id, num-examples, ...) among the FitRes metrics
+
+
+def secagg_train(msg: Any, context: Any, train: Callable[[Any], Any]) -> Any:
+    """A node's answer to a SecAgg+ message: Flower's ``secaggplus_mod`` runs the protocol; its masked-vector
+    stage calls ``train(instruction RecordDict)``, FedSight's training, which returns the reply content
+    (``records.result_content``) or a refusal; a refusal or a non-finite update raises, and the node drops out."""
+    from flwr.app import Message
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+
+    from ..rng import derive_seed
+    from . import records as FR
+
+    def call_next(m: Any, ctx: Any) -> Any:
+        import flwr.compat.common.recorddict_compat as compat
+
+        instruction = fitins_instruction(compat.recorddict_to_fitins(m.content, keep_input=True))
+        cfg = dict(instruction["config"])
+        reply = train(instruction)
+        refusal = FR.read_refusal(reply)
+        if refusal is not None:
+            raise RuntimeError(f"refused the global model: {refusal[0]}")
+        if FR.is_skipped(reply):
+            raise RuntimeError("this node's client was not sampled")
+        res, accepted = FR.read_result(reply)
+        if not accepted:
+            raise RuntimeError("non-finite update (dropped out of the secure aggregation)")
+        gstate = FR.record_to_tensors(instruction["global"])
+        vector = [res.delta[k] for k in cfg["secagg-params"]] + [res.buffers[k] - gstate[k] for k in cfg["secagg-buffers"]]
+        vector = [v.detach().to(torch.float64).numpy() for v in vector]
+        weight = 1 if cfg["secagg-weighting"] == "uniform" else int(res.num_examples)
+        ratio = weight / float(cfg["secagg-max-weight"])
+        clipped = sum(int((np.abs(v * ratio) > float(cfg["secagg-clipping-range"])).sum()) for v in vector)
+        metrics: dict[str, Any] = {k: float(v) for k, v in res.metrics.items()}
+        metrics.update({f"{META}client-id": int(res.client_id), f"{META}num-examples": int(res.num_examples),
+                        f"{META}num-steps": int(res.num_steps), f"{META}flops": float(res.flops),
+                        f"{META}secagg-clipped": clipped})
+        # the mod's stochastic rounding draws from NumPy's global generator right after this returns
+        np.random.seed(derive_seed(int(cfg["secagg-seed"]), "secagg", int(cfg["round"]), int(res.client_id)) % (2**32))
+        fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(vector), weight, metrics)
+        return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=m)
+
+    return secaggplus_mod(msg, context, call_next)
+
+
+def is_secagg(content: Any) -> bool:
+    """Whether a message is one of the SecAgg+ protocol's (it carries the protocol's config record)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    return RECORD_KEY_CONFIGS in content.config_records
+
+
+# -- the server side --------------------------------------------------------------------------------
+
+
+def _load_array(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+def _bytes(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, bytes) for x in v)
+
+
+@dataclass
+class _Expect:
+    """What the masked-vector replies of a round must be: the node -> client map, the shapes of the uploaded
+    arrays (after the weight factor), the modulus and the byte limit."""
+
+    client_of: dict[int, int]
+    shapes: list[tuple[int, ...]]
+    max_bytes: int
+
+
+def reply_problem(stage: str, request: Any, reply: Any, expect: _Expect) -> str | None:
+    """Why ``reply`` (to ``request``, of protocol stage ``stage``) cannot be used (None: it can)."""
+    import flwr.compat.common.recorddict_compat as compat
+    from flwr.app import ConfigRecord
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+    from flwr.supercore.primitives.asymmetric import bytes_to_public_key
+
+    rec = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+    if not isinstance(rec, ConfigRecord):
+        return f"no {RECORD_KEY_CONFIGS!r} record"
+    node = int(reply.metadata.src_node_id)
+    asked = request.content.config_records[RECORD_KEY_CONFIGS]
+    if stage == Stage.SETUP:
+        keys = [rec.get(Key.PUBLIC_KEY_1), rec.get(Key.PUBLIC_KEY_2)]
+        if not _bytes(keys) or len(set(keys)) != 2 or sum(len(k) for k in keys) > 4096:
+            return "its public keys are not two distinct byte strings"
+        try:
+            for k in keys:
+                bytes_to_public_key(k)
+        except Exception:
+            return "a public key does not parse"
+    elif stage == Stage.SHARE_KEYS:
+        neighbours = {int(k) for k in asked if k != Key.STAGE} - {node}
+        dsts, texts = rec.get(Key.DESTINATION_LIST), rec.get(Key.CIPHERTEXT_LIST)
+        if not (_ints(dsts) and _bytes(texts)) or len(dsts) != len(texts):
+            return "destinations and ciphertexts are not two lists of equal length (ints, bytes)"
+        if len(set(dsts)) != len(dsts) or not set(dsts) <= neighbours:
+            return "its key shares go to nodes that are not its neighbours (or twice to one)"
+        if sum(len(t) for t in texts) > expect.max_bytes:
+            return "its key shares exceed the reply size limit"
+    elif stage == Stage.COLLECT_MASKED_VECTORS:
+        masked = rec.get(Key.MASKED_PARAMETERS)
+        if not _bytes(masked) or len(masked) != 1 + len(expect.shapes):
+            return f"not {1 + len(expect.shapes)} masked arrays"
+        if sum(len(b) for b in masked) > expect.max_bytes:
+            return "its masked vector exceeds the reply size limit (max-reply-mb)"
+        for i, (b, shape) in enumerate(zip(masked, [(1,), *expect.shapes])):
+            try:
+                arr = _load_array(b)
+            except Exception:
+                return f"masked array {i} does not parse"
+            if arr.dtype.kind not in "iu" or tuple(arr.shape) != tuple(shape):
+                return f"masked array {i} is {arr.dtype}{list(arr.shape)}, expected integers of shape {list(shape)}"
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= MODULUS):
+                return f"masked array {i} has values outside [0, 2**32)"
+        try:
+            fitres = compat.recorddict_to_fitres(reply.content, keep_input=True)
+            meta = {k: fitres.metrics[f"{META}{k}"] for k in ("client-id", "num-examples", "num-steps", "flops")}
+        except Exception as exc:
+            return f"its plain records are unreadable ({type(exc).__name__}: {exc})"
+        bad = [k for k, v in fitres.metrics.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+        if bad:
+            return f"metric {bad[0]!r} is not a number"
+        if meta["client-id"] != expect.client_of.get(node):
+            return f"it answers as client {meta['client-id']}, but its node holds client {expect.client_of.get(node)}"
+    elif stage == Stage.UNMASK:
+        allowed = set(asked.get(Key.ACTIVE_NODE_ID_LIST, [])) | set(asked.get(Key.DEAD_NODE_ID_LIST, []))
+        nids, shares = rec.get(Key.NODE_ID_LIST), rec.get(Key.SHARE_LIST)
+        if not (_ints(nids) and _bytes(shares)) or len(nids) != len(shares):
+            return "node ids and shares are not two lists of equal length (ints, bytes)"
+        if len(set(nids)) != len(nids) or not set(nids) <= allowed:
+            return "it sends shares of nodes it was not asked for (or twice)"
+        if sum(len(s) for s in shares) > expect.max_bytes:
+            return "its shares exceed the reply size limit"
+    return None
+
+
+class _CheckedGrid:
+    """The round's ``Grid`` as the workflow sees it: each message goes out on its own (``exchange_messages``),
+    and each reply is checked (``reply_problem``) before the workflow reads it; a reply that fails
+    (``rejected``) and a node that does not answer within the timeout or answers with an error (``lost``) are
+    left out, so the protocol treats the node as dropped. Both map node -> "stage: reason"."""
+
+    def __init__(self, grid: Any, expect: _Expect, timeout: float, poll: float):
+        self.grid, self.expect, self.timeout, self.poll = grid, expect, timeout, poll
+        self.rejected: dict[int, str] = {}
+        self.lost: dict[int, str] = {}
+
+    def get_node_ids(self) -> Any:
+        return self.grid.get_node_ids()
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Any]:
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+        from .exchange import exchange_messages
+
+        messages = list(messages)
+        if not messages:
+            return []
+        stage = str(messages[0].content.config_records[RECORD_KEY_CONFIGS][Key.STAGE])
+        by_node = {int(m.metadata.dst_node_id): m for m in messages}
+        got, failed = exchange_messages(self.grid, messages, self.timeout, self.poll)
+        for node, why in failed.items():
+            self.lost.setdefault(node, f"{stage}: {why}")
+        out = []
+        for node, reply in got.items():
+            try:
+                why = reply_problem(stage, by_node[node], reply, self.expect)
+            except Exception as exc:  # whatever a tampered reply makes a check raise is a refusal too
+                why = f"unreadable ({type(exc).__name__})"
+            if why is None:
+                out.append(reply)
+            else:
+                self.rejected.setdefault(node, f"{stage}: {why}")
+        if stage in (Stage.SETUP, Stage.SHARE_KEYS) and len(out) < len(messages):
+            raise _EarlyDropout(set(by_node) - {int(m.metadata.src_node_id) for m in out})
+        return out
+
+
+class _EarlyDropout(Exception):
+    """Nodes left before the masked-vector stage. Flower 1.41's workflow would still count them as dropped
+    in the unmask stage and ask the others for shares of secrets they never received (the round then
+    halts), so the protocol starts again without them: nothing was masked or trained yet."""
+
+    def __init__(self, nodes: set[int]):
+        super().__init__(f"nodes {sorted(nodes)} left before the masked-vector stage")
+        self.nodes = nodes
+
+
+class _Proxy:
+    """The legacy ``ClientProxy`` of a node: the workflow reads only its ``node_id``."""
+
+    def __init__(self, node_id: int):
+        self.node_id, self.cid = int(node_id), str(node_id)
+
+
+class _Strategy:
+    """The legacy ``Strategy`` the workflow drives: ``configure_fit`` names the round's nodes with their
+    instructions; ``aggregate_fit`` receives the unmasked mean (every result carries it) and keeps it."""
+
+    def __init__(self, fitins: dict[int, Any]):
+        self.fitins = fitins
+        self.results: list[tuple[Any, Any]] | None = None
+
+    def configure_fit(self, server_round: int, parameters: Any, client_manager: Any) -> list[tuple[Any, Any]]:
+        return [(_Proxy(node), ins) for node, ins in self.fitins.items()]
+
+    def aggregate_fit(self, server_round: int, results: list[tuple[Any, Any]], failures: list[Any]) -> tuple[Any, dict]:
+        self.results = list(results)
+        return None, {}  # the FedSight server applies the mean (SecAggRound.train)
+
+
+def _legacy_context(round: int, strategy: _Strategy) -> Any:
+    from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+    from flwr.server import LegacyContext, ServerConfig
+
+    state = RecordDict({"config": ConfigRecord({"current_round": int(round)}), "parameters": ArrayRecord()})
+    base = Context(run_id=0, node_id=0, node_config={}, state=state, run_config={})
+    return LegacyContext(base, config=ServerConfig(num_rounds=max(1, round)), strategy=strategy)  # type: ignore[arg-type]
+
+
+class SecAggRound:
+    """The training half of a round under SecAgg+ (``FlowerBackend.train`` delegates here)."""
+
+    def __init__(self, backend: Any, settings: SecAggSettings):
+        self.backend, self.settings = backend, settings
+        server = backend.server
+        if server.sizes_known:
+            self.max_examples = max(server.task.num_train_examples(c) for c in range(server.task.num_clients))
+        else:
+            self.max_examples = int(server.max_examples)
+
+    def train(self, plan: Any) -> tuple[list[Any], list[dict[str, Any]]]:
+        from flwr.server.workflow import SecAggPlusWorkflow
+
+        from ..engine.plan import Reply
+        from ..records import ClientResult
+        from . import records as FR
+
+        b, s, r = self.backend, self.settings, plan.round
+        server = b.server
+        events = b.identify(r)
+        nodes = {c: b.node_of[c] for c in plan.sampled if b.node_of.get(c) in b.online}
+        client_of = {n: c for c, n in nodes.items()}
+        gstate = server.global_model.state_dict()
+        params, buffers = list(server.layout.shared_params), list(server.layout.shared_buffers)
+        weighting = server.recipe.weighting.name
+        max_weight = 1.0 if weighting == "uniform" else float(max(1, self.max_examples))
+        extra = {"secagg-params": params, "secagg-buffers": buffers, "secagg-weighting": weighting,
+                 "secagg-max-weight": max_weight, "secagg-clipping-range": s.clipping_range, "secagg-seed": int(server.seed)}
+        fitins = {}
+        for c, n in nodes.items():
+            own = {c: plan.client_broadcast[c]} if c in plan.client_broadcast else None
+            content = FR.instruction_content(r, plan.sampled, gstate, plan.broadcast, own, **b.task_info, **extra)
+            fitins[n] = instruction_fitins(content)
+        shapes = [tuple(gstate[k].shape) for k in params + buffers]
+        grid = _CheckedGrid(b.grid, _Expect(client_of, shapes, b.max_reply_bytes), b.opts.round_timeout,
+                            b.opts.poll_interval)
+        strategy = _Strategy(fitins)
+        failed_protocol = None
+        while len(strategy.fitins) >= 2:
+            workflow = SecAggPlusWorkflow(s.num_shares, s.reconstruction_threshold, max_weight=max_weight,
+                                          clipping_range=s.clipping_range, quantization_range=s.quantization_range,
+                                          modulus_range=MODULUS, timeout=b.opts.round_timeout)
+            try:
+                workflow(grid, _legacy_context(r, strategy))  # type: ignore[arg-type]
+            except _EarlyDropout as exc:  # start again without them (_EarlyDropout says why)
+                strategy = _Strategy({n: ins for n, ins in strategy.fitins.items() if n not in exc.nodes})
+                continue
+            except Exception as exc:  # e.g. a share that does not reconstruct its secret
+                failed_protocol = f"{type(exc).__name__}: {exc}"
+            break
+        b.failed_nodes = set(grid.lost) | set(grid.rejected)
+        got: dict[int, Any] = {}
+        gone = "dropped out"
+        if strategy.results is None:  # halted (too few live neighbours) or failed: nothing to aggregate
+            why = failed_protocol or ("fewer than 2 clients left" if len(strategy.fitins) < 2 else
+                                      "the protocol halted: fewer live neighbours than the reconstruction threshold")
+            events.append({"round": r, "event": "secagg_failed", "reason": why,
+                           "nodes": {str(n): v for n, v in sorted({**grid.lost, **grid.rejected}.items())}})
+            gone = f"the protocol failed ({why})"
+        else:
+            why, arrays = self._check_mean(strategy.results, shapes, max_weight, weighting)
+            for proxy, fitres in strategy.results:
+                node = int(proxy.node_id)
+                c = client_of[node]
+                if why is not None:
+                    got[c] = Reply(c, None, False, f"secure aggregation: {why}", {"node": node}, rejected=True)
+                    continue
+                m = fitres.metrics
+                delta = {k: torch.from_numpy(a).to(gstate[k].dtype) for k, a in zip(params, arrays)}
+                bufs = {k: (gstate[k].to(torch.float64) + torch.from_numpy(a)).to(gstate[k].dtype)
+                        for k, a in zip(buffers, arrays[len(params):])}
+                res = ClientResult(client_id=int(m[f"{META}client-id"]), num_examples=int(m[f"{META}num-examples"]),
+                                   delta=delta, buffers=bufs,
+                                   metrics={k: float(v) for k, v in m.items() if not k.startswith(META)},
+                                   num_steps=int(m[f"{META}num-steps"]), flops=float(m[f"{META}flops"]))
+                got[c] = Reply(c, res, True, info={"node": node})
+                if m.get(f"{META}secagg-clipped"):
+                    events.append({"round": r, "event": "secagg_clipped", "client": c, "node": node,
+                                   "values": int(m[f"{META}secagg-clipped"]), "clipping_range": s.clipping_range})
+        # a node whose update counted but whose later reply (its key shares) was refused
+        events += [{"round": r, "event": "secagg_reply_rejected", "client": client_of[n], "node": n, "reason": why}
+                   for n, why in sorted(grid.rejected.items()) if client_of[n] in got]
+        out = []
+        for c in plan.sampled:
+            node = nodes.get(c, b.node_of.get(c))
+            if c in got:
+                out.append(got[c])
+            elif node in grid.rejected:
+                out.append(Reply(c, None, False, f"secure aggregation: {grid.rejected[node]}", {"node": node},
+                                 rejected=True))
+            else:
+                reason = ("no node known to hold this client" if node is None else "its node is offline" if c not in nodes
+                          else f"secure aggregation: {grid.lost.get(node, gone)}")
+                out.append(Reply(c, None, False, reason, {"node": node}))
+        return out, events
+
+    def _check_mean(self, results: list[tuple[Any, Any]], shapes: list[tuple[int, ...]], max_weight: float,
+                    weighting: str) -> tuple[str | None, list[np.ndarray]]:
+        """(why the unmasked mean cannot be used or None, its arrays). It must have the uploaded arrays' shapes,
+        be finite and lie where a mean of clipped values can: each client's ``x w / max_weight`` is within
+        +-clipping_range, so the mean is within ``+-clipping_range * m / sum_k(w_k / max_weight)`` (a share or
+        masked vector that was wrong unmasks to values far outside)."""
+        from flwr.common import parameters_to_ndarrays
+
+        try:
+            arrays = [np.asarray(a, dtype=np.float64) for a in parameters_to_ndarrays(results[0][1].parameters)]
+        except Exception as exc:
+            return f"the unmasked mean is unreadable ({type(exc).__name__})", []
+        if len(arrays) != len(shapes) or any(tuple(a.shape) != sh for a, sh in zip(arrays, shapes)):
+            return "the unmasked mean does not have the uploaded arrays' shapes", []
+        if not all(np.isfinite(a).all() for a in arrays):
+            return "the unmasked mean is not finite", []
+        weights = [1.0 if weighting == "uniform" else float(f.metrics[f"{META}num-examples"]) for _, f in results]
+        total = sum(w / max_weight for w in weights)
+        bound = self.settings.clipping_range * len(results) / total if total > 0 else float("inf")
+        top = max((float(np.abs(a).max()) for a in arrays if a.size), default=0.0)
+        if top > bound * (1 + 1e-6) + 4 * self.settings.clipping_range / self.settings.quantization_range:
+            return (f"the unmasked mean reaches {top:.3g}, outside the +-{bound:.3g} that {len(results)} clipped updates "
+                    "can give (a key share or masked vector was wrong)"), []
+        return None, arrays
