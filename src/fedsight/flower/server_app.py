@@ -320,12 +320,18 @@ class FlowerBackend:
                               self.opts.poll_interval)
         events: list[dict[str, Any]] = []
         for node, reply in replies.items():
-            learned, why = self._learn(node, reply.content, r)
-            events += learned
-            if why is not None:
-                events.append({"round": r, "event": "rejected_update", "client": FR.reply_partition(reply.content),
-                               "node": node, "reason": why})
+            self._admit(node, reply.content, r, events)
         return events
+
+    def _admit(self, node: int, content: Any, r: int, events: list[dict[str, Any]]) -> bool:
+        """``_learn`` from a node's reply, its events appended to ``events``; False (with a ``rejected_update``
+        event) when the node may not answer for the partition it names."""
+        learned, why = self._learn(node, content, r)
+        events += learned
+        if why is not None:
+            events.append({"round": r, "event": "rejected_update", "client": FR.reply_partition(content), "node": node,
+                           "reason": why})
+        return why is None
 
     def train(self, plan: Any) -> tuple[list[Reply], list[dict[str, Any]]]:
         if not plan.sampled:  # a server-only round
@@ -352,11 +358,7 @@ class FlowerBackend:
         events: list[dict[str, Any]] = []
         got: dict[int, Reply] = {}
         for node, reply in replies.items():
-            learned, why = self._learn(node, reply.content, r)
-            events += learned
-            if why is not None:
-                events.append({"round": r, "event": "rejected_update", "client": FR.reply_partition(reply.content),
-                               "node": node, "reason": why})
+            if not self._admit(node, reply.content, r, events):
                 continue
             if FR.is_skipped(reply.content):
                 continue
