@@ -223,3 +223,22 @@ def test_recipes_that_need_each_update_are_refused_before_anything_starts(tmp_pa
         preflight(cfg, {**SECAGG, **options}, tmp_path / "run")
     assert not (tmp_path / "run").exists()
     preflight(validate(tiny(**CFG)), SECAGG, tmp_path / "ok")  # the plain recipe passes
+
+
+@pytest.mark.parametrize("given,want", [(0.5, 0.5), (1.0, 1.0), (3.0, 3), (4, 4)])
+def test_share_options_stay_a_count_or_a_fraction_through_the_app(tmp_path, given, want) -> None:
+    from fedsight.flower.app import app_config
+    from fedsight.flower.server_app import ServerOptions
+
+    rc = app_config(validate(tiny(**CFG)), tmp_path, {"secagg": True, "secagg-num-shares": given,
+                                                      "secagg-reconstruction-threshold": 0.5})
+    assert rc["secagg-num-shares"] == want and type(rc["secagg-num-shares"]) is type(want)
+    settings = ServerOptions.from_run_config(rc).secagg_settings()
+    assert settings.num_shares == want and type(settings.num_shares) is type(want)
+
+
+def test_fractions_of_the_sampled_clients_as_shares_and_threshold(tmp_path, runs) -> None:
+    model, rows, _ = _run(tmp_path, "fractions", options={**SECAGG, "secagg-num-shares": 1.0,
+                                                          "secagg-reconstruction-threshold": 0.5})
+    assert [r["clients/aggregated"] for r in rows if "event" not in r] == [3, 3]
+    assert 0 < _gap(model, runs["plain"][0]) < TOL

@@ -17,6 +17,7 @@ from typing import Any
 
 import tomli_w
 
+from .secagg import COUNT_OR_FRACTION, count_or_fraction
 from .server_app import OPTIONS
 
 PACKAGE = "fedsight_app"
@@ -88,7 +89,8 @@ def app_config(cfg: Any, run_dir: str | Path, options: dict[str, Any] | None = N
         raise ValueError(f"unknown Flower option(s) {unknown}; known: {sorted(OPTIONS)}")
     out = {"fedsight-config": json.dumps(resolved(cfg), sort_keys=True), "run-dir": str(Path(run_dir).absolute())}
     for k, default in OPTIONS.items():
-        out[k] = type(default)((options or {}).get(k, default))
+        v = (options or {}).get(k, default)
+        out[k] = count_or_fraction(v) if k in COUNT_OR_FRACTION else type(default)(v)
     return out
 
 

@@ -106,8 +106,10 @@ def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, 
 
     out: dict[str, Any] = {"round-timeout": round_timeout, "min-clients": min_clients, "overwrite": overwrite}
     if secagg:
-        out.update({"secagg": True, "secagg-num-shares": secagg_shares, "secagg-reconstruction-threshold": secagg_threshold,
-                    "secagg-clipping-range": secagg_clip})
+        from .secagg import count_or_fraction
+
+        out.update({"secagg": True, "secagg-num-shares": count_or_fraction(secagg_shares),
+                    "secagg-reconstruction-threshold": count_or_fraction(secagg_threshold), "secagg-clipping-range": secagg_clip})
     elif (secagg_shares, secagg_threshold, secagg_clip) != (3, 2, 8.0):
         _fail("--secagg-shares, --secagg-threshold and --secagg-clip configure secure aggregation: add --secagg")
     if dp_noise != 0:

@@ -67,6 +67,16 @@ OPTIONS: dict[str, Any] = {
 }
 MODULUS = 1 << 32  # Flower's modulus_range (its maximum)
 WEIGHTINGS = ("uniform", "data_size")
+#: the options that are a count (int) or a fraction of the sampled clients (float), as Flower reads them
+COUNT_OR_FRACTION = ("secagg-num-shares", "secagg-reconstruction-threshold")
+
+
+def count_or_fraction(v: Any) -> Any:
+    """A share option as Flower must see it: a whole number above 1 as an int (a count), anything else as given
+    (a float in (0, 1] is a fraction; 1.0 means all)."""
+    if isinstance(v, float) and v.is_integer() and v > 1:
+        return int(v)
+    return v
 
 
 @dataclass(frozen=True)
@@ -85,8 +95,7 @@ class SecAggSettings:
             v = opts.get(key, OPTIONS[key])
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ConfigError(f"run config {key} = {v!r} must be an integer or a fraction in (0, 1]")
-            if isinstance(v, float) and v.is_integer() and v > 1:
-                v = int(v)
+            v = count_or_fraction(v)
             if isinstance(v, int) and v < low:
                 raise ConfigError(f"run config {key} = {v!r} must be an integer >= {low} or a fraction in (0, 1]")
             if isinstance(v, float) and not 0 < v <= 1:
