@@ -89,6 +89,9 @@ def test_a_secagg_run_equals_the_plain_run_to_the_quantisation_and_is_reproducib
     # identification message per node
     sent = [n for t, n in runs["grid"].sent if t == "train"]
     assert sorted(sent) == sorted([1000, 1001, 1002] * (1 + 4 * 2))
+    # the upload cost is what crossed: one int64 per value plus the weight factor, and keys and shares
+    values = 1 + sum(v.numel() for v in plain.values())
+    assert all(3 * 8 * values < r["cost/up_bytes"] < 3 * (8 * values + 8192) for r in rows), rows
 
 
 def test_data_size_weighting_inside_the_mask_equals_the_plain_weighted_run(tmp_path) -> None:

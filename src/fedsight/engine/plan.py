@@ -173,6 +173,9 @@ class Reply:
     rejected: bool = False
     #: the client refused the global model it received (``fedsight.errors.ModelRefused``): it trained nothing
     refused: bool = False
+    #: bytes the client sent, where they differ from its result's tensors (secure aggregation: masked integers,
+    #: keys and shares); None: the result's size (``cost.result_bytes``)
+    up_bytes: int | None = None
 
 
 def refused_reply(client: int, exc: Exception) -> Reply:

@@ -199,7 +199,7 @@ class Server:
                 reason = rep.reason if rep is not None and rep.reason else "no reply"
                 events.append({"round": plan.round, "event": "client_lost", "client": cid, **info, "reason": reason})
                 continue
-            spent["up_bytes"] += result_bytes(rep.result)
+            spent["up_bytes"] += result_bytes(rep.result) if rep.up_bytes is None else rep.up_bytes
             spent["flops"] += rep.result.flops
             why = self.rejection(rep, contract)
             if why is not None:

@@ -372,6 +372,7 @@ class _CheckedGrid:
         self.grid, self.expect, self.timeout, self.poll = grid, expect, timeout, poll
         self.rejected: dict[int, str] = {}
         self.lost: dict[int, str] = {}
+        self.sent: dict[int, int] = {}  # node -> bytes of its accepted protocol replies (keys, shares, masked vector)
 
     def get_node_ids(self) -> Any:
         return self.grid.get_node_ids()
@@ -397,11 +398,21 @@ class _CheckedGrid:
                 why = f"unreadable ({type(exc).__name__})"
             if why is None:
                 out.append(reply)
+                self.sent[node] = self.sent.get(node, 0) + _payload_bytes(reply.content.config_records[RECORD_KEY_CONFIGS])
             else:
                 self.rejected.setdefault(node, f"{stage}: {why}")
         if stage in (Stage.SETUP, Stage.SHARE_KEYS) and len(out) < len(messages):
             raise _EarlyDropout(set(by_node) - {int(m.metadata.src_node_id) for m in out})
         return out
+
+
+def _payload_bytes(record: Any) -> int:
+    """The bytes a protocol record carries: byte strings as they are, numbers as 8 bytes."""
+    total = 0
+    for v in record.values():
+        for x in v if isinstance(v, list) else [v]:
+            total += len(x) if isinstance(x, (bytes, str)) else 8
+    return total
 
 
 class _EarlyDropout(Exception):
@@ -522,7 +533,7 @@ class SecAggRound:
                                    delta=delta, buffers=bufs,
                                    metrics={k: float(v) for k, v in m.items() if not k.startswith(META)},
                                    num_steps=int(m[f"{META}num-steps"]), flops=float(m[f"{META}flops"]))
-                got[c] = Reply(c, res, True, info={"node": node})
+                got[c] = Reply(c, res, True, info={"node": node}, up_bytes=grid.sent.get(node))
                 if m.get(f"{META}secagg-clipped"):
                     events.append({"round": r, "event": "secagg_clipped", "client": c, "node": node,
                                    "values": int(m[f"{META}secagg-clipped"]), "clipping_range": s.clipping_range})
