@@ -92,14 +92,17 @@ class DirectGrid(Grid):
             node = m.metadata.dst_node_id
             if node in self.dead:
                 continue  # never answered: the server's timeout decides
+            sent = m.content
             try:
-                m.content = wire(m.content)
+                m.content = wire(sent)  # the node gets its own copy; the server's message is left as it was
                 reply = self.app(m, self.contexts[node])
                 if not reply.has_error():
                     reply.content = wire(reply.content)
                 out.append(reply)
             except Exception as exc:  # what Flower's runtime does: an error reply
                 out.append(Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=m))
+            finally:
+                m.content = sent
         return out
 
     def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover
