@@ -232,3 +232,27 @@ def test_misordered_stages_fail_with_a_clear_message() -> None:
         build_simulation(config([adapt(1, {"name": "cluster_aggregation"})])).run()
     with pytest.raises(ValueError, match="theta\\^0"):
         build_simulation(config([STYLES_STAGE, adapt(1, {"name": "self_training", "kd_lambda": 1.0})])).run()
+
+
+def test_frozen_models_normalise_with_running_or_batch_statistics() -> None:
+    """``frozen_bn``: the SWA teacher and theta^0 run with their running BatchNorm statistics (eval mode) or with
+    the statistics of the client's batch (what a train-mode forward of the same weights computes)."""
+    from fedsight.recipe.ladd_adapt import _frozen_copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Dropout(0.5))
+    state = {k: v + 0.1 for k, v in model.state_dict().items() if v.is_floating_point()}
+    state["1.running_var"] = torch.full((4,), 4.0)
+    x = torch.randn(5, 3, 8, 8) * 3 + 1
+    reference = copy.deepcopy(model)
+    reference.load_state_dict({**reference.state_dict(), **state})
+    reference.eval()
+    running = _frozen_copy(model, state)(x)
+    assert torch.allclose(running, reference(x))
+    reference[1].train()  # batch statistics, dropout still off
+    batch = _frozen_copy(model, state, batch_stats=True)(x)
+    assert torch.allclose(batch, reference(x)) and not torch.allclose(batch, running, atol=1e-3)
+    centred = (reference[0](x) - reference[0](x).mean((0, 2, 3), keepdim=True))
+    assert torch.allclose(batch, torch.relu(centred / (centred.pow(2).mean((0, 2, 3), keepdim=True) + 1e-5).sqrt()
+                                            * reference[1].weight[None, :, None, None] + reference[1].bias[None, :, None, None]),
+                          atol=1e-5)

@@ -47,10 +47,16 @@ def _cluster_model(sctx: ServerContext, s: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def _frozen_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+def _frozen_copy(model: nn.Module, state: dict[str, torch.Tensor], batch_stats: bool = False) -> nn.Module:
+    """``model`` with ``state`` loaded, frozen and in eval mode; with ``batch_stats`` its BatchNorm layers
+    normalise with the statistics of the batch they see (train mode; their running statistics are never read)."""
     other = copy.deepcopy(model)
     other.load_state_dict({**other.state_dict(), **state})
     other.eval()
+    if batch_stats:
+        for m in other.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.train()
     for p in other.parameters():
         p.requires_grad_(False)
     return other
@@ -79,6 +85,9 @@ class SelfTrainingParams(Params):
                                   "configs: 0)")
     entropy: Literal["normalized4", "shannon"] = Field("normalized4", description="the code's ((H / log C)^2)^2 or "
                                                        "eq. 5.18's Shannon entropy")
+    frozen_bn: Literal["running", "batch"] = Field("running", description="BatchNorm of the frozen models (the SWA "
+                                                   "teacher, theta^0): their running statistics (eval mode) or the "
+                                                   "statistics of the client's batch, as the student's own")
 
 
 class SelfTraining(Component):
@@ -134,7 +143,7 @@ class SelfTraining(Component):
         scratch: dict[str, Any] = {}
         teacher = {k[len("teacher:"):]: v for k, v in sent.items() if k.startswith("teacher:")}
         if teacher:
-            scratch["teacher"] = _frozen_copy(ctx.model, teacher)
+            scratch["teacher"] = _frozen_copy(ctx.model, teacher, self.params.frozen_bn == "batch")
         if self.params.kd_lambda > 0:
             theta0 = {k[len("theta0:"):]: v for k, v in sent.items() if k.startswith("theta0:")}
             if theta0 and ctx.state is not None:
@@ -143,7 +152,7 @@ class SelfTraining(Component):
                 theta0 = ctx.state.load(self.name) or {}
             if not theta0:
                 raise RuntimeError(f"client {ctx.client_id} holds no theta^0 for distillation")
-            scratch["theta0"] = _frozen_copy(ctx.model, theta0)
+            scratch["theta0"] = _frozen_copy(ctx.model, theta0, self.params.frozen_bn == "batch")
         ctx.scratch[self.name] = scratch
 
     def loss_term(self, ctx: ClientContext, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
