@@ -15,6 +15,9 @@ sends the client half of each round to the SuperNodes:
 4. ``Server.end_round`` weights, aggregates, steps the server optimizer, averages shared buffers and
    runs the components' server hooks (SCAFFOLD's control update).
 
+With ``secagg`` (run config), steps 2-3 are Flower's SecAgg+ protocol instead (``secagg.SecAggRound``): the
+server receives only the weighted mean of the sampled clients' updates.
+
 Evaluation is the loop's (``engine.loop.evaluate``): the global test set on the server, and, with
 ``eval.local``, each client's local test set on its node (an ``evaluate`` message; the node returns the
 metric state of the model the simulator would evaluate) summarised on the server into ``local/wma``,
