@@ -85,9 +85,10 @@ class SelfTrainingParams(Params):
                                   "configs: 0)")
     entropy: Literal["normalized4", "shannon"] = Field("normalized4", description="the code's ((H / log C)^2)^2 or "
                                                        "eq. 5.18's Shannon entropy")
-    frozen_bn: Literal["running", "batch"] = Field("running", description="BatchNorm of the frozen models (the SWA "
-                                                   "teacher, theta^0): their running statistics (eval mode) or the "
-                                                   "statistics of the client's batch, as the student's own")
+    frozen_bn: Literal["running", "batch"] = Field("batch", description="BatchNorm of the frozen models (the SWA "
+                                                   "teacher, theta^0): the statistics of the client's batch, as the "
+                                                   "student's own (the authors' code), or their running statistics "
+                                                   "(eval mode: the federation's average over every domain)")
 
 
 class SelfTraining(Component):
