@@ -24,6 +24,7 @@ passes an empty one).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from flwr.clientapp import ClientApp
 from ..cost import ModelCost
 from ..engine.client_runtime import ClientRuntime
 from ..errors import ModelRefused
+from ..records import ClientResult
 from ..state import PERSONAL, ClientStateStore
 from . import records as FR
 from .secagg import is_secagg, secagg_train
@@ -88,27 +90,46 @@ def node_runtime(context: Context, config: Mapping[str, Any], settings: Mapping[
     return rt, partition
 
 
-def train_content(content: RecordDict, context: Context, settings: Mapping[str, Any] | None = None) -> RecordDict:
-    """The reply content to a training instruction: the client's result, its refusal of the model, or (not
-    sampled) its partition only."""
+@dataclass
+class Trained:
+    """What a node's client made of a training instruction: ``result`` is None when it was not sampled."""
+
+    partition: int
+    global_state: dict[str, torch.Tensor]
+    result: ClientResult | None = None
+    accepted: bool = False
+
+
+def train_instruction(content: RecordDict, context: Context, settings: Mapping[str, Any] | None = None) -> Trained:
+    """Train the node's client on a training instruction (its state committed when it trained); a client that
+    refuses the global model raises ``ModelRefused`` and stores nothing."""
     _, _, partition, _ = _settings(context, settings)
     config, global_state, broadcast = FR.read_instruction(content, partition)
     if partition not in config["sampled"]:
-        return FR.skipped_content(partition)
+        return Trained(partition, global_state)
     rt, partition = node_runtime(context, config, settings)
-    try:
-        res, accepted = rt.train(int(config["round"]), partition, global_state, broadcast)
-    except ModelRefused as exc:  # an integrity check failed: answer with the refusal, train nothing
-        return FR.refused_content(partition, str(exc), exc.info)
+    res, accepted = rt.train(int(config["round"]), partition, global_state, broadcast)
     rt.store.commit()
-    return FR.result_content(res, partition=partition, accepted=accepted)
+    return Trained(partition, global_state, res, accepted)
+
+
+def train_content(content: RecordDict, context: Context, settings: Mapping[str, Any] | None = None) -> RecordDict:
+    """The reply content to a training instruction: the client's result, its refusal of the model, or (not
+    sampled) its partition only."""
+    try:
+        t = train_instruction(content, context, settings)
+    except ModelRefused as exc:  # an integrity check failed: answer with the refusal, train nothing
+        return FR.refused_content(_settings(context, settings)[2], str(exc), exc.info)
+    if t.result is None:
+        return FR.skipped_content(t.partition)
+    return FR.result_content(t.result, partition=t.partition, accepted=t.accepted)
 
 
 def handle_train(msg: Message, context: Context, settings: Mapping[str, Any] | None = None) -> Message:
     """A training instruction, or a message of the SecAgg+ protocol (``secagg.secagg_train``, which trains
-    through ``train_content`` in its masked-vector stage)."""
+    through ``train_instruction`` in its masked-vector stage)."""
     if is_secagg(msg.content):
-        return secagg_train(msg, context, lambda content: train_content(content, context, settings))
+        return secagg_train(msg, context, lambda content: train_instruction(content, context, settings))
     return Message(train_content(msg.content, context, settings), reply_to=msg)
 
 

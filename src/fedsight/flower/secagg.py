@@ -222,30 +222,30 @@ META = "meta/"  # prefix of the reply's plain scalars (client-id, num-examples, 
 
 def secagg_train(msg: Any, context: Any, train: Callable[[Any], Any]) -> Any:
     """A node's answer to a SecAgg+ message: Flower's ``secaggplus_mod`` runs the protocol; its masked-vector
-    stage calls ``train(instruction RecordDict)``, FedSight's training, which returns the reply content
-    (``records.result_content``) or a refusal; a refusal or a non-finite update raises, and the node drops out."""
+    stage calls ``train(instruction RecordDict)``, FedSight's training (``client_app.train_instruction``: the
+    result, whether it is finite, the global state it started from); a refusal of the model, a client that was
+    not sampled or a non-finite update raises, and the node drops out."""
     from flwr.app import Message
     from flwr.client.mod import secaggplus_mod
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
+    from ..errors import ModelRefused
     from ..rng import derive_seed
-    from . import records as FR
 
     def call_next(m: Any, ctx: Any) -> Any:
         import flwr.compat.common.recorddict_compat as compat
 
         instruction = fitins_instruction(compat.recorddict_to_fitins(m.content, keep_input=True))
         cfg = dict(instruction["config"])
-        reply = train(instruction)
-        refusal = FR.read_refusal(reply)
-        if refusal is not None:
-            raise RuntimeError(f"refused the global model: {refusal[0]}")
-        if FR.is_skipped(reply):
+        try:
+            trained = train(instruction)
+        except ModelRefused as exc:
+            raise RuntimeError(f"refused the global model: {exc}") from None
+        res, gstate = trained.result, trained.global_state
+        if res is None:
             raise RuntimeError("this node's client was not sampled")
-        res, accepted = FR.read_result(reply)
-        if not accepted:
+        if not trained.accepted:
             raise RuntimeError("non-finite update (dropped out of the secure aggregation)")
-        gstate = FR.record_to_tensors(instruction["global"])
         vector = [res.delta[k] for k in cfg["secagg-params"]] + [res.buffers[k] - gstate[k] for k in cfg["secagg-buffers"]]
         vector = [v.detach().to(torch.float64).numpy() for v in vector]
         weight = 1 if cfg["secagg-weighting"] == "uniform" else int(res.num_examples)
@@ -296,7 +296,8 @@ class _Expect:
 
 
 def reply_problem(stage: str, request: Any, reply: Any, expect: _Expect) -> str | None:
-    """Why ``reply`` (to ``request``, of protocol stage ``stage``) cannot be used (None: it can)."""
+    """Why ``reply`` (to ``request``, of protocol stage ``stage``) cannot be used (None: it can). Its size is
+    ``_CheckedGrid``'s to check, before this parses anything."""
     import flwr.compat.common.recorddict_compat as compat
     from flwr.app import ConfigRecord
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
@@ -323,14 +324,10 @@ def reply_problem(stage: str, request: Any, reply: Any, expect: _Expect) -> str 
             return "destinations and ciphertexts are not two lists of equal length (ints, bytes)"
         if len(set(dsts)) != len(dsts) or not set(dsts) <= neighbours:
             return "its key shares go to nodes that are not its neighbours (or twice to one)"
-        if sum(len(t) for t in texts) > expect.max_bytes:
-            return "its key shares exceed the reply size limit"
     elif stage == Stage.COLLECT_MASKED_VECTORS:
         masked = rec.get(Key.MASKED_PARAMETERS)
         if not _bytes(masked) or len(masked) != 1 + len(expect.shapes):
             return f"not {1 + len(expect.shapes)} masked arrays"
-        if sum(len(b) for b in masked) > expect.max_bytes:
-            return "its masked vector exceeds the reply size limit (max-reply-mb)"
         for i, (b, shape) in enumerate(zip(masked, [(1,), *expect.shapes])):
             try:
                 arr = _load_array(b)
@@ -357,8 +354,6 @@ def reply_problem(stage: str, request: Any, reply: Any, expect: _Expect) -> str 
             return "node ids and shares are not two lists of equal length (ints, bytes)"
         if len(set(nids)) != len(nids) or not set(nids) <= allowed:
             return "it sends shares of nodes it was not asked for (or twice)"
-        if sum(len(s) for s in shares) > expect.max_bytes:
-            return "its shares exceed the reply size limit"
     return None
 
 
@@ -378,6 +373,7 @@ class _CheckedGrid:
         return self.grid.get_node_ids()
 
     def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Any]:
+        from flwr.app import ConfigRecord
         from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
         from .exchange import exchange_messages
@@ -392,13 +388,16 @@ class _CheckedGrid:
             self.lost.setdefault(node, f"{stage}: {why}")
         out = []
         for node, reply in got.items():
+            rec = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+            size = _payload_bytes(rec) if isinstance(rec, ConfigRecord) else 0
             try:
-                why = reply_problem(stage, by_node[node], reply, self.expect)
+                why = ("its reply exceeds the size limit (max-reply-mb)" if size > self.expect.max_bytes
+                       else reply_problem(stage, by_node[node], reply, self.expect))
             except Exception as exc:  # whatever a tampered reply makes a check raise is a refusal too
                 why = f"unreadable ({type(exc).__name__})"
             if why is None:
                 out.append(reply)
-                self.sent[node] = self.sent.get(node, 0) + _payload_bytes(reply.content.config_records[RECORD_KEY_CONFIGS])
+                self.sent[node] = self.sent.get(node, 0) + size
             else:
                 self.rejected.setdefault(node, f"{stage}: {why}")
         if stage in (Stage.SETUP, Stage.SHARE_KEYS) and len(out) < len(messages):
