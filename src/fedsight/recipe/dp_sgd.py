@@ -24,7 +24,10 @@ loop's shuffled fixed-size batches and accounts them *as if* Poisson at the same
 ``privacy_spent`` event (``sampling``). Each round a client trains adds (z, q, steps) to its history, kept
 in its state on disk even when its update is later rejected (privacy spent is never forgotten); the
 client's epsilon at ``delta`` composes its whole history with Opacus's RDP (Mironov et al.) or PRV
-(Gopi et al. 2021) accountant.
+(Gopi et al. 2021) accountant. The RDP orders extend Opacus's default (1.1 .. 63) with 64 .. 1024
+(``RDP_ORDERS``): with much noise the optimal order lies above 63 and the default grid over-states epsilon
+(z = 20, q = 0.1, 10 steps, delta = 1e-5: 0.111 at order 63 against 0.052 at order 212, Google's dp-accounting:
+0.054); an order is only ever a candidate of the minimum, so more orders never loosen the bound.
 
 What is protected: every record of a client's local data, in everything the client releases over the run
 (its uploads are post-processing of the noisy steps), at record level ("add/remove one example", Opacus's
@@ -80,6 +83,18 @@ class DPSGDParams(Params):
         return self
 
 
+RDP_ORDERS = list(range(64, 256, 4)) + [256, 320, 384, 512, 768, 1024]
+
+
+def _orders(accountant: str) -> dict[str, Any]:
+    """The keyword that gives Opacus's RDP accountant ``RDP_ORDERS`` (PRV has no orders)."""
+    if accountant != "rdp":
+        return {}
+    from opacus.accountants import RDPAccountant
+
+    return {"alphas": list(RDPAccountant.DEFAULT_ALPHAS) + RDP_ORDERS}
+
+
 def epsilon(history: list[tuple[float, float, int]], delta: float, accountant: str = "rdp") -> float:
     """The epsilon at ``delta`` of a history of (noise multiplier, sample rate, steps) entries composed by
     Opacus's accountant (inf for a noiseless step, 0 for no step)."""
@@ -92,7 +107,7 @@ def epsilon(history: list[tuple[float, float, int]], delta: float, accountant: s
         return float("inf")
     acc = RDPAccountant() if accountant == "rdp" else PRVAccountant()
     acc.history = steps
-    return float(acc.get_epsilon(delta))
+    return float(acc.get_epsilon(delta, **_orders(accountant)))
 
 
 class DPSGD(Component):
@@ -118,7 +133,8 @@ class DPSGD(Component):
 
         steps = int(self.p.planned_rounds or 1) * ctx.num_steps
         return float(get_noise_multiplier(target_epsilon=self.p.target_epsilon, target_delta=self.p.delta,
-                                          sample_rate=q, steps=steps, accountant=self.p.accountant))
+                                          sample_rate=q, steps=steps, accountant=self.p.accountant,
+                                          **_orders(self.p.accountant)))
 
     def client_start(self, ctx: ClientContext) -> None:
         from opacus import GradSampleModule
