@@ -227,6 +227,17 @@ def test_a_killed_three_stage_run_resumes_bit_identically(tmp_path) -> None:
     assert rows[2]["source/steps"] == 4.0 and rows[0]["clients/sampled"] == 4 and rows[1]["clients/sampled"] == 0
 
 
+def test_evaluating_every_round_does_not_change_training(tmp_path) -> None:
+    """Cluster evaluation loads each cluster's entries into the model: evaluating every round and only at the end
+    must train the same model bit for bit (the reported curves of docs/ladd.md use eval.every 10 and 20)."""
+    stages = [STYLES_STAGE, SOURCE_STAGE, adapt(3, *LADD)]
+    often = execute(config(stages, **{"eval.every": 1}), tmp_path / "often")
+    once = execute(config(stages, **{"eval.every": 5}), tmp_path / "once")
+    assert (often.run_dir / "model.safetensors").read_bytes() == (once.run_dir / "model.safetensors").read_bytes()
+    rows = lambda r: [json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert sum("test/miou" in x for x in rows(often)) > sum("test/miou" in x for x in rows(once))
+
+
 def test_misordered_stages_fail_with_a_clear_message() -> None:
     with pytest.raises(ValueError, match="client_styles"):
         build_simulation(config([adapt(1, {"name": "cluster_aggregation"})])).run()
