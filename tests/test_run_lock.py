@@ -121,3 +121,35 @@ def test_a_flower_run_of_a_directory_in_use_is_refused_before_anything_starts(tm
         holder.wait(30)
     preflight(validate(tiny()), {}, tmp_path / "run")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # checked, nothing written
+
+
+def test_runs_started_side_by_side_share_parent_folders(tmp_path, monkeypatch):
+    """Two runs of a sweep (``--jobs 2``) lock seed0 and seed1 under one new folder at the same moment: the
+    folder another process creates between our check and our mkdir, or removes (empty, its start failed) between
+    our mkdir and our open, is taken as it comes (this failed with "File exists" naming the sweep's folder)."""
+    sweep = tmp_path / "out" / "exp"
+    mkdir = Path.mkdir
+
+    def raced(self, *args, **kwargs):  # the other run makes the folder first
+        if self == sweep and not self.exists():
+            mkdir(self)
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", raced)
+    with RunLock(sweep / "seed0"):
+        assert (sweep / ".seed0.lock").is_file()
+    assert sweep.is_dir()  # made by the other run: not ours to remove
+    monkeypatch.undo()
+
+    real_open, removed = os.open, []
+
+    def open_after_removal(path, *args, **kwargs):  # the other run's start failed: it removed its empty folder
+        if not removed:
+            removed.append(sweep)
+            sweep.rmdir()
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_after_removal)
+    with RunLock(sweep / "seed1"):
+        assert (sweep / ".seed1.lock").is_file()
+    assert removed and not sweep.exists()  # made again by us, and removed again, empty

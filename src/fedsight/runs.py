@@ -245,7 +245,8 @@ class RunLock:
     lock must stay), which holds the owner's PID and is removed on release; the operating system drops it when
     the process dies, so a killed run never leaves a stale lock. Parent folders created for the lock file are
     removed again on release when empty (a start that fails leaves nothing). Without ``fcntl`` (Windows) the
-    lock is ``msvcrt.locking`` on the same file."""
+    lock is ``msvcrt.locking`` on the same file. Runs of one sweep take their locks side by side: a parent folder
+    another process creates (or removes, empty) meanwhile is taken as it comes."""
 
     def __init__(self, path: StrPath):
         self.path = Path(path)
@@ -253,13 +254,22 @@ class RunLock:
         self.fd: int | None = None
         self.created: list[Path] = []
 
-    def __enter__(self) -> "RunLock":
+    def _make_parents(self) -> None:
         for folder in reversed([self.file.parent, *self.file.parent.parents]):
             if not folder.exists():
-                folder.mkdir()
+                try:
+                    folder.mkdir()
+                except FileExistsError:  # another process made it meanwhile (a sweep's runs start side by side)
+                    continue
                 self.created.append(folder)
+
+    def __enter__(self) -> "RunLock":
         while True:
-            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            self._make_parents()
+            try:
+                fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # a process whose start failed removed an empty parent it had made: again
+                continue
             try:
                 _lock_fd(fd)
             except OSError:
