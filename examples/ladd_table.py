@@ -2,7 +2,8 @@
 ablation (Table 5.13): which parts are on (FDA pre-training, self-training, distillation to theta^0, the SWA
 teacher, cluster aggregation) and the test mIoU of the final round, mean ± sample std over the complete runs.
 The two source-only rows are the test mIoU at the end of the source stage (nothing adapted yet) of the runs
-without and with FDA pre-training; the last rows compare which parameters are cluster-specific (Table 5.18).
+without and with FDA pre-training; then which parameters are cluster-specific (Table 5.18); then FedAvg +
+self-training against LADD (cls) after 60 and after 300 adaptation rounds (the ``*_long`` variants).
 
     python examples/ladd_table.py runs/ladd
 """
@@ -28,6 +29,7 @@ ROWS = [  # (label flags FDA ST KD SWAt Cluster, variant, which round: "source" 
     ((YES, YES, YES, YES, YES), "ladd_cls", "final"),
 ]
 PARTS = [("none (FedAvg)", "st_kd_swat"), ("head: LADD (cls)", "ladd_cls"), ("all: LADD (all)", "ladd_all")]
+LENGTHS = [(60, "fedavg_st", "ladd_cls"), (300, "fedavg_st_long", "ladd_cls_long")]
 
 
 def source_end(run: Path) -> dict:
@@ -50,6 +52,14 @@ def main(root: Path) -> None:
         runs = complete_runs(root, variant)
         if runs:
             print(f"| {label} | {cell([final(r)['test/miou'] for r in runs])} | {len(runs)} |")
+    print()
+    print("| adaptation rounds | FedAvg + self-training | LADD (cls) | seeds |")
+    print("|---:|---:|---:|---:|")
+    for rounds, *variants in LENGTHS:
+        groups = [complete_runs(root, v) for v in variants]
+        if all(groups):
+            cells = " | ".join(cell([final(r)["test/miou"] for r in runs]) for runs in groups)
+            print(f"| {rounds} | {cells} | {' / '.join(str(len(runs)) for runs in groups)} |")
 
 
 if __name__ == "__main__":
