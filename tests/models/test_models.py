@@ -187,6 +187,21 @@ def test_cnn_deep_on_8x8_stops_pooling():
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, NUM_CLASSES)
 
 
+@pytest.mark.parametrize("size", [2, 3, 4, 7])
+def test_cnn_grid_pool_equals_adaptive_average_pooling_bit_for_bit(size):
+    """The CNN's grid pooling skips the kernel when the map already is 2x2: output and input gradient are
+    torch's adaptive average pooling's exactly, at that size and at the sizes where it pools."""
+    from fedsight.models.cnn import POOL_GRID, GridPool
+
+    x = torch.randn(3, 5, size, size, requires_grad=True)
+    g = torch.randn(3, 5, POOL_GRID, POOL_GRID)
+    (got,) = torch.autograd.grad(GridPool(POOL_GRID)(x), x, g)
+    out = GridPool(POOL_GRID)(x)
+    ref = nn.functional.adaptive_avg_pool2d(x, POOL_GRID)
+    (want,) = torch.autograd.grad(ref, x, g)
+    assert torch.equal(out, ref) and torch.equal(got, want)
+
+
 def test_cnn_dropout_active_in_train_only():
     model = make("cnn", {"dropout": 0.5})
     x = torch.randn(4, 3, 8, 8)
