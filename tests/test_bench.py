@@ -57,6 +57,7 @@ def test_bench_prints_and_records_every_engine_and_the_memory_runs(tmp_path):
     (["--memory-clients", "100,x"], "error: --memory-clients '100,x': expected comma-separated integers"),
     (["--memory-clients", "0"], "error: --memory-clients '0': every count must be >= 1"),
     (["--rounds", "1"], "error: Invalid value for '--rounds': 1 is not in the range x>=2."),
+    (["--clients", "0"], "error: Invalid value for '--clients': 0 is not in the range x>=1."),
     (["--device", "tpu"], "error: config: engine.device = 'tpu': expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\""),
 ])
 def test_bench_refuses_bad_arguments_in_one_line_before_measuring(args, says):

@@ -35,7 +35,7 @@ def _speed_table(title: str, rows: list[B.Row]) -> Table:
 
 def bench(
     workload: Annotated[list[str], typer.Option("--workload", "-w", help="cnn (small CNN on digits), sr (small RDSN); repeatable")] = ["cnn", "sr"],  # noqa: B006
-    clients: Annotated[int | None, typer.Option(help="clients per round (all clients train every round); default: 50 for cnn, 20 for sr")] = None,
+    clients: Annotated[int | None, typer.Option(min=1, help="clients per round (all clients train every round); default: 50 for cnn, 20 for sr")] = None,
     rounds: Annotated[int, typer.Option(min=2, help="timed rounds per engine and thread count (after one warm-up round)")] = 5,
     device: Annotated[str, typer.Option(help='"auto" (CUDA when available), "cpu", "cuda" or "cuda:N"')] = "auto",
     flower: Annotated[bool, typer.Option(help="also time Flower's Ray simulation engine (needs flwr)")] = True,
@@ -61,7 +61,7 @@ def bench(
     results: dict[str, Any] = {"device": device, "threads": threads, "workloads": {}}
     for name in workload:
         title, build, default_clients = B.WORKLOADS[name]
-        m = clients or default_clients
+        m = default_clients if clients is None else clients
         raw = build(m, rounds)
         rows = B.time_engines(raw, rounds, threads, device)
         if flower:
