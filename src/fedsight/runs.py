@@ -261,7 +261,8 @@ class RunLock:
                     folder.mkdir()
                 except FileExistsError:  # another process made it meanwhile (a sweep's runs start side by side)
                     continue
-                self.created.append(folder)
+                if folder not in self.created:  # made again after another process removed it: listed once
+                    self.created.append(folder)
 
     def __enter__(self) -> "RunLock":
         while True:

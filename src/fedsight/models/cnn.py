@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 from torch import nn
+from torch.nn.modules.utils import _pair
 
 from fedsight.models.base import FedModel, ModelIO, norm_capabilities, state_keys
 from fedsight.models.layers import init_weights, norm_layer
@@ -25,9 +26,12 @@ class GridPool(nn.AdaptiveAvgPool2d):
     kernel: 8x8 digits reach the 2x2 grid after two poolings, and there the kernel cost about 5% of a vectorised
     round of 50 clients (``docs/performance.md``)."""
 
+    def __init__(self, output_size: int):
+        super().__init__(output_size)
+        self.grid = _pair(output_size)
+
     def forward(self, x):
-        size = (self.output_size, self.output_size) if isinstance(self.output_size, int) else tuple(self.output_size)
-        return x if tuple(x.shape[-2:]) == size else super().forward(x)
+        return x if tuple(x.shape[-2:]) == self.grid else super().forward(x)
 
 
 class CNNParams(Params):
