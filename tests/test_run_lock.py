@@ -153,3 +153,22 @@ def test_runs_started_side_by_side_share_parent_folders(tmp_path, monkeypatch):
     with RunLock(sweep / "seed1"):
         assert (sweep / ".seed1.lock").is_file()
     assert removed and not sweep.exists()  # made again by us, and removed again, empty
+
+
+def test_runs_in_threads_of_one_process_take_turns_and_match_a_run_alone(tmp_path):
+    """Two `execute` calls at once in threads of one process (the Flower loopback test did this, and its
+    in-process model once came out different): torch's global generator seeds the model initialisation and
+    the dropout masks, so without turns each run re-seeds it under the other. Both must equal a run alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from safetensors.torch import load_file
+
+    raw = tiny(**{"server.rounds": 2, "server.clients_per_round": 3, "model.dropout": 0.5, "engine.threads": 1})
+    execute(validate(raw), tmp_path / "alone")
+    alone = load_file(str(tmp_path / "alone" / "model.safetensors"))
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda name: execute(validate(raw), tmp_path / name), ["a", "b"]))
+    for name in ("a", "b"):
+        model = load_file(str(tmp_path / name / "model.safetensors"))
+        assert all(torch.equal(alone[k], model[k]) for k in alone), name
