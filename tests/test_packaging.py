@@ -59,16 +59,23 @@ def interpreter(minor: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("minor", ["12", "13"])
-def test_the_wheel_installs_into_a_fresh_virtualenv(tmp_path, minor):
-    python = interpreter(minor)
-    if python is None:
-        pytest.skip(f"no Python 3.{minor} on this machine")
-    dist = tmp_path / "dist"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The project's wheel, built once: setuptools builds in the source tree's build/, and two builds at once
+    (the two interpreters' tests on two workers) removed each other's files."""
+    dist = tmp_path_factory.mktemp("dist")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
                             str(ROOT)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
-    wheel = next(dist.glob("fedsight-*.whl"))
+    return next(dist.glob("fedsight-*.whl"))
+
+
+@pytest.mark.xdist_group("wheel")  # one worker builds the wheel, once (`--dist loadgroup`, the README's test command)
+@pytest.mark.parametrize("minor", ["12", "13"])
+def test_the_wheel_installs_into_a_fresh_virtualenv(tmp_path, minor, wheel):
+    python = interpreter(minor)
+    if python is None:
+        pytest.skip(f"no Python 3.{minor} on this machine")
     subprocess.run([python, "-m", "venv", str(tmp_path / "venv")], check=True, env=CLEAN_ENV)
     venv_python = str(tmp_path / "venv" / "bin" / "python")
     # no index: the dependencies are not installed (torch alone is gigabytes); pip checks requires-python

@@ -46,7 +46,9 @@ from helpers import tiny
 #: tests are skipped, not failed
 _MISSING = [b for b in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr")
             if not (Path(sys.executable).parent / b).exists() and shutil.which(b) is None]
-pytestmark = [pytest.mark.flower,
+#: one worker runs the whole module (`--dist loadgroup`, the README's test command): with the tests split over two
+#: workers, each started the module fixture, eight deployments at once, and a 2-core machine missed their timeouts
+pytestmark = [pytest.mark.flower, pytest.mark.xdist_group("flower-deployments"),
               pytest.mark.skipif(bool(_MISSING), reason=f"Flower executables not found: {', '.join(_MISSING)}")]
 
 RUN = {"partition.num_clients": 3, "server.clients_per_round": 2, "server.rounds": 2, "eval.every": 1, "eval.local": False,
