@@ -385,20 +385,26 @@ class LocalDeployment:
         self.flwr(*args)
 
     def wait_run(self, run_id: int, timeout: float, on_poll: Callable[[], None] | None = None,
-                 poll: float = 3.0, tick: float = 0.5) -> dict[str, Any]:
-        """Poll the run's status (``flwr ls``, every ``poll`` s) until it is finished (returns its row)
-        or ``timeout`` passes (the run is stopped, ``FlowerRunError``). ``on_poll`` runs every
-        ``tick`` s in between (progress, test hooks)."""
+                 poll: float = 3.0, busy_poll: float = 30.0, tick: float = 0.5) -> dict[str, Any]:
+        """Poll the run's status (``flwr ls``) until it is finished (returns its row) or ``timeout`` passes
+        (the run is stopped, ``FlowerRunError``). ``on_poll`` runs every ``tick`` s (progress, test hooks).
+
+        Each ``flwr ls`` is a process importing Flower (about a second of CPU), so the status is asked every
+        ``poll`` s only while no ServerApp process runs under our SuperLink (before the run starts, and once
+        it has ended), and every ``busy_poll`` s while one runs (Flower stopping the run from outside, the
+        one case then, is noticed that much later). Polling every 3 s throughout cost more than a core with
+        four deployments on a 2-core machine."""
         deadline = time.monotonic() + timeout
         next_status = 0.0
         while True:
             if on_poll is not None:
                 on_poll()
-            if time.monotonic() >= next_status:
+            now = time.monotonic()
+            if now >= next_status or (next_status - now > poll and not self.serverapps()):
                 st = self.run_status(run_id)
                 if str(st.get("status", "")).startswith("finished"):
                     return st
-                next_status = time.monotonic() + poll
+                next_status = time.monotonic() + (busy_poll if self.serverapps() else poll)
             if self.superlink is not None and self.superlink.popen.poll() is not None:
                 raise FlowerRunError(f"the SuperLink died:\n{self.tail('superlink')}")
             if time.monotonic() > deadline:
