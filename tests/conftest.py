@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,11 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+# and so do the processes tests start (CLI runs, Flower's processes, spawned workers): two pytest workers on two
+# cores already use both
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 from hypothesis import settings  # noqa: E402

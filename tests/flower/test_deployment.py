@@ -1,12 +1,14 @@
-"""Real Flower processes on loopback, four deployments: `fedsight flower local` with 1 SuperLink + 3
+"""Real Flower processes on loopback, three deployments: `fedsight flower local` with 1 SuperLink + 3
 SuperNodes running a SCAFFOLD recipe for 2 rounds (bit-identical to the in-process simulator), the same
-with SecAgg+ (FedAvg, one round, equal to the in-process run within the quantisation), a SuperNode
-killed mid-run (over TLS with SuperNode authentication), and `fedsight flower local` interrupted with SIGINT
-(over TLS with SuperNode authentication; the TLS/auth refusals are checked on that deployment while it runs).
+with SecAgg+ (FedAvg, one round, equal to the in-process run within the quantisation), and one over TLS with
+SuperNode authentication where a SuperNode is killed mid-run and then `fedsight flower local` is interrupted
+with SIGINT (the TLS/auth refusals are checked on that deployment while it runs).
 
 A deployment's time is mostly Flower's latency (polling sleeps, a fresh ClientApp process per message, a
-round timeout), not CPU, so the four run at once: a module fixture starts them together (the two CLI ones
-as subprocesses, the killed-node one in a thread) and each test checks its own.
+round timeout), so the three run at once, each a `fedsight flower local` subprocess: a module fixture starts
+them together and each test checks its own. Their CPU is not small either (a SuperLink, SuperNodes and
+SuperExecs each, and a process importing torch and Flower for every message): the module runs on one pytest
+worker (``xdist_group``).
 
 Every deployment has its own free ports and a private FLWR_HOME under tmp_path, runtime dependency
 installation off, status polling with a timeout, and every process it started is stopped by PID
@@ -25,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,7 +40,7 @@ from fedsight.api import execute
 from fedsight.config import validate
 from fedsight.engine.simulation import sample_clients
 from fedsight.flower.cli import flower_app
-from fedsight.flower.local import LocalDeployment, alive, descendants, run_local
+from fedsight.flower.local import LocalDeployment, alive, descendants
 from fedsight.flower.tls import make_node_key, make_tls
 
 from helpers import tiny
@@ -148,24 +151,6 @@ def _loopback(d: Path) -> dict:
     return {"rc": proc.returncode, "output": output, "elapsed": time.monotonic() - t0}
 
 
-def _killed(d: Path) -> dict:
-    """run_local over TLS + node auth, 2 nodes; the node of a client sampled in round 2 is killed when round 1
-    is logged."""
-    cfg = validate(tiny(**{**RUN, "partition.num_clients": 2}))
-    victim = sample_clients(0, 2, 2, 2)[0]
-    killed: dict = {"victim": victim}
-
-    def on_row(row, dep):  # called as metrics.jsonl grows (every 0.5 s); round 2 is already under way
-        killed["dep"] = dep
-        if row.get("round") == 1 and "event" not in row and "pids" not in killed:
-            killed["pids"] = [dep.nodes[victim].pid, *descendants(dep.nodes[victim].pid)]
-            dep.kill_node(victim)
-
-    killed["final"] = run_local(cfg, d / "flower", workdir=d / "work", options={"round-timeout": 60.0, "min-clients": 1},
-                                timeout=TIMEOUT, on_row=on_row, tls_dir=d / "tls", node_auth=True, keep_workdir=True)
-    return killed
-
-
 def _secagg(d: Path) -> dict:
     """`fedsight flower local CONFIG --nodes 3 --secagg` (FedAvg, one round of all three clients: setup, share
     keys, masked vectors and unmask are four exchanges with every node), and the plain in-process run."""
@@ -185,34 +170,58 @@ def _secagg(d: Path) -> dict:
 
 
 ROUNDS = 20  # of the interrupted deployment
+VICTIM = 0  # its client whose SuperNode is killed (node K holds client K; both are sampled every round)
+
+
+def _metrics_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.is_file() else ""
+    return [json.loads(x) for x in text.splitlines(keepends=True) if x.endswith("\n") and x.strip()]
 
 
 def _interrupted(d: Path) -> dict:
-    """`fedsight flower local` over TLS + node auth (2 nodes, ROUNDS rounds); once round 1 is logged: the running
-    processes' command lines, the refusals (``_refusals``, which take a while), then SIGINT. ROUNDS leaves the
-    run minutes of work after round 1, so the signal lands mid-run even on a loaded machine (with 4 rounds the
-    run once finished during the refusal checks)."""
+    """`fedsight flower local` over TLS + node auth (2 nodes, ROUNDS rounds, round timeout 60 s, min-clients 1).
+    Once round 1 is logged: the running processes' command lines, the refusals (``_refusals``, which take a
+    while), then the SuperNode of client VICTIM is killed with its processes (SIGKILL: a crash); once a round
+    aggregated without it is logged, SIGINT. ROUNDS leaves the run minutes of work, so the signal lands mid-run
+    even on a loaded machine. (One deployment for the crash and the interruption: each deployment costs tens of
+    seconds of CPU in Flower's processes, and four at once took most of a 2-core machine for three minutes.)"""
     import queue
     import signal
     import threading
 
     raw = tiny(**{**RUN, "partition.num_clients": 2, "server.rounds": ROUNDS, "recipe.components": []})
     (d / "run.toml").write_text(tomli_w.dumps(raw))
-    work = d / "work"
-    proc = _cli(["flower", "local", str(d / "run.toml"), "--run-dir", str(d / "flower"), "--workdir", str(work),
-                 "--tls-dir", str(d / "tls"), "--node-auth", "--timeout", str(TIMEOUT)], d)
+    work, rd = d / "work", d / "flower"
+    proc = _cli(["flower", "local", str(d / "run.toml"), "--run-dir", str(rd), "--workdir", str(work),
+                 "--tls-dir", str(d / "tls"), "--node-auth", "--timeout", str(TIMEOUT), "--round-timeout", "60",
+                 "--min-clients", "1"], d)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     seen: dict = {"out": []}
-    try:
+
+    def wait_for(what: str, done: Callable[[], bool]) -> None:
         deadline = time.monotonic() + TIMEOUT
-        while not any(x.split("s  ", 1)[-1].startswith("round 1 ") for x in seen["out"]):
+        while not done():
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise AssertionError("no round 1:\n" + "".join(seen["out"]))
+                raise AssertionError(f"no {what}:\n" + "".join(seen["out"]))
             with contextlib.suppress(queue.Empty):
                 seen["out"].append(lines.get(timeout=1))
+
+    try:
+        wait_for("round 1", lambda: any(x.split("s  ", 1)[-1].startswith("round 1 ") for x in seen["out"]))
         seen["running"] = _processes_with_home(work / "flwr-home")
         _refusals(d, work / "flwr-home")
+        node = [pid for pid, cmd in _processes_with_home(work / "flwr-home").items()
+                if "flower-supernode" in cmd and f"node-{VICTIM}.toml" in cmd]
+        assert len(node) == 1, seen["running"]
+        seen["killed"] = [node[0], *descendants(node[0])]
+        seen["logged_before_kill"] = max(r["round"] for r in _metrics_rows(rd) if "event" not in r)
+        for pid in seen["killed"]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for("round without the killed node",
+                 lambda: any(r.get("clients/aggregated") == 1 for r in _metrics_rows(rd) if "event" not in r))
         proc.send_signal(signal.SIGINT)
         seen["rc"] = proc.wait(timeout=TIMEOUT)  # the shutdown waits for the ServerApp, slow on a loaded machine
     finally:
@@ -229,7 +238,7 @@ def deployments(tmp_path_factory):
     """The three deployments, started together: name -> (its directory, a future of what it observed)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = {"loopback": _loopback, "killed": _killed, "interrupted": _interrupted, "secagg": _secagg}
+    jobs = {"loopback": _loopback, "interrupted": _interrupted, "secagg": _secagg}
     dirs = {name: tmp_path_factory.mktemp(name) for name in jobs}
     with ThreadPoolExecutor(len(jobs)) as pool:
         yield {name: (dirs[name], pool.submit(job, dirs[name])) for name, job in jobs.items()}
@@ -275,29 +284,23 @@ def test_secagg_deployment_equals_the_plain_in_process_run_to_the_quantisation(d
 
 
 def test_killed_supernode_over_tls_with_node_auth(deployments):
-    """A SuperNode holding a client sampled in round 2 is killed when round 1 is logged: the run
-    finishes with the other client (min-clients 1), and metrics.jsonl names the lost client and round.
-    The whole run uses TLS and authenticated SuperNodes (2 nodes, both sampled every round)."""
-    d, future = deployments["killed"]
-    killed = future.result(timeout=TIMEOUT + 120)
-    victim = killed["victim"]
-    assert killed["final"]["status"] == "finished:completed"
+    """The SuperNode holding client VICTIM is killed mid-run (after round 1, over TLS with authenticated
+    SuperNodes): the round that was waiting for it aggregates the other client alone (min-clients 1), and
+    metrics.jsonl names the lost client and round; the rounds before had both clients."""
+    d, future = deployments["interrupted"]
+    seen = future.result(timeout=TIMEOUT + 120)
     rows = _rows(d / "flower")
     lost = [r for r in rows if r.get("event") == "client_lost"]
-    assert [(e["round"], e["client"]) for e in lost] == [(2, victim)]
+    assert [e["client"] for e in lost] == [VICTIM], rows
+    # the round in flight when the node died, or the next one if the node had already replied in it
+    assert seen["logged_before_kill"] < lost[0]["round"] <= seen["logged_before_kill"] + 2, (seen["logged_before_kill"], lost)
     # whichever comes first: the round timeout, or Flower's own verdict (the node missed two heartbeats)
     assert "no reply within 60 s" in lost[0]["reason"] or "Node Unavailable" in lost[0]["reason"], lost
-    rounds = [r for r in rows if "event" not in r]
-    assert [(r["round"], r["clients/sampled"], r["clients/aggregated"]) for r in rounds] == [(1, 2, 2), (2, 2, 1)]
-    weights = [json.loads(x) for x in (d / "flower" / "client_weights.jsonl").read_text().splitlines()]
-    assert weights[1]["clients"] == [c for c in sample_clients(0, 2, 2, 2) if c != victim]
-    # TLS and authentication were on: the SuperLink served TLS and required node keys
-    link_log = (d / "work" / "logs" / "superlink.log").read_text()
-    assert "--insecure" not in link_log
-    dep = killed["dep"]
-    assert dep.tls is not None and dep.node_auth
-    assert all(not alive(p) for p in killed["pids"] + dep.all_pids())
-    assert not _processes_with_home(d / "work" / "flwr-home")
+    rounds = [(r["round"], r["clients/sampled"], r["clients/aggregated"]) for r in rows if "event" not in r]
+    assert rounds[: lost[0]["round"]] == [(r, 2, 2) for r in range(1, lost[0]["round"])] + [(lost[0]["round"], 2, 1)]
+    weights = {w["round"]: w for w in map(json.loads, (d / "flower" / "client_weights.jsonl").read_text().splitlines())}
+    assert weights[lost[0]["round"]]["clients"] == [1 - VICTIM]
+    assert all(not alive(p) for p in seen["killed"])
 
 
 def test_sigint_stops_the_run_on_the_superlink_first_and_marks_it_interrupted(deployments):
