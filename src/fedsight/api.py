@@ -27,7 +27,7 @@ from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
 from .provenance import provenance
 from .errors import RunFileError
-from .rng import process_stream
+from .rng import PROCESS_STREAM
 from .runs import (CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, INTERRUPTED, Replacement, RunDir, RunLock,
                    atomic_write_text, last_values, read_run_meta)
 from .state import ClientStateStore
@@ -302,9 +302,9 @@ def execute(
     An existing run directory of the same resolved config is resumed from its last checkpoint (or
     skipped if complete); one of a different config is an error unless ``overwrite``. The run directory is
     locked throughout (``RunLock``): a second process on it fails at once. Runs in one process take turns
-    (``rng.process_stream``): a thread calling this while another thread's run is under way waits for it.
+    (``rng.PROCESS_STREAM``): a thread calling this while another thread's run is under way waits for it.
     """
-    with RunLock(run_dir), process_stream():
+    with RunLock(run_dir), PROCESS_STREAM:
         return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round)
 
 

@@ -43,7 +43,7 @@ from torch import nn
 from .device import model_device, to_device
 from .errors import ConfigError
 from .registry import Params
-from .rng import derive_seed, process_stream, seed_torch, torch_gen
+from .rng import PROCESS_STREAM, derive_seed, seed_torch, torch_gen
 
 #: bumped when the pre-training procedure changes, so cached extractors of an older procedure are not reused
 PRETRAIN_VERSION = 1
@@ -189,7 +189,7 @@ def pretrain(
     _require_support(cfg, task)
     path = Path(out) if out is not None else pretrain_weights_path(cfg)
     start = time.perf_counter()
-    with process_stream(), torch.random.fork_rng(devices=[]):
+    with PROCESS_STREAM, torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "pretrain-init"))
         model = task.build_model().to(device)
         if not hasattr(model, "parameter_groups"):

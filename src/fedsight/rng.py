@@ -7,30 +7,22 @@ work never shifts the randomness of anything else.
 
 Model initialisation, dropout and some augmentations can only draw from torch's process-wide generator, which
 is seeded from such a stream just before. Two runs side by side in threads of one process would re-seed it
-under each other (and set each other's thread count), so whatever uses it holds :func:`process_stream`: runs
+under each other (and set each other's thread count), so whatever uses it holds :data:`PROCESS_STREAM`: runs
 in one process take turns; runs in parallel use processes (``fedsight run --jobs``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 
-_PROCESS_STREAM = threading.RLock()
-
-
-@contextlib.contextmanager
-def process_stream() -> Iterator[None]:
-    """Hold torch's process-wide generator (and thread count) for this thread: another thread entering
-    waits until this one leaves. Re-entrant, so a run may hold it around parts that hold it too."""
-    with _PROCESS_STREAM:
-        yield
+#: held (``with PROCESS_STREAM:``) while a thread uses torch's process-wide generator and thread count: another
+#: thread entering waits until this one leaves; re-entrant, so a run may hold it around parts that hold it too
+PROCESS_STREAM = threading.RLock()
 
 
 def _key_text(key: object) -> str:

@@ -71,8 +71,12 @@ def _flower_processes_alive() -> list[str]:
     return out
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+def _rows(run_dir: Path) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl`` written so far (none before the file exists; a line still being
+    written is left out)."""
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.is_file() else ""
+    return [json.loads(x) for x in text.splitlines(keepends=True) if x.endswith("\n") and x.strip()]
 
 
 def _core(rows):
@@ -173,12 +177,6 @@ ROUNDS = 20  # of the interrupted deployment
 VICTIM = 0  # its client whose SuperNode is killed (node K holds client K; both are sampled every round)
 
 
-def _metrics_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    text = path.read_text() if path.is_file() else ""
-    return [json.loads(x) for x in text.splitlines(keepends=True) if x.endswith("\n") and x.strip()]
-
-
 def _interrupted(d: Path) -> dict:
     """`fedsight flower local` over TLS + node auth (2 nodes, ROUNDS rounds, round timeout 60 s, min-clients 1).
     Once round 1 is logged: the running processes' command lines, the refusals (``_refusals``, which take a
@@ -216,12 +214,12 @@ def _interrupted(d: Path) -> dict:
                 if "flower-supernode" in cmd and f"node-{VICTIM}.toml" in cmd]
         assert len(node) == 1, seen["running"]
         seen["killed"] = [node[0], *descendants(node[0])]
-        seen["logged_before_kill"] = max(r["round"] for r in _metrics_rows(rd) if "event" not in r)
+        seen["logged_before_kill"] = max(r["round"] for r in _rows(rd) if "event" not in r)
         for pid in seen["killed"]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         wait_for("round without the killed node",
-                 lambda: any(r.get("clients/aggregated") == 1 for r in _metrics_rows(rd) if "event" not in r))
+                 lambda: any(r.get("clients/aggregated") == 1 for r in _rows(rd) if "event" not in r))
         proc.send_signal(signal.SIGINT)
         seen["rc"] = proc.wait(timeout=TIMEOUT)  # the shutdown waits for the ServerApp, slow on a loaded machine
     finally:

@@ -222,9 +222,9 @@ def preflight(cfg: Any, options: Mapping[str, Any] | None, run_dir: str | Path) 
 
         from ..api import build_schedule, build_stages, build_task
         from ..engine.server import Server
-        from ..rng import process_stream
+        from ..rng import PROCESS_STREAM
 
-        with process_stream(), torch.random.fork_rng(devices=[]):  # building seeds torch's generator; the caller's stays
+        with PROCESS_STREAM, torch.random.fork_rng(devices=[]):  # building seeds torch's generator; the caller's stays
             task = build_task(cfg)
             server = Server(task, build_stages(cfg, task), build_schedule(cfg, task), cfg.seed)
         opts.install(server)
