@@ -55,10 +55,22 @@ def _run(vectorize, _grouped=False, **over):
     return sim, rows
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_vectorised_equals_sequential(case):
+# the small CNN trains with the fused forward (``fedsight.training.fused``); these cases also under vmap(grad(...)),
+# which every model without a fused plan uses
+VMAP_CASES = ["fedavg", "adamw_scaffold", "dropout", "silobn", "frozen_head", "grouped_epochs"]
+
+
+@pytest.mark.parametrize("case, forward", [(c, "fused") for c in sorted(CASES)] + [(c, "vmap") for c in VMAP_CASES])
+def test_vectorised_equals_sequential(case, forward, monkeypatch):
+    import fedsight.training.vectorized as V
+
+    if forward == "vmap":
+        monkeypatch.setattr(V, "fused_plan", lambda model: None)
+    calls = []
+    monkeypatch.setattr(V, "_fused_step", lambda *a, _f=V._fused_step: calls.append(1) or _f(*a))
     seq, seq_rows = _run(False, **CASES[case])
     vec, vec_rows = _run(True, **CASES[case])
+    assert bool(calls) == (forward == "fused")
     sizes = {seq.task.num_train_examples(c) for c in range(seq.task.num_clients)}
     assert len(sizes) > 2, "the federation must have unequal clients"
     assert vec.runtime.vectorizes(4) and not seq.runtime.vectorizes(4)

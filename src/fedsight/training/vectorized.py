@@ -6,6 +6,12 @@ client dimension and every local step of every client is one ``torch.func.vmap``
 ``torch.func.grad`` over ``torch.func.functional_call`` of the same model: one kernel launch per operation for
 all the clients (grouped convolutions, batched matrix products), on CPU and CUDA.
 
+A model built only of common layers (``fedsight.training.fused``: convolutions, BatchNorm and GroupNorm, pooling,
+ReLU, Linear, Dropout, residual adds; the small CNN and the ResNets) runs its forward for all the clients as one
+ordinary computation instead, the clients folded into the channels, and is differentiated by ordinary autograd:
+the same results, without functorch's per-operation cost and vmap's layout copies (measured in
+``docs/performance.md``). The objective and the update stay vmapped per client either way.
+
 What each client computes is what ``fedsight.training.local.sgd_steps`` computes for it, to float tolerance
 (the batched kernels round differently):
 
@@ -54,6 +60,7 @@ from ..device import model_device, to_device
 from ..rng import torch_gen
 from .component import Component, VectorStep
 from .context import ClientContext
+from .fused import FusedPlan, fused_plan
 from .local import SGD_TRAINER, LocalTraining, backward_scope, batch_positions, direction_position, tempered
 
 #: the hooks that act inside a local step: a component overriding one needs a ``vector_step``
@@ -167,7 +174,7 @@ def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, state: NormStat
             if isinstance(n, int) and n < 2:
                 raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
             count = m.num_batches_tracked + 1
-            f = 1.0 / count if m.momentum is None else m.momentum
+            f = 1.0 / count.to(mean.dtype) if m.momentum is None else m.momentum
             state.updates[prefix + "num_batches_tracked"] = count
             state.updates[prefix + "running_mean"] = (1 - f) * m.running_mean + f * mean.detach()
             state.updates[prefix + "running_var"] = (1 - f) * m.running_var + f * (var.detach() * (n / (n - 1)))
@@ -208,29 +215,23 @@ def batch_norm_buffers(model: nn.Module) -> set[str]:
 
 # -- the vmapped step ------------------------------------------------------------------------------
 
-def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], at: int, norms: NormState,
-                   masked: bool):
-    """One client's step as a pure function of (trainable params, other state, optimizer state, own tensors,
-    inputs, targets, mask, lr, Adam's bias corrections) -> (params, BatchNorm buffers, optimizer state, loss).
+def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], at: int, masked: bool):
+    """One client's step as two pure functions: ``objective(params, own, out, y, mask)``, the local objective of
+    the model's outputs ``out`` (and the trainable parameters ``params``), and ``update(params, grads, opt, own,
+    lr, bias)`` -> (new params, new optimizer state), the step from the objective's gradients.
     ``hooks``: each stepping component's name and first client's ``VectorStep`` (its functions serve every
     client), the first ``at`` of them before ``train.optimizer``'s Adam transform, the rest after
     (``fedsight.training.local.direction_position``). ``masked``: the batch is padded and ``mask`` marks its real
     examples: the task loss is the mean of the real examples' losses (``loss`` of each example alone,
-    ``Task.loss_is_example_mean``) and BatchNorm's statistics are theirs. The optimizer state is SGD's momentum
-    buffer (``"mom"``, starting at zero, which torch's first step equals) or Adam's moments (``"m"``, ``"v"``:
-    ``fedsight.training.optim.AdamDirection``'s arithmetic, t = the step number)."""
-    model, task, local = ctx.model, ctx.task, ctx.local
+    ``Task.loss_is_example_mean``). The optimizer state is SGD's momentum buffer (``"mom"``, starting at zero,
+    which torch's first step equals) or Adam's moments (``"m"``, ``"v"``: ``fedsight.training.optim.AdamDirection``'s
+    arithmetic, t = the step number); ``bias``: Adam's bias corrections."""
+    task, local = ctx.task, ctx.local
     tau, momentum, wd = local.temperature, local.momentum, local.step_weight_decay
     adam = local.adam_direction()
-
     example_loss = functools.partial(_one_example, task.loss)
 
-    def objective(params, rest, own, x, y, mask, noise):
-        norms.updates.clear()
-        norms.mask = mask if masked else None
-        norms.noise, norms.noise_at = noise, 0
-        out = functional_call(model, {**params, **rest}, (x,))
-        norms.mask, norms.noise = None, ()
+    def objective(params, own, out, y, mask):
         scaled = tempered(out, tau)
         loss = masked_mean(example_loss, scaled, y, mask) if masked else task.loss(scaled, y)
         for name, vs in hooks:
@@ -244,10 +245,9 @@ def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], 
                 else:
                     term = masked_mean(functools.partial(_one_example, fn), out, y, mask)
                     loss = loss + (term if reduction == "mean" else term * mask.sum())
-        return loss, (loss.detach(), dict(norms.updates))
+        return loss
 
-    def step(params, rest, opt, own, x, y, mask, noise, lr, bias):
-        grads, (loss, new_buffers) = grad(objective, has_aux=True)(params, rest, own, x, y, mask, noise)
+    def update(params, grads, opt, own, lr, bias):
         new_opt = {}
         for i, (name, vs) in enumerate(hooks):
             if i == at and adam is not None:
@@ -263,7 +263,54 @@ def _step_function(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], 
                 d = momentum * opt["mom"][k] + d
                 new_opt.setdefault("mom", {})[k] = d
             new_params[k] = p - lr * d
+        return new_params, new_opt
+
+    return objective, update
+
+
+def _vmapped_step(model: nn.Module, objective, update, norms: NormState, masked: bool, rest_dims):
+    """The clients' step under ``vmap(grad(...))`` of the model's forward (any model): (params, other state,
+    optimizer state, own tensors, inputs, targets, mask, dropout noise, lr, bias) -> (params, BatchNorm buffers,
+    optimizer state, losses), everything but ``bias`` stacked over the clients (``rest``: where ``rest_dims``
+    says). The functional BatchNorm computes the real examples' statistics on a padded batch (``norms.mask``)."""
+
+    def loss_of(params, rest, own, x, y, mask, noise):
+        norms.updates.clear()
+        norms.mask = mask if masked else None
+        norms.noise, norms.noise_at = noise, 0
+        out = functional_call(model, {**params, **rest}, (x,))
+        norms.mask, norms.noise = None, ()
+        loss = objective(params, own, out, y, mask)
+        return loss, (loss.detach(), dict(norms.updates))
+
+    def step(params, rest, opt, own, x, y, mask, noise, lr, bias):
+        grads, (loss, new_buffers) = grad(loss_of, has_aux=True)(params, rest, own, x, y, mask, noise)
+        new_params, new_opt = update(params, grads, opt, own, lr, bias)
         return new_params, new_buffers, new_opt, loss
+
+    return vmap(step, in_dims=(0, rest_dims, 0, 0, 0, 0, 0, 0, 0, None), randomness="error")
+
+
+def _fused_step(plan: FusedPlan, objective, update, masked: bool, rest_dims):
+    """The clients' step with the fused forward (``fedsight.training.fused``), the same signature and results as
+    ``_vmapped_step``'s: the summed objectives differentiated by ordinary autograd with respect to the stacked
+    parameters (each client's slice of the gradient is its own gradient); the objective and the update vmapped
+    over the clients."""
+    losses = vmap(objective, in_dims=(0, 0, 0, 0, 0), randomness="error")
+    updates = vmap(update, in_dims=(0, 0, 0, 0, 0, None), randomness="error")
+
+    def step(params, rest, opt, own, x, y, mask, noise, lr, bias):
+        k = len(lr)
+        leaves = {n: p.detach().requires_grad_() for n, p in params.items()}
+        values = {n: v if rest_dims[n] == 0 else v.expand(k, *v.shape) for n, v in rest.items()}
+        new_buffers: dict[str, torch.Tensor] = {}
+        with torch.enable_grad():
+            out = plan.forward({**values, **leaves}, x, mask if masked else None, noise, new_buffers)
+            loss = losses(leaves, own, out, y, mask)
+            got = torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)
+        grads = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), got)}
+        new_params, new_opt = updates(params, grads, opt, own, lr, bias)
+        return new_params, new_buffers, new_opt, loss.detach()
 
     return step
 
@@ -405,9 +452,12 @@ def train_together(
         loss_sum.index_add_(0, where, loss)
 
     with functional_batch_norm(model) as norms:
-        in_dims = (0, rest_dims, 0, 0, 0, 0, 0, 0, 0, None)
-        vsteps = {m: vmap(_step_function(ctx0, hooks, at, norms, m), in_dims=in_dims, randomness="error")
-                  for m in (False, True)}
+        plan = fused_plan(model)
+        vsteps = {}
+        for m in (False, True):
+            objective, update = _step_functions(ctx0, hooks, at, m)
+            vsteps[m] = (_vmapped_step(model, objective, update, norms, m, rest_dims) if plan is None
+                         else _fused_step(plan, objective, update, m, rest_dims))
         b1, b2 = local.betas
         for s in range(max((c.num_steps for c in ctxs), default=0)):
             groups: dict[tuple, list[int]] = {}

@@ -1,0 +1,245 @@
+"""The forward of many clients' models as one ordinary computation, clients folded into the channels.
+
+``fedsight.training.vectorized`` trains the clients of a round together. Its general way is ``torch.func.vmap``
+of ``torch.func.grad`` over the model's forward, which works for any model but pays on two counts on a small
+convolutional network: functorch's two layers of dispatch on every operation (about 1.3 ms a step for two small
+clients on a CPU, where the step itself takes 1 ms), and vmap's layouts, which put the clients first for one
+operation and in the channels for the next, so that max-pooling, ReLU's backward and the copies between them
+cost several times what they cost one client at a time (``docs/performance.md``).
+
+For a model built only of the layers below, ``fused_plan`` traces the forward once (``torch.fx``) and
+``FusedPlan.forward`` runs it for k clients at once with plain PyTorch operations and ordinary autograd:
+
+* a channels-first feature map of the k clients is one tensor (N, k*C, ...), client j's channels at
+  [j*C, (j+1)*C) ("fused"; channels-last in memory on a CPU, where the grouped convolution and pooling run
+  fastest so); any other value is (k, N, ...) ("stacked");
+* ``nn.Conv2d`` is one convolution with k times the groups; pooling, ReLU and ``nn.GroupNorm`` (k times the
+  groups) act per channel, hence per client; ``nn.BatchNorm1d/2d`` normalises each client's channels with their
+  own batch statistics (the real examples' only on a padded batch) and returns each client's new running
+  statistics; ``nn.Linear`` is a batched matrix product; ``nn.Dropout`` multiplies by the client's noise drawn
+  beforehand (``vectorized.draw_noise``), as the vmapped forward does;
+* the output comes back stacked, (k, N, ...).
+
+The clients' objectives are summed and differentiated with ``torch.autograd.grad`` with respect to the stacked
+weights: no client's loss depends on another's weights, so each client's slice of the gradient is that
+client's own gradient, the one ``vmap(grad(...))`` computes (to float rounding). A model with any other layer
+or operation, or whose forward cannot be traced, gets no plan and trains under ``vmap``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..models.cnn import GridPool
+
+_ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Identity, nn.Dropout)
+_LEAVES = (nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm, nn.MaxPool2d, nn.AvgPool2d,
+           nn.AdaptiveAvgPool2d, GridPool, nn.Flatten, *_ELEMENTWISE)
+_FUNCTIONS = {operator.add: "add", torch.add: "add", torch.relu: "relu", F.relu: "relu", torch.flatten: "flatten"}
+_METHODS = {"relu": "relu", "flatten": "flatten"}
+
+FUSED, STACKED = "fused", "stacked"
+
+
+def _supported(m: nn.Module) -> bool:
+    """Whether the fused forward computes ``m``'s forward (exact types: a subclass may change the forward)."""
+    t = type(m)
+    if t not in _LEAVES:
+        return False
+    if t is nn.Conv2d:
+        return m.padding_mode == "zeros"
+    if t is nn.MaxPool2d:
+        return not m.return_indices
+    if t is nn.Flatten:
+        return m.start_dim == 1 and m.end_dim == -1
+    return True
+
+
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return type(m) in _LEAVES or super().is_leaf_module(m, qualname)
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """A model's forward as (op, node name, module, state-key prefix, argument names) steps."""
+
+    steps: tuple[tuple[str, str, nn.Module | None, str, tuple[Any, ...]], ...]
+    output: str
+
+    def forward(self, values: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor | None,
+                noise: list[torch.Tensor], updates: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The k clients' outputs (k, N, ...) on their inputs ``x`` (k, N, ...). ``values``: every state entry
+        stacked (k, ...); ``mask`` (k, N): each client's real examples (None: all are real); ``noise``: the
+        dropout noise of each dropout call in call order, stacked; BatchNorms write the clients' new running
+        statistics (stacked, by state key) to ``updates``."""
+        k = x.shape[0]
+        env: dict[str, tuple[torch.Tensor, str]] = {"x": (x, STACKED)}
+        drops = iter(noise)
+        for op, name, m, prefix, args in self.steps:
+            ins = [env[a] if isinstance(a, str) else a for a in args]
+            if op == "add":
+                (a, la), (b, lb) = ins
+                env[name] = (a + _layout(b, lb, la, k), la)
+            elif op == "relu":
+                env[name] = (F.relu(ins[0][0]), ins[0][1])
+            elif op == "flatten":
+                env[name] = (_layout(*ins[0], STACKED, k).flatten(2), STACKED)
+            else:
+                env[name] = _module(m, prefix, values, ins[0], k, mask, drops, updates)
+        return _layout(*env[self.output], STACKED, k)
+
+
+def _layout(t: torch.Tensor, have: str, want: str, k: int) -> torch.Tensor:
+    """``t`` from layout ``have`` to ``want``: (k, N, C, ...) <-> (N, k*C, ...); on a CPU a fused 4-d map is
+    channels-last in memory (one copy from stacked)."""
+    if have == want:
+        return t
+    if want == STACKED:
+        n, kc = t.shape[:2]
+        return t.reshape(n, k, kc // k, *t.shape[2:]).transpose(0, 1)
+    kk, n, c = t.shape[:3]
+    if t.dim() == 5 and t.device.type == "cpu":
+        return t.permute(1, 3, 4, 0, 2).contiguous().view(n, t.shape[3], t.shape[4], kk * c).permute(0, 3, 1, 2)
+    return t.transpose(0, 1).reshape(n, kk * c, *t.shape[3:])
+
+
+def _module(m: nn.Module, prefix: str, values: dict[str, torch.Tensor], arg: tuple[torch.Tensor, str], k: int,
+            mask: torch.Tensor | None, drops: Any, updates: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
+    t, lay = arg
+    get = lambda name: values.get(prefix + name)  # noqa: E731
+    if isinstance(m, _ELEMENTWISE):
+        if isinstance(m, nn.ReLU):
+            return F.relu(t), lay
+        if isinstance(m, nn.LeakyReLU):
+            return F.leaky_relu(t, m.negative_slope), lay
+        if isinstance(m, nn.Dropout) and m.training and m.p > 0:
+            return t * _layout(next(drops), STACKED, lay, k), lay
+        return t, lay
+    if isinstance(m, nn.Flatten):  # start_dim 1 (``_supported``): everything but the client and example dims
+        return _layout(t, lay, STACKED, k).flatten(2), STACKED
+    if isinstance(m, nn.Linear):
+        t = _layout(t, lay, STACKED, k)
+        w, b = get("weight"), get("bias")
+        flat = t.reshape(k, -1, t.shape[-1])
+        out = torch.bmm(flat, w.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), flat, w.transpose(1, 2))
+        return out.reshape(*t.shape[:-1], out.shape[-1]), STACKED
+    t = _layout(t, lay, FUSED, k)
+    if isinstance(m, nn.Conv2d):
+        w, b = get("weight"), get("bias")
+        w = w.reshape(-1, *w.shape[2:])
+        out = F.conv2d(t, w, None if b is None else b.reshape(-1), m.stride, m.padding, m.dilation, m.groups * k)
+    elif isinstance(m, nn.MaxPool2d):
+        out = F.max_pool2d(t, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+    elif isinstance(m, nn.AvgPool2d):
+        out = F.avg_pool2d(t, m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad,
+                           m.divisor_override)
+    elif isinstance(m, GridPool) and tuple(t.shape[-2:]) == m.grid:
+        out = t
+    elif isinstance(m, nn.AdaptiveAvgPool2d):
+        out = F.adaptive_avg_pool2d(t, m.output_size)
+    elif isinstance(m, nn.GroupNorm):
+        w, b = get("weight"), get("bias")
+        out = F.group_norm(t, m.num_groups * k, None if w is None else w.reshape(-1),
+                           None if b is None else b.reshape(-1), m.eps)
+    else:
+        out = _batch_norm(m, prefix, values, t, k, mask, updates)
+    return out, FUSED
+
+
+def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, values: dict[str, torch.Tensor], x: torch.Tensor,
+                k: int, mask: torch.Tensor | None, updates: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``vectorized._batch_norm`` for k clients at once on a fused map (N, k*C, ...): client j's statistics are
+    those of its channels over its real examples (``mask`` (k, N)) and positions."""
+    n_ex, c, sp = x.shape[0], m.num_features, x.shape[2:]
+    xv = x.reshape(n_ex, k, c, *sp)
+    dims = (0, *range(3, xv.dim()))
+    shape = (1, k, c) + (1,) * len(sp)
+    if m.training or m.running_mean is None:
+        if mask is None:
+            mean, var = xv.mean(dims), xv.var(dims, correction=0)
+            n: Any = n_ex * math.prod(sp)
+        else:
+            w = mask.t().reshape((n_ex, k, 1) + (1,) * len(sp))
+            n = (mask.sum(1) * math.prod(sp))[:, None]
+            mean = (xv * w).sum(dims) / n
+            var = ((xv - mean.reshape(shape)).pow(2) * w).sum(dims) / n
+        if m.training and m.track_running_stats:
+            if isinstance(n, int) and n < 2:
+                raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                                 f"{[n_ex, c, *sp]}")
+            count = values[prefix + "num_batches_tracked"] + 1
+            f = (1.0 / count.to(mean.dtype))[:, None] if m.momentum is None else m.momentum
+            updates[prefix + "num_batches_tracked"] = count
+            updates[prefix + "running_mean"] = (1 - f) * values[prefix + "running_mean"] + f * mean.detach()
+            updates[prefix + "running_var"] = (1 - f) * values[prefix + "running_var"] + f * (var.detach() * (n / (n - 1)))
+    else:
+        mean, var = values[prefix + "running_mean"], values[prefix + "running_var"]
+    y = (xv - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + m.eps)
+    if m.weight is not None:
+        y = y * values[prefix + "weight"].reshape(shape) + values[prefix + "bias"].reshape(shape)
+    return y.reshape(x.shape)
+
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, FusedPlan | None] = weakref.WeakKeyDictionary()
+
+
+def fused_plan(model: nn.Module) -> FusedPlan | None:
+    """The model's forward as a ``FusedPlan``, or None when it holds a layer or an operation the fused forward does
+    not compute (or cannot be traced): then it trains under vmap. Traced once per model object."""
+    if model not in _PLANS:
+        _PLANS[model] = _trace(model)
+    return _PLANS[model]
+
+
+def _trace(model: nn.Module) -> FusedPlan | None:
+    try:
+        graph = _Tracer().trace(model)
+    except Exception:  # data-dependent control flow, unusual signatures: vmap handles those
+        return None
+    steps, names, output = [], {}, None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if names:
+                return None
+            names[node] = "x"
+            continue
+        if node.op == "output":
+            output = node.args[0]
+            break
+        if node.kwargs and not (node.target is F.relu and set(node.kwargs) <= {"inplace"}):
+            return None
+        args = node.args
+        if node.op == "call_module":
+            m = model.get_submodule(node.target)
+            if not _supported(m) or len(args) != 1:
+                return None
+            op, prefix = "module", f"{node.target}."
+        elif node.op in ("call_function", "call_method"):
+            op = (_FUNCTIONS if node.op == "call_function" else _METHODS).get(node.target)
+            m, prefix = None, ""
+            if op is None:
+                return None
+            if op == "flatten":
+                if len(args) != 2 or args[1] != 1:
+                    return None
+                args = args[:1]
+            if op == "relu" and len(args) != 1 or op == "add" and len(args) != 2:
+                return None
+        else:
+            return None
+        if not all(isinstance(a, fx.Node) and a in names for a in args):
+            return None
+        names[node] = node.name
+        steps.append((op, node.name, m, prefix, tuple(names[a] for a in args)))
+    if not isinstance(output, fx.Node) or output not in names:
+        return None
+    return FusedPlan(tuple(steps), names[output])

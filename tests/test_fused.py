@@ -1,0 +1,113 @@
+"""The fused forward of vectorised training (``fedsight.training.fused``): which models get a plan, and that the
+plan's outputs, BatchNorm statistics and per-client gradients are each client's own, against torch's modules run
+one client at a time (the engine-level equality with sequential training is in test_vectorized.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fedsight.models.cnn import CNN, CNNParams
+from fedsight.training.fused import fused_plan
+from helpers import close
+
+
+class Net(nn.Module):
+    """Every layer and operation the fused forward computes, with the awkward settings: a bias-free and a grouped
+    convolution, a residual add, ceil-mode max-pooling to an odd size, both BatchNorms."""
+
+    def __init__(self, norm: str, momentum: float | None):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(4, momentum=momentum) if norm == "batch" else nn.GroupNorm(2, 4)
+        self.act = nn.LeakyReLU(0.1)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1, groups=2)
+        self.pool = nn.MaxPool2d(2, ceil_mode=True)
+        self.avg = nn.AvgPool2d(2, stride=1)
+        self.grid = nn.AdaptiveAvgPool2d(2)
+        self.fc = nn.Linear(16, 6)
+        self.bn1 = nn.BatchNorm1d(6, momentum=momentum)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.act(self.norm(self.conv(x)))
+        h = h + self.conv2(h)
+        h = torch.relu(self.pool(h))
+        h = torch.flatten(self.grid(self.avg(h)), 1)
+        return self.head(F.relu(self.bn1(self.fc(h))))
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)  # data-dependent: cannot be traced
+
+
+class MyConv(nn.Conv2d):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("model, planned", [
+    (CNN(CNNParams(norm="batch"), num_classes=3, in_channels=1, image_size=8), True),
+    (CNN(CNNParams(norm="group", dropout=0.5), num_classes=3, in_channels=1, image_size=8), True),
+    (Net("batch", 0.1), True),
+    (nn.Sequential(nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten(), nn.Linear(18, 2)), False),
+    (nn.Sequential(MyConv(1, 2, 3), nn.Flatten(), nn.Linear(2, 2)), False),  # a subclass may change the forward
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Upsample(scale_factor=2)), False),
+    (nn.Sequential(nn.Linear(4, 4), nn.Flatten(2)), False),
+    (Branchy(), False),
+])
+def test_which_models_get_a_plan(model, planned):
+    assert (fused_plan(model) is not None) is planned
+
+
+@settings(max_examples=25, deadline=None)
+@given(norm=st.sampled_from(["batch", "group"]), momentum=st.sampled_from([None, 0.3]), training=st.booleans(),
+       real=st.lists(st.integers(2, 4), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_fused_forward_is_each_clients_forward(norm, momentum, training, real, seed):
+    """k clients with their own weights and running statistics, each with ``real[j]`` real examples in a batch
+    padded to 4: outputs on the real examples, new running statistics and the gradient of each client's mean
+    squared output, against the client's own ``nn`` model on its unpadded batch (``torch.autograd``)."""
+    gen = torch.Generator().manual_seed(seed)
+    k, n = len(real), 4
+    models = []
+    for _ in real:
+        m = Net(norm, momentum).double().train(training)
+        with torch.no_grad():
+            for t in m.state_dict(keep_vars=True).values():
+                if t.is_floating_point():
+                    t.copy_(torch.rand(t.shape, generator=gen, dtype=t.dtype) + 0.5)
+                else:
+                    t.fill_(int(torch.randint(0, 3, (), generator=gen)))
+        models.append(m)
+    plan = fused_plan(models[0])
+    x = torch.randn(k, n, 2, 5, 5, generator=gen, dtype=torch.float64)
+    mask = (torch.arange(n) < torch.tensor(real)[:, None]).double()
+    padded = mask.bool().all()
+    params = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models]).requires_grad_()
+              for name, _ in models[0].named_parameters()}
+    values = {**{name: torch.stack([m.state_dict()[name] for m in models]) for name in models[0].state_dict()},
+              **params}
+    updates: dict[str, torch.Tensor] = {}
+    out = plan.forward(values, x, None if padded else mask, [], updates)
+    assert out.shape == (k, n, 3)
+    losses = (out.pow(2).mean(-1) * mask).sum(1) / mask.sum(1)
+    grads = dict(zip(params, torch.autograd.grad(losses.sum(), list(params.values()))))
+    for j, m in enumerate(models):
+        ref = m(x[j, : real[j]])
+        close(out[j, : real[j]], ref, atol=1e-9, rtol=1e-9)
+        ref_grads = torch.autograd.grad(ref.pow(2).mean(), list(m.parameters()))
+        for (name, _), g in zip(m.named_parameters(), ref_grads):
+            close(grads[name][j], g, atol=1e-9, rtol=1e-9)
+        for name, v in m.state_dict().items():  # the module's own update, in place
+            if name in updates:
+                close(updates[name][j].to(v.dtype), v, atol=1e-12, rtol=1e-9)
+    assert bool(updates) == training  # bn1 is a BatchNorm whatever the norm
