@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..functional.aggregate import all_finite
 from ..records import ClientResult
 from ..training.component import ExtrasSpec
 
@@ -91,8 +92,9 @@ def _check_tensors(what: str, got: Any, spec: Spec) -> str | None:
             return f"{what} {k!r} has shape {tuple(t.shape)}, expected {shape}"
         if t.dtype != dtype:
             return f"{what} {k!r} has dtype {t.dtype}, expected {dtype}"
-        if not bool(torch.isfinite(t).all()):
-            return f"{what} {k!r} has non-finite values"
+    if not all_finite(got):  # one check of the whole mapping (a sync on a GPU), then find the culprit
+        k = next(k for k in spec if not bool(torch.isfinite(got[k]).all()))
+        return f"{what} {k!r} has non-finite values"
     return None
 
 

@@ -394,10 +394,10 @@ def train_together(
     at = sum(1 for c, vs in zip(components[:direction_position(components)], steps[0]) if vs is not None)
     own = {c.name: {k: torch.stack([steps[i][j].tensors[k] for i in range(K)]) for k in vs.tensors}
            for j, (c, vs) in enumerate(zip(components, steps[0])) if vs is not None}
-    zeros = {k: torch.zeros_like(v) for k, v in P.items()}
-    opt = {"mom": zeros} if local.momentum != 0 else {}
+    zeros = lambda: {k: torch.zeros_like(v) for k, v in P.items()}  # noqa: E731
+    opt = {"mom": zeros()} if local.momentum != 0 else {}
     if local.optimizer != "sgd":
-        opt = {"m": zeros, "v": {k: torch.zeros_like(v) for k, v in P.items()}}
+        opt = {"m": zeros(), "v": zeros()}
     dtype = next((v.dtype for v in P.values() if v.is_floating_point()), torch.float32)
     loss_sum = torch.zeros(K, device=device, dtype=dtype)
     scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
