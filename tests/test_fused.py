@@ -111,3 +111,22 @@ def test_fused_forward_is_each_clients_forward(norm, momentum, training, real, s
             if name in updates:
                 close(updates[name][j].to(v.dtype), v, atol=1e-12, rtol=1e-9)
     assert bool(updates) == training  # bn1 is a BatchNorm whatever the norm
+
+
+def test_a_module_hook_sends_the_model_back_to_vmap():
+    """A hook on a layer (``dct_dp`` noises a layer's output with one) must see the module's call, which the fused
+    forward does not make: while one is registered the model gets no plan."""
+    model = CNN(CNNParams(), num_classes=3, in_channels=1, image_size=8)
+    assert fused_plan(model) is not None
+    for register in (lambda m: m.register_forward_hook(lambda *a: None),
+                     lambda m: m.register_forward_pre_hook(lambda *a: None),
+                     lambda m: m.register_full_backward_hook(lambda *a: None)):
+        handle = register(model.backbone[0])
+        assert fused_plan(model) is None
+        handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert fused_plan(model) is None
+    finally:
+        handle.remove()
+    assert fused_plan(model) is not None

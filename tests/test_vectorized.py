@@ -165,6 +165,20 @@ def test_true_refuses_what_cannot_be_vectorised_before_the_run_starts():
         build_simulation(validate(tiny(**{"engine.vectorize": True, "recipe.components": ["ditto"]})))
 
 
+def test_a_component_acting_through_a_module_hook_trains_one_client_at_a_time():
+    """``dct_dp`` noises a layer's output in a forward hook from each client's own generator, which no vectorised
+    forward can run per client (under vmap the draw fails, the fused forward calls no module): ``true`` refuses the
+    recipe before the run, ``"auto"`` trains it sequentially, with the noise."""
+    with pytest.raises(ValueError, match=r"component 'dct_dp' acts inside the forward through a module hook"):
+        build_simulation(validate(tiny(**{"engine.vectorize": True, "recipe.components": ["dct_dp"]})))
+    from fedsight.recipe.ppfl import DctDP
+
+    sim = _sim_with(DctDP(), "auto")
+    assert not sim.runtime.vectorizes(6)
+    row, _ = sim.run_round(1)
+    assert row["privacy/dct_passes"] > 0
+
+
 def test_blockers_name_each_reason():
     from fedsight.recipe.personalize import Ditto
     from fedsight.training.local import LocalTraining

@@ -131,6 +131,7 @@ class DctDP(Component):
     """Algorithm 1 on one layer's output during local training (see the module docstring)."""
 
     name = "dct_dp"
+    hooks_the_model = True  # the noise is drawn in a forward hook, per client: no vectorised training
 
     def __init__(self, params: DctDPParams | None = None):
         self.p = params or DctDPParams()

@@ -79,6 +79,10 @@ class Component:
     #: every component before the first such one (DP-SGD's noisy clipped gradient, FedDyn's clipping) and
     #: before it, so the correction is added to the Adam direction (``fedsight.training.local.sgd_steps``)
     step_correction: bool = False
+    #: whether ``client_start`` registers a module hook that acts inside every local step (``dct_dp`` noises a
+    #: layer's output from the client's own generator): vectorised training cannot run such a hook per client, so
+    #: the stage trains one client at a time (``engine.vectorize = true`` refuses it before the run)
+    hooks_the_model: bool = False
 
     # -- client side ---------------------------------------------------------------------------
     def client_start(self, ctx: ClientContext) -> None:

@@ -192,9 +192,24 @@ def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, values: dict[st
 _PLANS: weakref.WeakKeyDictionary[nn.Module, FusedPlan | None] = weakref.WeakKeyDictionary()
 
 
+def _hooked(model: nn.Module) -> bool:
+    """Whether a module hook would act in the model's forward or backward (the fused forward calls no module)."""
+    from torch.nn.modules import module as mm
+
+    if mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks \
+            or mm._global_backward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in model.modules())
+
+
 def fused_plan(model: nn.Module) -> FusedPlan | None:
     """The model's forward as a ``FusedPlan``, or None when it holds a layer or an operation the fused forward does
-    not compute (or cannot be traced): then it trains under vmap. Traced once per model object."""
+    not compute (or cannot be traced), or a module hook is registered on it now (a component's mechanism on a
+    layer's output, such as ``dct_dp``'s noise, must see the module's call): then it trains under vmap. Traced
+    once per model object; the hooks are looked at on every call."""
+    if _hooked(model):
+        return None
     if model not in _PLANS:
         _PLANS[model] = _trace(model)
     return _PLANS[model]

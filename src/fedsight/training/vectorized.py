@@ -38,7 +38,8 @@ zero gradient here (so weight decay, momentum and Adam's moments still move it),
 without ``.grad``.
 
 What cannot be vectorised (``blockers``) trains sequentially: a trainer other than the SGD loop's (Ditto's,
-Fed3R's statistics pass, ...), a component that changes the step without a ``VectorStep``, a model that draws
+Fed3R's statistics pass, ...), a component that changes the step without a ``VectorStep`` or through a module hook
+(``Component.hooks_the_model``: ``dct_dp``), a model that draws
 random numbers in training other than through ``nn.Dropout`` (``Dropout2d``, ...), a norm layer with running
 statistics other than BatchNorm.
 """
@@ -73,6 +74,9 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
     if trainer is not SGD_TRAINER:
         out.append(f"the local procedure {getattr(trainer, 'name', type(trainer).__name__)!r} trains one client at a time")
     for c in components:
+        if c.hooks_the_model:
+            out.append(f"component {c.name!r} acts inside the forward through a module hook, one client at a time")
+            continue
         overrides = [h for h in STEP_HOOKS if getattr(type(c), h) is not getattr(Component, h)]
         if overrides and type(c).vector_step is Component.vector_step:
             out.append(f"component {c.name!r} changes the local step ({', '.join(overrides)}) and has no vector_step")
