@@ -31,14 +31,16 @@ class Net(nn.Module):
         self.grid = nn.AdaptiveAvgPool2d(2)
         self.fc = nn.Linear(16, 6)
         self.bn1 = nn.BatchNorm1d(6, momentum=momentum)
+        self.act6 = nn.ReLU6()
+        self.gelu = nn.GELU(approximate="tanh")
         self.head = nn.Linear(6, 3)
 
     def forward(self, x):
         h = self.act(self.norm(self.conv(x)))
-        h = h + self.conv2(h)
+        h = h + self.act6(self.conv2(h))
         h = torch.relu(self.pool(h))
         h = torch.flatten(self.grid(self.avg(h)), 1)
-        return self.head(F.relu(self.bn1(self.fc(h))))
+        return self.head(self.gelu(F.relu(self.bn1(self.fc(h)))))
 
 
 class Branchy(nn.Module):
@@ -59,6 +61,7 @@ class MyConv(nn.Conv2d):
     (CNN(CNNParams(norm="batch"), num_classes=3, in_channels=1, image_size=8), True),
     (CNN(CNNParams(norm="group", dropout=0.5), num_classes=3, in_channels=1, image_size=8), True),
     (Net("batch", 0.1), True),
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Softplus(), nn.Flatten(), nn.Linear(2, 2)), False),  # not in the list
     (nn.Sequential(nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten(), nn.Linear(18, 2)), False),
     (nn.Sequential(MyConv(1, 2, 3), nn.Flatten(), nn.Linear(2, 2)), False),  # a subclass may change the forward
     (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Upsample(scale_factor=2)), False),

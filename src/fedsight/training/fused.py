@@ -18,6 +18,7 @@ For a model built only of the layers below, ``fused_plan`` traces the forward on
   own batch statistics (the real examples' only on a padded batch) and returns each client's new running
   statistics; ``nn.Linear`` is a batched matrix product; ``nn.Dropout`` multiplies by the client's noise drawn
   beforehand (``vectorized.draw_noise``), as the vmapped forward does;
+* element-wise activations (``_ACTIVATIONS``) act on either layout;
 * the output comes back stacked, (k, N, ...).
 
 The clients' objectives are summed and differentiated with ``torch.autograd.grad`` with respect to the stacked
@@ -40,9 +41,16 @@ from torch import fx, nn
 
 from ..models.cnn import GridPool
 
-_ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Identity, nn.Dropout)
+#: parameter-free element-wise layers, as functions (never in place: the input may be a view autograd needs)
+_ACTIVATIONS: dict[type, Any] = {
+    nn.ReLU: lambda m, t: F.relu(t), nn.ReLU6: lambda m, t: F.relu6(t),
+    nn.LeakyReLU: lambda m, t: F.leaky_relu(t, m.negative_slope), nn.ELU: lambda m, t: F.elu(t, m.alpha),
+    nn.GELU: lambda m, t: F.gelu(t, approximate=m.approximate), nn.SiLU: lambda m, t: F.silu(t),
+    nn.Hardswish: lambda m, t: F.hardswish(t), nn.Hardsigmoid: lambda m, t: F.hardsigmoid(t),
+    nn.Sigmoid: lambda m, t: torch.sigmoid(t), nn.Tanh: lambda m, t: torch.tanh(t), nn.Identity: lambda m, t: t,
+}
 _LEAVES = (nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm, nn.MaxPool2d, nn.AvgPool2d,
-           nn.AdaptiveAvgPool2d, GridPool, nn.Flatten, *_ELEMENTWISE)
+           nn.AdaptiveAvgPool2d, GridPool, nn.Flatten, nn.Dropout, *_ACTIVATIONS)
 _FUNCTIONS = {operator.add: "add", torch.add: "add", torch.relu: "relu", F.relu: "relu", torch.flatten: "flatten"}
 _METHODS = {"relu": "relu", "flatten": "flatten"}
 
@@ -116,14 +124,10 @@ def _module(m: nn.Module, prefix: str, values: dict[str, torch.Tensor], arg: tup
             mask: torch.Tensor | None, drops: Any, updates: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
     t, lay = arg
     get = lambda name: values.get(prefix + name)  # noqa: E731
-    if isinstance(m, _ELEMENTWISE):
-        if isinstance(m, nn.ReLU):
-            return F.relu(t), lay
-        if isinstance(m, nn.LeakyReLU):
-            return F.leaky_relu(t, m.negative_slope), lay
-        if isinstance(m, nn.Dropout) and m.training and m.p > 0:
-            return t * _layout(next(drops), STACKED, lay, k), lay
-        return t, lay
+    if type(m) in _ACTIVATIONS:
+        return _ACTIVATIONS[type(m)](m, t), lay
+    if isinstance(m, nn.Dropout):
+        return (t * _layout(next(drops), STACKED, lay, k) if m.training and m.p > 0 else t), lay
     if isinstance(m, nn.Flatten):  # start_dim 1 (``_supported``): everything but the client and example dims
         return _layout(t, lay, STACKED, k).flatten(2), STACKED
     if isinstance(m, nn.Linear):

@@ -7,10 +7,10 @@ client dimension and every local step of every client is one ``torch.func.vmap``
 all the clients (grouped convolutions, batched matrix products), on CPU and CUDA.
 
 A model built only of common layers (``fedsight.training.fused``: convolutions, BatchNorm and GroupNorm, pooling,
-ReLU, Linear, Dropout, residual adds; the small CNN and the ResNets) runs its forward for all the clients as one
-ordinary computation instead, the clients folded into the channels, and is differentiated by ordinary autograd:
-the same results, without functorch's per-operation cost and vmap's layout copies (measured in
-``docs/performance.md``). The objective and the update stay vmapped per client either way.
+activations, Linear, Dropout, residual adds; the small CNN, the ResNets, MobileNetV2) runs its forward for all
+the clients as one ordinary computation instead, the clients folded into the channels, and is differentiated by
+ordinary autograd: the same results, without functorch's per-operation cost and vmap's layout copies (measured
+in ``docs/performance.md``). The objective and the update stay vmapped per client either way.
 
 What each client computes is what ``fedsight.training.local.sgd_steps`` computes for it, to float tolerance
 (the batched kernels round differently):
