@@ -44,6 +44,18 @@ def test_an_output_dir_that_is_a_file_is_one_line_and_the_file_survives(tmp_path
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+def test_parts_that_do_not_fit_together_found_while_building_are_a_configuration_error(tmp_path) -> None:
+    """Refused when the run is built (not by the schema): still one line and exit 2, and nothing written."""
+    raw = tiny(**{"server.rounds": 1, "engine.vectorize": True, "recipe.components": ["dct_dp"],
+                  "run.output_dir": str(tmp_path / "runs")})
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(raw))
+    out = fedsight("run", str(cfg))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert _lines(out.stderr)[0].startswith("error: engine.vectorize = true: stage 'federated' cannot train"), out.stderr
+    assert not any((tmp_path / "runs").rglob("*.safetensors"))
+
+
 @pytest.mark.parametrize("text", ["seed = [1, 2]\n", "[[[x\n", "a = " + "[" * 5000 + "]" * 5000 + "\n"])
 def test_malformed_configs_are_one_line(tmp_path, text) -> None:
     cfg = tmp_path / "c.toml"

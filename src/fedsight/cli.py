@@ -158,7 +158,7 @@ def run(
         try:
             out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc), 1)
+            _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1)
         if out.status == "skipped":
             _say(f"{label}: already complete in {out.run_dir}")
         dirs.append(out.run_dir)
