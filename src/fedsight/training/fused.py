@@ -93,7 +93,7 @@ class FusedPlan:
         env: dict[str, tuple[torch.Tensor, str]] = {"x": (x, STACKED)}
         drops = iter(noise)
         for op, name, m, prefix, args in self.steps:
-            ins = [env[a] if isinstance(a, str) else a for a in args]
+            ins = [env[a] for a in args]  # every argument is an earlier node (``_trace``)
             if op == "add":
                 (a, la), (b, lb) = ins
                 env[name] = (a + _layout(b, lb, la, k), la)
@@ -134,7 +134,8 @@ def _module(m: nn.Module, prefix: str, values: dict[str, torch.Tensor], arg: tup
         t = _layout(t, lay, STACKED, k)
         w, b = get("weight"), get("bias")
         flat = t.reshape(k, -1, t.shape[-1])
-        out = torch.bmm(flat, w.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), flat, w.transpose(1, 2))
+        wt = w.transpose(1, 2)
+        out = torch.bmm(flat, wt) if b is None else torch.baddbmm(b.unsqueeze(1), flat, wt)
         return out.reshape(*t.shape[:-1], out.shape[-1]), STACKED
     t = _layout(t, lay, FUSED, k)
     if isinstance(m, nn.Conv2d):
@@ -155,14 +156,19 @@ def _module(m: nn.Module, prefix: str, values: dict[str, torch.Tensor], arg: tup
         out = F.group_norm(t, m.num_groups * k, None if w is None else w.reshape(-1),
                            None if b is None else b.reshape(-1), m.eps)
     else:
-        out = _batch_norm(m, prefix, values, t, k, mask, updates)
+        out = clients_batch_norm(m, prefix, values, t, k, mask, updates)
     return out, FUSED
 
 
-def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, values: dict[str, torch.Tensor], x: torch.Tensor,
-                k: int, mask: torch.Tensor | None, updates: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``vectorized._batch_norm`` for k clients at once on a fused map (N, k*C, ...): client j's statistics are
-    those of its channels over its real examples (``mask`` (k, N)) and positions."""
+def clients_batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, values: dict[str, torch.Tensor],
+                       x: torch.Tensor, k: int, mask: torch.Tensor | None,
+                       updates: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``m``'s forward for k clients at once on a fused map (N, k*C, ...) as pure tensor operations, with each
+    client's entries of ``m`` (stacked, by state key) in ``values``: client j's statistics are those of its
+    channels over its real examples (``mask`` (k, N); None: all) and positions. Each client's new running
+    statistics (what ``nn.BatchNorm``'s forward updates in place: ``num_batches_tracked + 1``, then the running
+    mean and the unbiased variance moved by ``momentum``, or by 1 / count when ``momentum`` is None) go to
+    ``updates``, stacked. With k = 1 it is one client's BatchNorm (``vectorized._batch_norm``, under vmap)."""
     n_ex, c, sp = x.shape[0], m.num_features, x.shape[2:]
     xv = x.reshape(n_ex, k, c, *sp)
     dims = (0, *range(3, xv.dim()))
@@ -184,7 +190,8 @@ def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, values: dict[st
             f = (1.0 / count.to(mean.dtype))[:, None] if m.momentum is None else m.momentum
             updates[prefix + "num_batches_tracked"] = count
             updates[prefix + "running_mean"] = (1 - f) * values[prefix + "running_mean"] + f * mean.detach()
-            updates[prefix + "running_var"] = (1 - f) * values[prefix + "running_var"] + f * (var.detach() * (n / (n - 1)))
+            unbiased = var.detach() * (n / (n - 1))
+            updates[prefix + "running_var"] = (1 - f) * values[prefix + "running_var"] + f * unbiased
     else:
         mean, var = values[prefix + "running_mean"], values[prefix + "running_var"]
     y = (xv - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + m.eps)

@@ -61,7 +61,7 @@ from ..device import model_device, to_device
 from ..rng import torch_gen
 from .component import Component, VectorStep
 from .context import ClientContext
-from .fused import FusedPlan, fused_plan
+from .fused import FusedPlan, clients_batch_norm, fused_plan
 from .local import SGD_TRAINER, LocalTraining, backward_scope, batch_positions, direction_position, tempered
 
 #: the hooks that act inside a local step: a component overriding one needs a ``vector_step``
@@ -159,34 +159,15 @@ def dropout_shapes(model: nn.Module, x: Any, state: NormState) -> list[tuple[tup
 
 
 def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, state: NormState, x: torch.Tensor) -> torch.Tensor:
-    """``m``'s forward as pure tensor operations, its new running statistics put in ``state.updates`` (what
-    ``nn.BatchNorm``'s forward updates in place: ``num_batches_tracked + 1``, then the running mean and the
-    unbiased variance moved by ``momentum``, or by 1 / count when ``momentum`` is None). With ``state.mask``, the
-    batch statistics are those of the masked-in examples only (padding does not count)."""
-    shape = (1, -1) + (1,) * (x.dim() - 2)
-    if m.training or m.running_mean is None:
-        dims = [0, *range(2, x.dim())]
-        if state.mask is None:
-            mean, var = x.mean(dims), x.var(dims, correction=0)
-            n = x.numel() // x.shape[1]
-        else:
-            w = state.mask.reshape((-1,) + (1,) * (x.dim() - 1))
-            n = state.mask.sum() * (x.numel() // (x.shape[0] * x.shape[1]))
-            mean = (x * w).sum(dims) / n
-            var = ((x - mean.reshape(shape)).pow(2) * w).sum(dims) / n
-        if m.training and m.track_running_stats:
-            if isinstance(n, int) and n < 2:
-                raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
-            count = m.num_batches_tracked + 1
-            f = 1.0 / count.to(mean.dtype) if m.momentum is None else m.momentum
-            state.updates[prefix + "num_batches_tracked"] = count
-            state.updates[prefix + "running_mean"] = (1 - f) * m.running_mean + f * mean.detach()
-            state.updates[prefix + "running_var"] = (1 - f) * m.running_var + f * (var.detach() * (n / (n - 1)))
-    else:
-        mean, var = m.running_mean, m.running_var
-    y = (x - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + m.eps)
-    if m.weight is not None:
-        y = y * m.weight.reshape(shape) + m.bias.reshape(shape)
+    """``m``'s forward for one client (under vmap) as pure tensor operations: ``fused.clients_batch_norm`` of one
+    client, its new running statistics put in ``state.updates``; with ``state.mask``, the batch statistics are
+    those of the masked-in examples only (padding does not count)."""
+    entries = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+    values = {prefix + n: t.unsqueeze(0) for n in entries if (t := getattr(m, n)) is not None}
+    updates: dict[str, torch.Tensor] = {}
+    mask = None if state.mask is None else state.mask.unsqueeze(0)
+    y = clients_batch_norm(m, prefix, values, x, 1, mask, updates)
+    state.updates.update({k: v.squeeze(0) for k, v in updates.items()})
     return y
 
 
