@@ -105,6 +105,20 @@ class FusedPlan:
                 env[name] = _module(m, prefix, values, ins[0], k, mask, drops, updates)
         return _layout(*env[self.output], STACKED, k)
 
+    def arrange(self, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``stacked`` (entries stacked over the clients, by state key) in the memory layout the forward computes
+        in: on a CPU each convolution's weights (k, O, I, kh, kw) strided so that their fused view (k*O, I, kh, kw)
+        is channels-last, like the feature maps (oneDNN would otherwise copy them into that layout in every
+        forward and backward, and the weights' gradients, channels-last, would meet them in the update in another
+        layout). The same values; anything else as it is."""
+        out = dict(stacked)
+        for _, _, m, prefix, _ in self.steps:
+            w = out.get(prefix + "weight")
+            if isinstance(m, nn.Conv2d) and w is not None and w.device.type == "cpu" and w.dim() == 5:
+                fused = w.reshape(-1, *w.shape[2:]).contiguous(memory_format=torch.channels_last)
+                out[prefix + "weight"] = fused.view(w.shape)
+        return out
+
 
 def _layout(t: torch.Tensor, have: str, want: str, k: int) -> torch.Tensor:
     """``t`` from layout ``have`` to ``want``: (k, N, C, ...) <-> (N, k*C, ...); on a CPU a fused 4-d map is
@@ -133,10 +147,11 @@ def _module(m: nn.Module, prefix: str, values: dict[str, torch.Tensor], arg: tup
     if isinstance(m, nn.Linear):
         t = _layout(t, lay, STACKED, k)
         w, b = get("weight"), get("bias")
-        flat = t.reshape(k, -1, t.shape[-1])
-        wt = w.transpose(1, 2)
-        out = torch.bmm(flat, wt) if b is None else torch.baddbmm(b.unsqueeze(1), flat, wt)
-        return out.reshape(*t.shape[:-1], out.shape[-1]), STACKED
+        flat = t.reshape(k, -1, t.shape[-1]).transpose(1, 2)
+        # (W x^T)^T rather than x W^T: the weight's gradient (grad_out^T x) then comes out in the weight's own
+        # layout, where x W^T gives a transposed one that slows every element-wise op of the update
+        out = torch.bmm(w, flat) if b is None else torch.baddbmm(b.unsqueeze(2), w, flat)
+        return out.transpose(1, 2).reshape(*t.shape[:-1], out.shape[1]), STACKED
     t = _layout(t, lay, FUSED, k)
     if isinstance(m, nn.Conv2d):
         w, b = get("weight"), get("bias")

@@ -242,12 +242,12 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
         if at == len(hooks) and adam is not None:
             grads, new_opt = _adam(adam, params, grads, opt, bias)
         new_params = {}
-        for k, p in params.items():
-            d = grads[k] if wd == 0 else grads[k] + wd * p
+        for k, p in params.items():  # (one fused kernel per term: the update is memory-bound)
+            d = grads[k] if wd == 0 else torch.add(grads[k], p, alpha=wd)
             if momentum != 0:
-                d = momentum * opt["mom"][k] + d
+                d = torch.add(d, opt["mom"][k], alpha=momentum)
                 new_opt.setdefault("mom", {})[k] = d
-            new_params[k] = p - lr * d
+            new_params[k] = torch.addcmul(p, lr, d, value=-1)
         return new_params, new_opt
 
     return objective, update
@@ -366,10 +366,16 @@ def train_together(
     model, task, local = ctx0.model, ctx0.task, ctx0.local
     device = model_device(model)
     K = len(ctxs)
+    # clients with more steps first: the clients still training at any step are then a prefix of the stacks,
+    # which shrink (views, no copy) as clients finish, instead of being gathered and scattered back every step
+    order = sorted(range(K), key=lambda i: -ctxs[i].num_steps)
+    ctxs, starts, steps = [ctxs[i] for i in order], [starts[i] for i in order], [steps[i] for i in order]
+    rng_states = [rng_states[i] for i in order] if rng_states is not None else None
     pad = bool(getattr(task, "loss_is_example_mean", False))
     trainable = [k for k, p in model.named_parameters() if p.requires_grad]
     per_client = batch_norm_buffers(model) | set(ctx0.personal_keys)
     state_keys = list(starts[0])
+    plan = fused_plan(model)
     P = {k: torch.stack([s[k] for s in starts]) for k in trainable}
     rest = {k: torch.stack([s[k] for s in starts]) if k in per_client else starts[0][k]
             for k in state_keys if k not in P}
@@ -379,6 +385,8 @@ def train_together(
     at = sum(1 for c, vs in zip(components[:direction_position(components)], steps[0]) if vs is not None)
     own = {c.name: {k: torch.stack([steps[i][j].tensors[k] for i in range(K)]) for k in vs.tensors}
            for j, (c, vs) in enumerate(zip(components, steps[0])) if vs is not None}
+    if plan is not None:
+        P, own = plan.arrange(P), {name: plan.arrange(t) for name, t in own.items()}
     zeros = lambda: {k: torch.zeros_like(v) for k, v in P.items()}  # noqa: E731
     opt = {"mom": zeros()} if local.momentum != 0 else {}
     if local.optimizer != "sgd":
@@ -418,13 +426,30 @@ def train_together(
             ctx.flops += ctx.cost.train_step(len(positions[i][s]), scope)
         return (x, y), noise
 
+    finals: list[dict[str, torch.Tensor]] = []
+
+    def retire(m: int) -> None:
+        """The clients after the first m are done: keep their final states, shrink the stacks to the first m
+        (views). A copy of the finished clients' entries, not views, while others train on: a view would keep
+        the whole stack alive."""
+        nonlocal P, opt, own
+        live = K - len(finals)
+        if m == live:
+            return
+        done = {k: v[m:live] if m == 0 else v[m:live].clone()
+                for k, v in [*P.items(), *((k, v) for k, v in rest.items() if rest_dims[k] == 0)]}
+        finals.extend({k: done[k][j] if k in done else rest[k] for k in state_keys} for j in reversed(range(live - m)))
+        first = lambda v: v[:m]  # noqa: E731
+        P, opt, own = tree_map(first, P), tree_map(first, opt), tree_map(first, own)
+        rest.update({k: v[:m] for k, v in rest.items() if rest_dims[k] == 0})
+
     def apply(vstep: Any, idx: list[int], *args: Any) -> None:
-        """One vmapped step of the clients ``idx`` (all of them, or gathered and scattered back)."""
+        """One step of the clients ``idx`` (all clients still training, or gathered and scattered back)."""
         nonlocal P, opt
-        if len(idx) == K:
+        if len(idx) == K - len(finals):
             P, new_buffers, opt, loss = vstep(P, rest, opt, own, *args)
             rest.update(new_buffers)
-            loss_sum.add_(loss)
+            loss_sum[:len(idx)].add_(loss)
             return
         where = torch.tensor(idx, device=device)
         pick = functools.partial(torch.index_select, dim=0, index=where)
@@ -437,7 +462,6 @@ def train_together(
         loss_sum.index_add_(0, where, loss)
 
     with functional_batch_norm(model) as norms:
-        plan = fused_plan(model)
         vsteps = {}
         for m in (False, True):
             objective, update = _step_functions(ctx0, hooks, at, m)
@@ -445,6 +469,7 @@ def train_together(
                          else _fused_step(plan, objective, update, m, rest_dims))
         b1, b2 = local.betas
         for s in range(max((c.num_steps for c in ctxs), default=0)):
+            retire(sum(1 for c in ctxs if s < c.num_steps))
             groups: dict[tuple, list[int]] = {}
             batches, noise = {}, {}
             for i, ctx in enumerate(ctxs):
@@ -461,9 +486,12 @@ def train_together(
                 # Adam's bias corrections: t = s + 1 for every client at step s
                 bias = torch.tensor([1.0 - b1 ** (s + 1), (1.0 - b2 ** (s + 1)) ** 0.5], device=device, dtype=dtype)
                 apply(vsteps[min(sizes) < size], idx, *xy, mask, eps, lr, bias)
-    finals = [{k: (P[k][i] if k in P else rest[k][i] if rest_dims[k] == 0 else rest[k]) for k in state_keys}
-              for i in range(K)]
-    return finals, loss_sum
+        retire(0)
+    finals.reverse()  # (retired last client first)
+    back = [0] * K
+    for j, i in enumerate(order):
+        back[i] = j
+    return [finals[j] for j in back], loss_sum[back]
 
 
 def _rate(local: LocalTraining, step: int, num_steps: int) -> float:
