@@ -6,7 +6,10 @@ with ``python -m pytest -m cuda``."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,8 +45,44 @@ def test_device_values_are_checked_at_config_time():
             validate(tiny(**{"engine.device": bad}))
     with pytest.raises(ConfigError, match="engine.threads"):
         validate(tiny(**{"engine.threads": 0}))
+    for bad in (-1, 2048, "lots"):
+        with pytest.raises(ConfigError, match="engine.heap_keep_mb"):
+            validate(tiny(**{"engine.heap_keep_mb": bad}))
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if HAS_CUDA else "cpu")
+
+
+_FAULTS = """
+import resource, sys
+from fedsight.api import build_simulation
+from fedsight.bench import cnn_workload
+from fedsight.config import validate
+sim = build_simulation(validate({**cnn_workload(10, 4), "engine": {"device": "cpu", "vectorize": True,
+                                                                   "heap_keep_mb": int(sys.argv[1])}}))
+sim.train_round(1), sim.train_round(2)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+sim.train_round(3), sim.train_round(4)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _has_mallopt() -> bool:
+    try:
+        return sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "mallopt")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_mallopt(), reason="glibc's mallopt")
+def test_freed_memory_is_kept_for_the_next_steps():
+    """``engine.heap_keep_mb``: the large tensors of vectorised rounds reuse the memory freed by the steps before
+    instead of faulting in fresh pages (each setting in a fresh process: it holds for the rest of a process)."""
+    faults = {}
+    for keep in (0, 256):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, str(keep)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        faults[keep] = int(out.stdout.split()[-1])
+    assert faults[256] * 10 < faults[0], faults
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")

@@ -18,7 +18,7 @@ from . import __version__
 from . import registry as R
 from .capabilities import missing
 from .config import ConfigError, provided, requirements, set_path, stage_configs, validate
-from .device import configure_determinism, configure_threads, describe, resolve_device
+from .device import configure_determinism, configure_threads, describe, keep_freed_memory, resolve_device
 from .engine.plan import Recipe, Schedule, Stage, clients_per_round
 from .engine.server import Server
 from .engine.simulation import Simulation
@@ -131,6 +131,8 @@ def engine_device(cfg: Any) -> torch.device:
     device = resolve_device(cfg.engine.device)
     configure_threads(cfg.engine.threads)
     configure_determinism(cfg.engine.deterministic, device)
+    if device.type == "cpu":
+        keep_freed_memory(cfg.engine.heap_keep_mb)
     return device
 
 

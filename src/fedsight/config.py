@@ -202,6 +202,9 @@ class EngineSection(Params):
         "auto", description='torch intra-op threads; "auto" = 1 (small models: no thread-pool overhead or oversubscription)'
     )
     deterministic: bool = Field(False, description="CUDA: deterministic kernels (bit-identical repeats on one GPU; slower)")
+    heap_keep_mb: int = Field(
+        256, ge=0, le=2047, description="CPU device: freed memory (MiB) the process keeps for the next step's tensors "
+                                           "instead of returning it to the OS (glibc malloc; 0: its defaults)")
     vectorize: bool | Literal["auto"] = Field(
         "auto", description='train a round\'s clients together (torch.func.vmap): "auto" on CUDA where the recipe '
                             "allows it (one at a time on a CPU), true (any device; an error where the recipe does not "

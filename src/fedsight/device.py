@@ -12,6 +12,14 @@ short steps, where a thread pool's synchronisation costs more than it gains, and
 on the machine makes a multi-threaded pool far slower (``benchmarks/threads.py`` measures this). An
 integer sets it explicitly; the run records the value in ``run.json``.
 
+**Freed memory** (``[engine] heap_keep_mb``): torch's CPU allocator has no cache of its own, and glibc's
+``malloc`` hands large freed blocks back to the operating system, so every large tensor of a training step
+(the feature maps and stacked weights of a vectorised step are megabytes each) is fresh memory that the kernel
+maps in page by page, every step: about 5,500 page faults, a tenth of the round, on the CNN of ``fedsight
+bench``. On a CPU device FedSight has glibc keep up to ``heap_keep_mb`` MiB of freed memory for reuse and
+serve blocks up to 32 MiB from it (``keep_freed_memory``). ``0`` leaves the C allocator's defaults; the setting
+holds for the rest of the process; on a C library without ``mallopt`` (macOS) it does nothing.
+
 **Determinism** (``[engine] deterministic``): on the CPU every run of a config is bit-identical anyway.
 On CUDA, ``deterministic = true`` makes torch use deterministic kernels (``torch.use_deterministic_
 algorithms``; cuDNN benchmark off; ``CUBLAS_WORKSPACE_CONFIG`` set), which gives bit-identical repeats on
@@ -23,6 +31,7 @@ never match bit for bit across devices (CPU vs GPU) or GPU models.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
@@ -80,6 +89,26 @@ def to_device(obj: Any, device: torch.device) -> Any:
 def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU copies (what is written to disk or sent over the wire)."""
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+#: glibc's ``mallopt`` parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit systems
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX = -1, -3, 32 << 20
+
+
+def keep_freed_memory(mib: int) -> bool:
+    """Have the C allocator keep up to ``mib`` MiB of freed memory at the top of the heap (glibc's
+    ``M_TRIM_THRESHOLD``) and serve blocks up to 32 MiB from the heap rather than from fresh ``mmap``s
+    (``M_MMAP_THRESHOLD``), so that a training step's large tensors reuse the pages of the step before (module
+    docstring). Returns whether it applied: False for ``mib = 0`` (nothing changed) or a C library without
+    ``mallopt``."""
+    if mib <= 0:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, mib << 20))
 
 
 #: the thread count "auto" resolves to (see the module docstring and benchmarks/threads.py)

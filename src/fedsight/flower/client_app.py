@@ -64,7 +64,7 @@ def _runtime(config_text: str, node_items: tuple, state_dir: Path, class_names: 
     process and node (a Ray actor serves many virtual nodes and rounds; a deployment's ClientApp process
     one message)."""
     from ..api import build_stages
-    from ..device import configure_threads, resolve_device
+    from ..device import configure_threads, keep_freed_memory, resolve_device
 
     cfg = node_config_model(config_text)
     node_config = dict(node_items)
@@ -74,6 +74,8 @@ def _runtime(config_text: str, node_items: tuple, state_dir: Path, class_names: 
         device = resolve_device(str(node_config["device"]), "node config device")
     else:
         device = resolve_device(cfg.engine.device)
+    if device.type == "cpu":
+        keep_freed_memory(cfg.engine.heap_keep_mb)
     task = build_node_task(cfg, node_config, list(class_names) if class_names else None).to(device)
     model_cost = ModelCost(forward=float(cost[0]), head=float(cost[1])) if cost else None
     return ClientRuntime(task, build_stages(cfg, task), cfg.seed, ClientStateStore(state_dir), device, model_cost,
