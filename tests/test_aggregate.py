@@ -81,9 +81,14 @@ def test_mismatched_state_keys_rejected():
         weighted_mean_state([{"a": torch.ones(1)}, {"b": torch.ones(1)}], [1, 1])
 
 
-@given(st.lists(st.sampled_from([0.0, 1.0, -3e38, 3e38, float("nan"), float("inf"), -float("inf")]), min_size=1, max_size=8))
-def test_all_finite_matches_elementwise_check_even_when_sums_overflow(values):
+@given(st.lists(st.sampled_from([0.0, 1.0, -3e38, 3e38, 6e4, float("nan"), float("inf"), -float("inf")]), min_size=1,
+                max_size=8),
+       st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_all_finite_matches_elementwise_check_even_when_sums_overflow(values, dtype, other):
+    """Against numpy's element-wise check, whatever the dtypes (a half-precision tensor, whose own sums overflow
+    at 65504, next to a float32 or a float64 one)."""
     from fedsight.functional.aggregate import all_finite
 
-    t = torch.tensor(values, dtype=torch.float32)
-    assert all_finite({"a": t, "b": torch.ones(2)}) == bool(np.isfinite(np.array(values, dtype=np.float32)).all())
+    t = torch.tensor(values, dtype=torch.float64).to(dtype)
+    assert all_finite({"a": t, "b": torch.ones(2, dtype=other)}) == bool(np.isfinite(t.double().numpy()).all())

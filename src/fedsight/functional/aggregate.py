@@ -99,11 +99,13 @@ def all_finite(state: Mapping[str, torch.Tensor]) -> bool:
 
     Fast path: a NaN or infinite element makes its tensor's sum NaN or infinite, so finite sums prove
     every element finite. Only a non-finite sum (which may also be an overflow of finite values) pays
-    for the exact element-wise check.
+    for the exact element-wise check. Sums are in the tensors' own dtype (a float64 sum would copy every
+    tensor first), half precision's in float32 (whose range its sums would often overflow).
     """
     floats = [t for t in state.values() if t.is_floating_point() and t.numel() > 0]
     if not floats:
         return True
-    if bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float64) for t in floats])).all()):
+    sums = [t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum() for t in floats]
+    if bool(torch.isfinite(torch.stack(sums)).all()):  # (stack promotes mixed dtypes)
         return True
     return all(bool(torch.isfinite(t).all()) for t in floats)

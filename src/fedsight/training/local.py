@@ -200,10 +200,14 @@ def batch_positions(num_examples: int, batch_size: int, num_steps: int, gen: tor
 
 
 def prepare_model(model: nn.Module, frozen: set[str]) -> None:
-    """Train mode, ``requires_grad`` off for frozen parameters, fully frozen norm layers in eval mode."""
-    model.train()
+    """Train mode, ``requires_grad`` off for frozen parameters, fully frozen norm layers in eval mode.
+    ``model.train()`` is skipped when every module is in training mode already (it runs for every client and its
+    ``nn.Module.__setattr__`` on each module costs more than a small client's update on the CPU)."""
+    if not all(m.training for m in model.modules()):
+        model.train()
     for k, p in model.named_parameters():
-        p.requires_grad_(k not in frozen)
+        if p.requires_grad == (k in frozen):
+            p.requires_grad_(k not in frozen)
     if frozen:
         for _, module in frozen_norm_layers(model, frozen):
             module.eval()
