@@ -426,27 +426,29 @@ def train_together(
             ctx.flops += ctx.cost.train_step(len(positions[i][s]), scope)
         return (x, y), noise
 
-    finals: list[dict[str, torch.Tensor]] = []
+    finals: list[dict[str, torch.Tensor]] = [{}] * K  # by position in ``order``
+    live = K  # clients still training: the first ``live`` of the stacks
 
     def retire(m: int) -> None:
         """The clients after the first m are done: keep their final states, shrink the stacks to the first m
         (views). A copy of the finished clients' entries, not views, while others train on: a view would keep
         the whole stack alive."""
-        nonlocal P, opt, own
-        live = K - len(finals)
+        nonlocal P, opt, own, live
         if m == live:
             return
-        done = {k: v[m:live] if m == 0 else v[m:live].clone()
-                for k, v in [*P.items(), *((k, v) for k, v in rest.items() if rest_dims[k] == 0)]}
-        finals.extend({k: done[k][j] if k in done else rest[k] for k in state_keys} for j in reversed(range(live - m)))
+        stacked = {**P, **{k: v for k, v in rest.items() if rest_dims[k] == 0}}
+        done = {k: v[m:live] if m == 0 else v[m:live].clone() for k, v in stacked.items()}
+        for j in range(m, live):
+            finals[j] = {k: done[k][j - m] if k in done else rest[k] for k in state_keys}
         first = lambda v: v[:m]  # noqa: E731
         P, opt, own = tree_map(first, P), tree_map(first, opt), tree_map(first, own)
         rest.update({k: v[:m] for k, v in rest.items() if rest_dims[k] == 0})
+        live = m
 
     def apply(vstep: Any, idx: list[int], *args: Any) -> None:
         """One step of the clients ``idx`` (all clients still training, or gathered and scattered back)."""
         nonlocal P, opt
-        if len(idx) == K - len(finals):
+        if len(idx) == live:
             P, new_buffers, opt, loss = vstep(P, rest, opt, own, *args)
             rest.update(new_buffers)
             loss_sum[:len(idx)].add_(loss)
@@ -487,10 +489,7 @@ def train_together(
                 bias = torch.tensor([1.0 - b1 ** (s + 1), (1.0 - b2 ** (s + 1)) ** 0.5], device=device, dtype=dtype)
                 apply(vsteps[min(sizes) < size], idx, *xy, mask, eps, lr, bias)
         retire(0)
-    finals.reverse()  # (retired last client first)
-    back = [0] * K
-    for j, i in enumerate(order):
-        back[i] = j
+    back = sorted(range(K), key=order.__getitem__)  # back[i]: client i's position in ``order``
     return [finals[j] for j in back], loss_sum[back]
 
 
