@@ -133,3 +133,66 @@ def test_a_module_hook_sends_the_model_back_to_vmap():
     finally:
         handle.remove()
     assert fused_plan(model) is not None
+
+
+class PoolAfterRelu(nn.Module):
+    """ReLU before max-pooling in every form the plan swaps (module, function, method; 2x2, and 3x3 with stride 2
+    and padding), and three it must not: a ReLU whose output has two uses, a ReLU before another ReLU, and one
+    before average pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.act = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(3, 3, 3, padding=1)
+        self.pool3 = nn.MaxPool2d(3, stride=2, padding=1)
+        self.avg = nn.AvgPool2d(3, divisor_override=1)  # a sum: exact on integers
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):  # x: 6x6
+        h = self.pool(self.act(self.conv(x)))  # 3x3
+        r = F.relu(self.conv2(h))
+        h = self.pool3(r) + self.pool3(r)  # 2x2
+        h = self.pool(torch.relu(self.conv2(h)).relu())  # 1x1
+        g = self.avg(F.relu(self.conv2(self.pool3(self.act(self.conv(x))))))  # 1x1
+        return self.fc(torch.flatten(h + g, 1))
+
+
+def test_relu_then_max_pool_computes_as_pool_then_relu_with_the_same_values_and_gradients():
+    """The plan runs max-pooling before a ReLU whose only use it is (a quarter of the elements for ReLU's forward
+    and backward). Integer weights and inputs with many zeros, negatives and ties make every product and sum
+    exact in float64, so each client's outputs and gradients must equal its own module's bit for bit: a swap
+    that changed which element of a window gets the gradient, or one made where it is wrong (a ReLU before
+    average pooling or with two uses), shows."""
+    model = PoolAfterRelu()
+    plan = fused_plan(model)
+    assert plan is not None
+    ops = [m.__class__.__name__ if op == "module" else op for op, _, m, _, _ in plan.steps]
+    assert ops == ["Conv2d", "MaxPool2d", "relu",  # swapped
+                   "Conv2d", "relu", "MaxPool2d", "MaxPool2d", "add",  # two uses
+                   "Conv2d", "relu", "MaxPool2d", "relu",  # the second ReLU swapped
+                   "Conv2d", "MaxPool2d", "relu",  # swapped
+                   "Conv2d", "relu", "AvgPool2d", "add", "flatten", "Linear"]
+    gen = torch.Generator().manual_seed(0)
+    k, n = 3, 4
+    models = []
+    for _ in range(k):
+        m = PoolAfterRelu().double()
+        with torch.no_grad():
+            for t in m.parameters():
+                t.copy_(torch.randint(-2, 3, t.shape, generator=gen))
+        models.append(m)
+    x = torch.randint(-2, 3, (k, n, 2, 6, 6), generator=gen).double()
+    params = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models]).requires_grad_()
+              for name, _ in model.named_parameters()}
+    out = plan.forward(dict(params), x, None, [], {})
+    grads = dict(zip(params, torch.autograd.grad(out.pow(2).sum(), list(params.values()))))
+    nonzero = 0
+    for j, m in enumerate(models):
+        ref = m(x[j])
+        assert torch.equal(out[j], ref)
+        for (name, _), g in zip(m.named_parameters(), torch.autograd.grad(ref.pow(2).sum(), list(m.parameters()))):
+            assert torch.equal(grads[name][j], g), name
+            nonzero += int(g.count_nonzero())
+    assert nonzero > 0
