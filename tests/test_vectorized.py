@@ -365,7 +365,8 @@ def test_every_builtin_model_trains_vectorised_as_sequentially(case):
     ctxs = [ClientContext(client_id=i, round=1, model=model, global_params={}, num_examples=2, num_steps=2,
                           local=local, task=task) for i in range(3)]
     rngs = [torch.Generator().manual_seed(10 + i).get_state() for i in range(3)]
-    finals, _ = train_together(ctxs, starts, [], [[] for _ in range(3)], rngs)
+    finals, _ = train_together(ctxs, {k: torch.stack([s[k] for s in starts]) for k in starts[0]}, [],
+                               [[] for _ in range(3)], rngs)
     for i in range(3):
         model.load_state_dict(starts[i])
         torch.set_rng_state(rngs[i])

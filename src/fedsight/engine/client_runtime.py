@@ -29,7 +29,7 @@ from ..tasks.base import Task
 from ..errors import ConfigError, ModelRefused
 from ..training import ClientState, Component, EvalContext
 from ..training.local import make_result, start_client
-from ..training.vectorized import blockers, train_together
+from ..training.vectorized import blockers, start_stacks, train_together
 from .plan import Stage, StageLayout, build_models, personal_eval, stage_layout, stage_of_round
 
 #: an allocation failure on any device (``torch.OutOfMemoryError`` from torch 2.5; CUDA's before)
@@ -194,10 +194,13 @@ class ClientRuntime:
         broadcast_for: Any = None,
     ) -> Iterator[tuple[int, ClientResult | ModelRefused, ClientState | None]]:
         """``run`` for several clients, trained together (``fedsight.training.vectorized``) at most
-        ``max_clients_per_batch`` at a time: yields (client, its upload, its state) in order, or (client, the
-        ``ModelRefused``, None) for a client that refused the model. While a client's upload is being consumed the
-        work model holds that client's trained weights (``keep`` reads its personal entries from it), so consume
-        each before the next. ``broadcast_for(client)``: what the client receives besides the model.
+        ``max_clients_per_batch`` at a time: yields (client, its upload, its state), or (client, the
+        ``ModelRefused``, None) for a client that refused the model, each group's clients in the order they are
+        trained in (more local steps first). When the stage has personal entries (``keep`` reads them from the work
+        model) or a component's ``client_end`` (which may read ``ctx.model``), the work model holds a client's
+        trained weights while its upload is being consumed, so consume each before the next; otherwise the upload
+        is read off the client's trained state and the work model is left alone. ``broadcast_for(client)``: what
+        the client receives besides the model.
 
         Out of memory while training a group of clients together (a large model, many clients), the group starts
         over as two halves, and the width is kept for the rest of the run (a ``vectorize_width`` event in
@@ -205,30 +208,39 @@ class ClientRuntime:
         self.enter_round(r)
         gstate = to_device(dict(global_state), self.device)
         components = self.stage.recipe.components
+        local = self.stage.local.at_round(r)
+        model_read = bool(self.layout.personal_keys) or any(
+            type(c).client_end is not Component.client_end for c in components)
         width = self.max_clients_per_batch or len(clients)
         queue = [list(clients[i:i + width]) for i in range(0, len(clients), width)]
         while queue:
-            started = []
-            for cid in queue.pop(0):
+            # train_together's order, so that the start states go straight into its stacks (any order is right)
+            group = sorted(queue.pop(0), key=lambda c: -local.num_steps(self.task.num_train_examples(c), self.seed,
+                                                                         r, c))
+            stacks, started = start_stacks(self.work_model, self._wstate, len(group)), []
+            for cid in group:
                 try:
                     ctx, state = self.start(r, cid, gstate, broadcast_for(cid) if broadcast_for else None)
                 except ModelRefused as exc:
                     yield cid, exc, None
                     continue
                 steps = [c.vector_step(ctx) for c in components]
-                started.append((ctx, state, {k: v.detach().clone() for k, v in self._wstate.items()}, steps,
-                                torch.get_rng_state()))
+                with torch.no_grad():
+                    for k, v in self._wstate.items():
+                        stacks[k][len(started)].copy_(v)
+                started.append((ctx, state, steps, torch.get_rng_state()))
             if not started:
                 continue
-            ctxs, states, starts, steps, rngs = zip(*started)
+            ctxs, states, steps, rngs = zip(*started)
             try:
-                finals, losses = train_together(ctxs, starts, components, steps, rngs)
+                finals, losses = train_together(ctxs, {k: v[:len(ctxs)] for k, v in stacks.items()}, components,
+                                                steps, rngs)
             except OUT_OF_MEMORY:
                 if len(ctxs) == 1:
                     raise
                 half = (len(ctxs) + 1) // 2
                 ids = [c.client_id for c in ctxs]
-                del started, ctxs, states, starts, steps, rngs
+                del started, ctxs, states, stacks, steps, rngs
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 queue[:0] = [ids[:half], ids[half:]]
@@ -236,11 +248,14 @@ class ClientRuntime:
                 self.events.append({"round": r, "event": "vectorize_width", "max_clients_per_batch": half,
                                     "reason": f"out of memory training {len(ids)} clients together"})
                 continue
+            del stacks
             for ctx, state, final, loss in zip(ctxs, states, finals, losses):
-                with torch.no_grad():
-                    for k, v in final.items():
-                        self._wstate[k].copy_(v)
-                yield ctx.client_id, make_result(ctx, components, loss, ctx.num_steps), state
+                if model_read:
+                    with torch.no_grad():
+                        for k, v in final.items():
+                            self._wstate[k].copy_(v)
+                yield ctx.client_id, make_result(ctx, components, loss, ctx.num_steps,
+                                                 None if model_read else final), state
 
     def train(
         self, r: int, client: int, global_state: Mapping[str, torch.Tensor],

@@ -105,17 +105,20 @@ class FusedPlan:
                 env[name] = _module(m, prefix, values, ins[0], k, mask, drops, updates)
         return _layout(*env[self.output], STACKED, k)
 
-    def arrange(self, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def arrange(self, stacked: dict[str, torch.Tensor], *, empty: bool = False) -> dict[str, torch.Tensor]:
         """``stacked`` (entries stacked over the clients, by state key) in the memory layout the forward computes
         in: on a CPU each convolution's weights (k, O, I, kh, kw) strided so that their fused view (k*O, I, kh, kw)
         is channels-last, like the feature maps (oneDNN would otherwise copy them into that layout in every
         forward and backward, and the weights' gradients, channels-last, would meet them in the update in another
-        layout). The same values; anything else as it is."""
+        layout). The same values (no copy of an entry already so), or with ``empty`` uninitialised tensors of
+        the same shapes; anything else as it is."""
         out = dict(stacked)
         for _, _, m, prefix, _ in self.steps:
             w = out.get(prefix + "weight")
             if isinstance(m, nn.Conv2d) and w is not None and w.device.type == "cpu" and w.dim() == 5:
-                fused = w.reshape(-1, *w.shape[2:]).contiguous(memory_format=torch.channels_last)
+                fused = w.reshape(-1, *w.shape[2:])
+                fused = (torch.empty_like(fused, memory_format=torch.channels_last) if empty
+                         else fused.contiguous(memory_format=torch.channels_last))
                 out[prefix + "weight"] = fused.view(w.shape)
         return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 from dataclasses import dataclass
 
@@ -344,11 +344,14 @@ def loss_accumulator(model: nn.Module) -> torch.Tensor:
     return torch.zeros((), device=model_device(model), dtype=dtype)
 
 
-def make_result(ctx: ClientContext, components: Sequence[Component], loss_sum: float, steps: int) -> ClientResult:
+def make_result(ctx: ClientContext, components: Sequence[Component], loss_sum: float, steps: int,
+                state: Mapping[str, torch.Tensor] | None = None) -> ClientResult:
     """The upload: delta of the shared trainable parameters (local minus received global), the shared
-    buffers, ``train/loss`` (mean objective over ``steps``); then every component's ``client_end``."""
-    params = dict(ctx.model.named_parameters())
-    buffers = dict(ctx.model.named_buffers())
+    buffers, ``train/loss`` (mean objective over ``steps``); then every component's ``client_end``. ``state``:
+    the client's trained model state when the work model does not hold it (clients trained together whose
+    components' ``client_end`` do not read the model); by default the model's."""
+    params = dict(ctx.model.named_parameters()) if state is None else state
+    buffers = dict(ctx.model.named_buffers()) if state is None else state
     with torch.no_grad():
         keys = list(ctx.global_params)
         local_params = [params[k].detach() for k in keys]

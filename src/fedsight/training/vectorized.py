@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,19 +349,31 @@ def _padded(batch: Any, size: int, fill: float | None = None) -> Any:
     return tree_map(grow, batch)
 
 
+def start_stacks(model: nn.Module, state: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """Uninitialised stacks (n, ...) of ``state``'s entries, for ``train_together``'s ``starts``, in the memory
+    layout its step computes in (``FusedPlan.arrange``): writing each client's start state into its row is then
+    the only copy of it."""
+    stacks = {k: torch.empty((n, *v.shape), dtype=v.dtype, device=v.device) for k, v in state.items()}
+    plan = fused_plan(model)
+    return stacks if plan is None else plan.arrange(stacks, empty=True)
+
+
 def train_together(
-    ctxs: Sequence[ClientContext], starts: Sequence[dict[str, torch.Tensor]], components: Sequence[Component],
+    ctxs: Sequence[ClientContext], starts: Mapping[str, torch.Tensor], components: Sequence[Component],
     steps: Sequence[Sequence[VectorStep | None]], rng_states: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
     """Train the clients of ``ctxs`` (started: ``start_client``; all on one model, one stage) together.
 
-    ``starts[i]``: client i's whole model state at the start (its global and personal entries); ``steps[i]``:
-    each component's ``vector_step`` for client i; ``rng_states[i]``: torch's global CPU generator as client i's
+    ``starts``: the clients' whole model states at the start (their global and personal entries), each entry
+    stacked (row i: client i; ``start_stacks``); ``steps[i]``: each component's ``vector_step`` for client i;
+    ``rng_states[i]``: torch's global CPU generator as client i's
     sequential training would find it after ``client_start`` (seeded from the stream ("client", round, client)):
     each client's batches and ``transform_batch`` draw from their own state, so tasks that crop or augment with the
     global generator (image and video SR, keypoints) give every client the batches sequential training gives it.
     Returns each client's model state after its ``ctx.num_steps`` steps and the sum of each client's step
-    objectives (in the model's floating dtype); ``ctx.flops`` of each client is counted as in ``sgd_steps``."""
+    objectives (in the model's floating dtype); ``ctx.flops`` of each client is counted as in
+    ``sgd_steps``. Clients given in the order of their step counts, most first, are trained without reordering
+    their stacks."""
     ctx0 = ctxs[0]
     model, task, local = ctx0.model, ctx0.task, ctx0.local
     device = model_device(model)
@@ -369,16 +381,18 @@ def train_together(
     # clients with more steps first: the clients still training at any step are then a prefix of the stacks,
     # which shrink (views, no copy) as clients finish, instead of being gathered and scattered back every step
     order = sorted(range(K), key=lambda i: -ctxs[i].num_steps)
-    ctxs, starts, steps = [ctxs[i] for i in order], [starts[i] for i in order], [steps[i] for i in order]
+    ctxs, steps = [ctxs[i] for i in order], [steps[i] for i in order]
     rng_states = [rng_states[i] for i in order] if rng_states is not None else None
+    if order != list(range(K)):
+        where = torch.tensor(order, device=device)
+        starts = {k: v.index_select(0, where) for k, v in starts.items()}
     pad = bool(getattr(task, "loss_is_example_mean", False))
     trainable = [k for k, p in model.named_parameters() if p.requires_grad]
     per_client = batch_norm_buffers(model) | set(ctx0.personal_keys)
-    state_keys = list(starts[0])
+    state_keys = list(starts)
     plan = fused_plan(model)
-    P = {k: torch.stack([s[k] for s in starts]) for k in trainable}
-    rest = {k: torch.stack([s[k] for s in starts]) if k in per_client else starts[0][k]
-            for k in state_keys if k not in P}
+    P = {k: starts[k] for k in trainable}
+    rest = {k: v if k in per_client else v[0] for k, v in starts.items() if k not in P}
     rest_dims = {k: 0 if k in per_client else None for k in rest}
     hooks = [(c.name, vs) for c, vs in zip(components, steps[0]) if vs is not None]
     # Adam runs before the first step correction (SCAFFOLD): after the hooks of the components listed before it
@@ -431,13 +445,14 @@ def train_together(
 
     def retire(m: int) -> None:
         """The clients after the first m are done: keep their final states, shrink the stacks to the first m
-        (views). A copy of the finished clients' entries, not views, while others train on: a view would keep
-        the whole stack alive."""
+        (views). A contiguous copy of the finished clients' entries while others train on (a view would keep the
+        whole stack alive), a view of the last ones where it is contiguous."""
         nonlocal P, opt, own, live
         if m == live:
             return
         stacked = {**P, **{k: v for k, v in rest.items() if rest_dims[k] == 0}}
-        done = {k: v[m:live] if m == 0 else v[m:live].clone() for k, v in stacked.items()}
+        done = {k: v[m:live] if m == 0 and v.is_contiguous() else v[m:live].clone(memory_format=torch.contiguous_format)
+                for k, v in stacked.items()}
         for j in range(m, live):
             finals[j] = {k: done[k][j - m] if k in done else rest[k] for k in state_keys}
         first = lambda v: v[:m]  # noqa: E731
