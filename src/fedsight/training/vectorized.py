@@ -324,29 +324,22 @@ def masked_mean(per_example, out: Any, y: Any, mask: torch.Tensor) -> torch.Tens
     return (vmap(per_example)(out, y) * mask).sum() / mask.sum()
 
 
-def _stack(values: Sequence[Any]) -> Any:
-    """Stack the leaves of same-structured pytrees along a new first dimension."""
-    flat = [tree_flatten(v)[0] for v in values]
-    return tree_unflatten([torch.stack(group) for group in zip(*flat)], tree_flatten(values[0])[1])
-
-
-def _signature(batch: Any, pad: bool) -> tuple:
-    """What must be equal for batches to be stacked: structure, shapes (without the batch size when ``pad``) and
-    dtypes."""
-    leaves, spec = tree_flatten(batch)
+def _signature(leaves: Sequence[torch.Tensor], spec: Any, pad: bool) -> tuple:
+    """What must be equal for batches (flattened: ``tree_flatten``) to be stacked: structure, shapes (without the
+    batch size when ``pad``) and dtypes."""
     return (str(spec), *((tuple(t.shape[1:] if pad else t.shape), t.dtype) for t in leaves))
 
 
-def _padded(batch: Any, size: int, fill: float | None = None) -> Any:
-    """``batch`` grown to ``size`` examples by repeating its first one (real data: finite through any model), or
-    by rows of ``fill``."""
-    def grow(t: torch.Tensor) -> torch.Tensor:
-        extra = size - t.shape[0]
-        if extra == 0:
+def _stack_padded(tensors: Sequence[torch.Tensor], sizes: Sequence[int], size: int,
+                  fill: float | None = None) -> torch.Tensor:
+    """``tensors`` (``sizes[i]`` examples each) stacked along a new first dimension, each grown to ``size``
+    examples by repeating its first one (real data: finite through any model), or by rows of ``fill``."""
+    def grow(t: torch.Tensor, n: int) -> torch.Tensor:
+        if n == size:
             return t
-        rows = t[:1].expand(extra, *t.shape[1:]) if fill is None else t.new_full((extra, *t.shape[1:]), fill)
-        return torch.cat([t, rows])
-    return tree_map(grow, batch)
+        shape = (size - n, *t.shape[1:])
+        return torch.cat([t, t[:1].expand(shape) if fill is None else t.new_full(shape, fill)])
+    return torch.stack([grow(t, n) for t, n in zip(tensors, sizes)])
 
 
 def start_stacks(model: nn.Module, state: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
@@ -430,7 +423,7 @@ def train_together(
             x, y = c.transform_batch(ctx, x, y)
         noise = []
         if drops:
-            sig = _signature(x, False)
+            sig = _signature(*tree_flatten(x), False)
             if sig not in probed:
                 probed[sig] = dropout_shapes(model, x, norms)
             noise = draw_noise(probed[sig], device)
@@ -488,17 +481,18 @@ def train_together(
         for s in range(max((c.num_steps for c in ctxs), default=0)):
             retire(sum(1 for c in ctxs if s < c.num_steps))
             groups: dict[tuple, list[int]] = {}
-            batches, noise = {}, {}
-            for i, ctx in enumerate(ctxs):
-                if s < ctx.num_steps:
-                    batches[i], noise[i] = next_batch(i, s, norms)
-                    groups.setdefault(_signature(batches[i], pad), []).append(i)
+            flat, noise = {}, {}
+            for i in range(live):  # (the clients still training)
+                batch, noise[i] = next_batch(i, s, norms)
+                flat[i] = tree_flatten(batch)
+                groups.setdefault(_signature(*flat[i], pad), []).append(i)
             for idx in groups.values():
-                sizes = [len(tree_flatten(batches[i])[0][0]) for i in idx]
+                sizes = [len(flat[i][0][0]) for i in idx]
                 size = max(sizes)
-                xy = _stack([_padded(batches[i], size) for i in idx])
+                columns = zip(*(flat[i][0] for i in idx))
+                xy = tree_unflatten([_stack_padded(c, sizes, size) for c in columns], flat[idx[0]][1])
                 mask = (torch.arange(size, device=device) < torch.tensor(sizes, device=device)[:, None]).to(dtype)
-                eps = _stack([[_padded(t, size, 1.0) for t in noise[i]] for i in idx]) if drops else []
+                eps = [_stack_padded(c, sizes, size, 1.0) for c in zip(*(noise[i] for i in idx))]
                 lr = torch.tensor([_rate(local, s, ctxs[i].num_steps) for i in idx], device=device, dtype=dtype)
                 # Adam's bias corrections: t = s + 1 for every client at step s
                 bias = torch.tensor([1.0 - b1 ** (s + 1), (1.0 - b2 ** (s + 1)) ** 0.5], device=device, dtype=dtype)
