@@ -15,7 +15,7 @@ from fedsight.api import build_simulation, vectorize_mode
 from fedsight.config import ConfigError, validate
 from fedsight.errors import ModelRefused
 from fedsight.state import PERSONAL
-from fedsight.training import Component
+from fedsight.training import Component, VectorStep
 from fedsight.training.vectorized import NormState, _batch_norm, blockers
 from helpers import close, tiny
 
@@ -141,6 +141,38 @@ def test_a_refusing_client_is_left_out_and_the_rest_train_together():
         rows.append(row)
     for k, v in seq.global_model.state_dict().items():
         close(vec.global_model.state_dict()[k].float(), v.float(), atol=2e-6, rtol=1e-5)
+
+
+class Shifter(Component):
+    """Moves a client's start model (``client_start``) and reads its trained model (``client_end``): vectorised
+    clients must start from the moved weights, and their ``client_end`` must see their own trained weights."""
+
+    name = "shifter"
+
+    def client_start(self, ctx):
+        with torch.no_grad():
+            last = list(ctx.model.parameters())[-1]
+            last.add_(0.1 * (ctx.client_id + 1))
+
+    def vector_step(self, ctx):
+        return VectorStep()
+
+    def client_end(self, ctx, result):
+        result.metrics["shifter/last"] = float(list(ctx.model.parameters())[-1].sum())
+
+
+def test_a_component_moving_the_start_model_or_reading_the_trained_one_is_served_per_client():
+    seq, vec = _sim_with(Shifter(), False), _sim_with(Shifter(), True)
+    assert vec.runtime.vectorizes(6)
+    plan = vec.server.begin_round(1)
+    gstate = vec.server.global_state()
+    together = {cid: res for cid, res, _ in vec.runtime.run_many(1, plan.sampled, gstate, plan.broadcast_for)}
+    for cid in plan.sampled:
+        alone, _ = seq.runtime.run(1, cid, gstate, plan.broadcast_for(cid))
+        close(torch.tensor(together[cid].metrics["shifter/last"]), torch.tensor(alone.metrics["shifter/last"]),
+              atol=1e-5, rtol=1e-5)
+        for k, d in alone.delta.items():
+            close(together[cid].delta[k], d, atol=2e-6, rtol=1e-5)
 
 
 class Stepper(Component):

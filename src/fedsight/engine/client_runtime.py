@@ -163,11 +163,11 @@ class ClientRuntime:
 
     def start(
         self, r: int, client: int, gstate: Mapping[str, torch.Tensor],
-        broadcast: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+        broadcast: Mapping[str, Mapping[str, torch.Tensor]] | None = None, *, load: bool = True,
     ):
-        """Load ``client``'s model into the work model and start its local work in round ``r`` (``gstate`` on
-        the runtime's device): its context and state."""
-        model = self.load(client, gstate)
+        """Load ``client``'s model into the work model (unless ``load`` is False: it holds it already) and start its
+        local work in round ``r`` (``gstate`` on the runtime's device): its context and state."""
+        model = self.load(client, gstate) if load else self.work_model
         seed_torch(self.seed, "client", r, client)
         state = ClientState(self.store, client, r, self.device)
         lay = self.layout
@@ -211,6 +211,10 @@ class ClientRuntime:
         local = self.stage.local.at_round(r)
         model_read = bool(self.layout.personal_keys) or any(
             type(c).client_end is not Component.client_end for c in components)
+        # without personal entries or a component's client_start every client starts from the global state: the
+        # work model loads it once a group and the stacks' rows get it in one copy
+        same_start = not self.layout.personal_keys and all(
+            type(c).client_start is Component.client_start for c in components)
         width = self.max_clients_per_batch or len(clients)
         queue = [list(clients[i:i + width]) for i in range(0, len(clients), width)]
         while queue:
@@ -220,17 +224,23 @@ class ClientRuntime:
             stacks, started = start_stacks(self.work_model, self._wstate, len(group)), []
             for cid in group:
                 try:
-                    ctx, state = self.start(r, cid, gstate, broadcast_for(cid) if broadcast_for else None)
+                    ctx, state = self.start(r, cid, gstate, broadcast_for(cid) if broadcast_for else None,
+                                            load=not (same_start and started))
                 except ModelRefused as exc:
                     yield cid, exc, None
                     continue
                 steps = [c.vector_step(ctx) for c in components]
-                with torch.no_grad():
-                    for k, v in self._wstate.items():
-                        stacks[k][len(started)].copy_(v)
+                if not same_start:
+                    with torch.no_grad():
+                        for k, v in self._wstate.items():
+                            stacks[k][len(started)].copy_(v)
                 started.append((ctx, state, steps, torch.get_rng_state()))
             if not started:
                 continue
+            if same_start:
+                with torch.no_grad():
+                    for k, v in self._wstate.items():
+                        stacks[k][:len(started)].copy_(v.expand(len(started), *v.shape))
             ctxs, states, steps, rngs = zip(*started)
             try:
                 finals, losses = train_together(ctxs, {k: v[:len(ctxs)] for k, v in stacks.items()}, components,
