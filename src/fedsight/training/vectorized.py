@@ -203,7 +203,8 @@ def batch_norm_buffers(model: nn.Module) -> set[str]:
 def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], at: int, masked: bool):
     """One client's step as two pure functions: ``objective(params, own, out, y, mask)``, the local objective of
     the model's outputs ``out`` (and the trainable parameters ``params``), and ``update(params, grads, opt, own,
-    lr, bias)`` -> (new params, new optimizer state), the step from the objective's gradients.
+    lr, bias)`` -> (new params, new optimizer state), the step from the objective's gradients (``lr``: the client's
+    rate, or the stacked clients' rates (k,) when ``update`` runs on stacks without vmap).
     ``hooks``: each stepping component's name and first client's ``VectorStep`` (its functions serve every
     client), the first ``at`` of them before ``train.optimizer``'s Adam transform, the rest after
     (``fedsight.training.local.direction_position``). ``masked``: the batch is padded and ``mask`` marks its real
@@ -247,7 +248,8 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
             if momentum != 0:
                 d = torch.add(d, opt["mom"][k], alpha=momentum)
                 new_opt.setdefault("mom", {})[k] = d
-            new_params[k] = torch.addcmul(p, lr, d, value=-1)
+            rate = lr if lr.dim() == 0 else lr.view(-1, *(1,) * (p.dim() - 1))  # one client's, or the stacks'
+            new_params[k] = torch.addcmul(p, rate, d, value=-1)
         return new_params, new_opt
 
     return objective, update
@@ -276,13 +278,15 @@ def _vmapped_step(model: nn.Module, objective, update, norms: NormState, masked:
     return vmap(step, in_dims=(0, rest_dims, 0, 0, 0, 0, 0, 0, 0, None), randomness="error")
 
 
-def _fused_step(plan: FusedPlan, objective, update, masked: bool, rest_dims):
+def _fused_step(plan: FusedPlan, objective, update, masked: bool, rest_dims, elementwise: bool):
     """The clients' step with the fused forward (``fedsight.training.fused``), the same signature and results as
     ``_vmapped_step``'s: the summed objectives differentiated by ordinary autograd with respect to the stacked
-    parameters (each client's slice of the gradient is its own gradient); the objective and the update vmapped
-    over the clients."""
+    parameters (each client's slice of the gradient is its own gradient); the objective vmapped over the clients,
+    and the update too unless it is ``elementwise`` (no component's ``grads``, which may reduce over a client's
+    tensors): then it runs on the stacks as they are, each client's rate broadcast over its rows (the same
+    arithmetic without vmap's dispatch on every operation)."""
     losses = vmap(objective, in_dims=(0, 0, 0, 0, 0), randomness="error")
-    updates = vmap(update, in_dims=(0, 0, 0, 0, 0, None), randomness="error")
+    updates = update if elementwise else vmap(update, in_dims=(0, 0, 0, 0, 0, None), randomness="error")
 
     def step(params, rest, opt, own, x, y, mask, noise, lr, bias):
         k = len(lr)
@@ -476,7 +480,8 @@ def train_together(
         for m in (False, True):
             objective, update = _step_functions(ctx0, hooks, at, m)
             vsteps[m] = (_vmapped_step(model, objective, update, norms, m, rest_dims) if plan is None
-                         else _fused_step(plan, objective, update, m, rest_dims))
+                         else _fused_step(plan, objective, update, m, rest_dims,
+                                          all(vs.grads is None for _, vs in hooks)))
         b1, b2 = local.betas
         for s in range(max((c.num_steps for c in ctxs), default=0)):
             retire(sum(1 for c in ctxs if s < c.num_steps))
