@@ -201,13 +201,21 @@ def batch_positions(num_examples: int, batch_size: int, num_steps: int, gen: tor
 
 def prepare_model(model: nn.Module, frozen: set[str]) -> None:
     """Train mode, ``requires_grad`` off for frozen parameters, fully frozen norm layers in eval mode.
-    ``model.train()`` is skipped when every module is in training mode already (it runs for every client and its
-    ``nn.Module.__setattr__`` on each module costs more than a small client's update on the CPU)."""
-    if not all(m.training for m in model.modules()):
+    It runs for every client: one walk over the modules (``named_parameters`` walks them again), and
+    ``model.train()`` only when some module is in eval mode (its ``nn.Module.__setattr__`` on each module costs
+    more than a small client's update on the CPU)."""
+    modules = list(model.named_modules())
+    if not all(m.training for _, m in modules):
         model.train()
-    for k, p in model.named_parameters():
-        if p.requires_grad == (k in frozen):
-            p.requires_grad_(k not in frozen)
+    seen: set[int] = set()  # a parameter shared by two modules is named once, as ``named_parameters`` does
+    for prefix, m in modules:
+        for name, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            key = f"{prefix}.{name}" if prefix else name
+            if p.requires_grad == (key in frozen):
+                p.requires_grad_(key not in frozen)
     if frozen:
         for _, module in frozen_norm_layers(model, frozen):
             module.eval()
