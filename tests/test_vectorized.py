@@ -359,6 +359,34 @@ class _Batches:
         return sum(o.float().pow(2).mean() for o in outs)
 
 
+def test_clients_given_in_any_order_get_their_own_results():
+    """``train_together`` trains clients with more steps first (``run_many`` starts them in that order): clients
+    given in another order (1, 3 and 2 steps) are reordered and their states and losses come back in the order
+    given, each what the client trained alone gets."""
+    from fedsight.models.cnn import CNN, CNNParams
+    from fedsight.training import ClientContext
+    from fedsight.training.local import LocalTraining, prepare_model
+    from fedsight.training.vectorized import train_together
+
+    torch.manual_seed(0)
+    model = CNN(CNNParams(), num_classes=3, in_channels=1, image_size=8).double()
+    prepare_model(model, set())
+    local = LocalTraining(batch_size=4, lr=0.05, epochs=None, steps=1)
+    gen = torch.Generator().manual_seed(1)
+    task = _Batches([torch.randn(4, 1, 8, 8, generator=gen, dtype=torch.float64) for _ in range(3)])
+    starts = [{k: v + 0.01 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in model.state_dict().items()}
+              for _ in range(3)]
+    ctxs = [ClientContext(client_id=i, round=1, model=model, global_params={}, num_examples=4, num_steps=n,
+                          local=local, task=task) for i, n in enumerate((1, 3, 2))]
+    stack = lambda states: {k: torch.stack([s[k] for s in states]) for k in states[0]}  # noqa: E731
+    finals, losses = train_together(ctxs, stack(starts), [], [[] for _ in range(3)])
+    for i in range(3):
+        (alone,), loss = train_together([ctxs[i]], stack([starts[i]]), [], [[]])
+        close(losses[i], loss[0], atol=1e-12, rtol=1e-9)
+        for k, v in alone.items():
+            close(finals[i][k], v, atol=1e-12, rtol=1e-9)
+
+
 def _conformance_cases():
     from test_conformance import FAMILIES, MODEL_CASES
 

@@ -240,7 +240,7 @@ class ClientRuntime:
             if same_start:
                 with torch.no_grad():
                     for k, v in self._wstate.items():
-                        stacks[k][:len(started)].copy_(v.expand(len(started), *v.shape))
+                        stacks[k][:len(started)].copy_(v)  # (broadcast over the rows)
             ctxs, states, steps, rngs = zip(*started)
             try:
                 finals, losses = train_together(ctxs, {k: v[:len(ctxs)] for k, v in stacks.items()}, components,
