@@ -41,14 +41,30 @@ CASES = {
     # a task whose loss is not a mean of per-example losses: unequal batches are trained in separate groups
     "grouped": {"model.norm": "batch", "_grouped": True},
     "grouped_epochs": {"train.steps_range": None, "train.epochs": 1, "_grouped": True},
+    # a task class changing ``train_batch``: its batches come client by client, not from the gather of the digits'
+    # in-memory images (``ClassificationTask.train_batch_stack``) that every other case trains on
+    "own_train_batch": {"_flipped": True},
 }
 
 
-def _run(vectorize, _grouped=False, **over):
+def _flip_images(task):
+    """``task`` as an instance of a subclass whose training images are mirrored."""
+    class Flipped(type(task)):
+        def train_batch(self, client, positions):
+            x, y = super().train_batch(client, positions)
+            return x.flip(-1), y
+
+    task.__class__ = Flipped
+    return task
+
+
+def _run(vectorize, _grouped=False, _flipped=False, **over):
     cfg = validate(tiny(**{**UNEQUAL, "engine.vectorize": vectorize, **over}))
     sim = build_simulation(cfg)
     if _grouped:
         sim.task.loss_is_example_mean = False
+    if _flipped:
+        _flip_images(sim.task)
     start = {k: v.clone() for k, v in sim.global_model.state_dict().items()}
     rows = [sim.run_round(r)[0] for r in (1, 2)]
     assert any(not torch.equal(start[k], v) for k, v in sim.global_model.state_dict().items()), "nothing trained"
@@ -350,6 +366,9 @@ class _Batches:
     def __init__(self, inputs):
         self.inputs = inputs
 
+    def stacks_train_batches(self):
+        return False
+
     def train_batches(self, client, positions, *, seed=0, round=0):
         for _ in positions:
             yield self.inputs[client], torch.zeros(len(self.inputs[client]))
@@ -512,3 +531,39 @@ def test_out_of_memory_events_name_the_new_width(monkeypatch):
     assert [e["max_clients_per_batch"] for e in widths] == [3] and "6 clients" in widths[0]["reason"]
     _, events = sim.run_round(2)  # the narrower width holds: no new event
     assert not [e for e in events if e["event"] == "vectorize_width"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_a_steps_batches_gathered_at_once_are_each_clients_own(data):
+    """``ClassificationTask.train_batch_stack``: row i is ``train_batch(clients[i], positions[i])`` for clients in
+    any order (repeated too) and positions in any order (repeated too); a subclass changing ``train_batch`` is not
+    served by it."""
+    task = _digits_task()
+    assert task.stacks_train_batches()
+    holders = [c for c in range(task.num_clients) if task.num_train_examples(c) > 0]
+    clients = data.draw(st.lists(st.sampled_from(holders), min_size=1, max_size=5))
+    size = data.draw(st.integers(1, 6))
+    positions = torch.tensor([data.draw(st.lists(st.integers(0, task.num_train_examples(c) - 1), min_size=size,
+                                                 max_size=size)) for c in clients])
+    x, y = task.train_batch_stack(clients, positions)
+    assert x.shape[:2] == y.shape == (len(clients), size)
+    for i, c in enumerate(clients):
+        own_x, own_y = task.train_batch(c, positions[i])
+        assert torch.equal(x[i], own_x) and torch.equal(y[i], own_y)
+    assert not _flip_images(_digits_task(fresh=True)).stacks_train_batches()
+
+
+_DIGITS = []
+
+
+def _digits_task(fresh=False):
+    """The digits under a Dirichlet(0.3) partition of 8 clients (unequal sizes), built once unless ``fresh``."""
+    from fedsight.api import build_task
+
+    if fresh or not _DIGITS:
+        task = build_task(validate(tiny(**{"partition.alpha": 0.3, "partition.num_clients": 8})))
+        if fresh:
+            return task
+        _DIGITS.append(task)
+    return _DIGITS[0]

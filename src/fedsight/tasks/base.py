@@ -100,6 +100,17 @@ class Task(ABC):
         for positions in batches:
             yield self.train_batch(client, positions)
 
+    def stacks_train_batches(self) -> bool:
+        """Whether ``train_batch_stack`` serves this task's training batches (default: no)."""
+        return False
+
+    def train_batch_stack(self, clients: Sequence[int], positions: torch.Tensor) -> tuple[Any, Any]:
+        """``train_batch(clients[i], positions[i])`` of every i (``positions``: (k, B), on the CPU) as one gather,
+        stacked along a new first dimension: the batches ``train_batches`` yields, with no random number drawn.
+        Vectorised training fetches a step's batches so when ``stacks_train_batches()`` says the task can
+        (in-memory tensors), instead of client by client."""
+        raise NotImplementedError(f"task {self.name!r} fetches training batches one client at a time")
+
     def example_input(self) -> Any:
         """One training input (a batch of one) of some client: the model-cost probe's input."""
         for c in range(self.num_clients):

@@ -259,6 +259,16 @@ class ClassificationTask(Task):
         idx = positions.cpu() + sl.start
         return self.pool.get(idx), self.pool_y[idx.to(self.pool_y.device)]
 
+    def stacks_train_batches(self) -> bool:
+        """In-memory images served by this class's own ``train_batch`` (a subclass may change it)."""
+        own = type(self).train_batch is ClassificationTask.train_batch
+        return own and type(self).train_batches is ClassificationTask.train_batches and self.pool.x is not None
+
+    def train_batch_stack(self, clients: Sequence[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.from_numpy(self._bounds[np.asarray(clients, dtype=np.int64), 0]).to(positions.dtype)
+        idx = (positions + starts[:, None]).to(self.pool_y.device)
+        return self.pool.x[idx], self.pool_y[idx]
+
     def train_batches(
         self, client: int, batches: Iterable[torch.Tensor], *, seed: int = 0, round: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

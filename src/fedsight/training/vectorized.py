@@ -16,7 +16,9 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
 (the batched kernels round differently):
 
 * the same index batches (each client's stream ("shuffle", round, client)), the same batches from
-  ``task.train_batches`` and every component's ``transform_batch``, per client;
+  ``task.train_batches`` and every component's ``transform_batch``, per client (or, from a task holding its
+  examples in memory and no component transforming them, a step's batches of all the clients in one gather:
+  ``Task.train_batch_stack``);
 * unequal clients: at every step the clients that still have a step are grouped by the shapes of their batch
   (a short last batch, a client with fewer steps) and each group is one vmapped call; a client without a step
   is in no group, so its weights do not move (exactly, not by a zero mask);
@@ -406,36 +408,77 @@ def train_together(
     loss_sum = torch.zeros(K, device=device, dtype=dtype)
     scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
 
+    # a task serving batches from tensors in memory gives a step's batches in one gather when no component
+    # transforms them: nothing then draws from the clients' random states but their dropout noise
+    gather = task.stacks_train_batches() and all(type(c).transform_batch is Component.transform_batch
+                                                  for c in components)
+
     positions, iters = [], []
     for ctx in ctxs:
         gen = torch_gen(ctx.seed, "shuffle", ctx.round, ctx.client_id)
         positions.append(list(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)))
-        iters.append(iter(task.train_batches(ctx.client_id, positions[-1], seed=ctx.seed, round=ctx.round)))
+        if not gather:
+            iters.append(iter(task.train_batches(ctx.client_id, positions[-1], seed=ctx.seed, round=ctx.round)))
     rng = list(rng_states) if rng_states is not None else None
     drops = bool(dropout_modules(model))
     probed: dict[tuple, list] = {}  # dropout shapes by batch signature
 
-    def next_batch(i: int, s: int, norms: NormState) -> tuple[Any, list[torch.Tensor]]:
-        """Client i's batch of step s (after the components' transforms) and its dropout noise, drawn from the
-        client's own random state where its sequential training would draw them."""
+    def next_batch(i: int, s: int, norms: NormState, gathered: tuple[Any, int] | None = None
+                   ) -> tuple[Any, list[torch.Tensor]]:
+        """Client i's batch of step s (after the components' transforms; None when ``gathered``: the stacked inputs
+        of its group, row j its own) and its dropout noise, drawn from the client's own random state where its
+        sequential training would draw them."""
         ctx = ctxs[i]
         ctx.step = s
-        if rng is not None:
+        batch = None
+        if rng is not None and (gathered is None or drops):
             torch.set_rng_state(rng[i])
-        x, y = to_device(next(iters[i]), device)
-        for c in components:
-            x, y = c.transform_batch(ctx, x, y)
+        if gathered is None:
+            x, y = to_device(next(iters[i]), device)
+            for c in components:
+                x, y = c.transform_batch(ctx, x, y)
+            batch = (x, y)
         noise = []
         if drops:
+            if gathered is not None:
+                x = tree_map(lambda t: t[gathered[1]], gathered[0])
             sig = _signature(*tree_flatten(x), False)
             if sig not in probed:
                 probed[sig] = dropout_shapes(model, x, norms)
             noise = draw_noise(probed[sig], device)
-        if rng is not None:
+        if rng is not None and (batch is not None or drops):
             rng[i] = torch.get_rng_state()
         if ctx.cost is not None:
             ctx.flops += ctx.cost.train_step(len(positions[i][s]), scope)
-        return (x, y), noise
+        return batch, noise
+
+    def step_batches(s: int, norms: NormState) -> Iterator[tuple[list[int], list[int], Any, dict[int, Any]]]:
+        """The groups of step s: (clients, their batch sizes, their batches stacked and padded to the largest,
+        each client's dropout noise). Clients are grouped by the structure, shapes and dtypes of their batches
+        (without the batch size when ``pad``)."""
+        groups: dict[tuple, list[int]] = {}
+        noise: dict[int, Any] = {}
+        if gather:
+            for i in range(live):
+                groups.setdefault(() if pad else (len(positions[i][s]),), []).append(i)
+            for idx in groups.values():
+                sizes = [len(positions[i][s]) for i in idx]
+                # a short batch padded with its first example's index: the padding _stack_padded gives
+                where = _stack_padded([positions[i][s] for i in idx], sizes, max(sizes))
+                xy = to_device(task.train_batch_stack([ctxs[i].client_id for i in idx], where), device)
+                for j, i in enumerate(idx):
+                    noise[i] = next_batch(i, s, norms, (xy[0], j))[1]
+                yield idx, sizes, xy, noise
+            return
+        flat = {}
+        for i in range(live):  # (the clients still training)
+            batch, noise[i] = next_batch(i, s, norms)
+            flat[i] = tree_flatten(batch)
+            groups.setdefault(_signature(*flat[i], pad), []).append(i)
+        for idx in groups.values():
+            sizes = [len(flat[i][0][0]) for i in idx]
+            columns = zip(*(flat[i][0] for i in idx))
+            yield idx, sizes, tree_unflatten([_stack_padded(c, sizes, max(sizes)) for c in columns], flat[idx[0]][1]), noise
 
     finals: list[dict[str, torch.Tensor]] = [{}] * K  # by position in ``order``
     live = K  # clients still training: the first ``live`` of the stacks
@@ -485,17 +528,8 @@ def train_together(
         b1, b2 = local.betas
         for s in range(max((c.num_steps for c in ctxs), default=0)):
             retire(sum(1 for c in ctxs if s < c.num_steps))
-            groups: dict[tuple, list[int]] = {}
-            flat, noise = {}, {}
-            for i in range(live):  # (the clients still training)
-                batch, noise[i] = next_batch(i, s, norms)
-                flat[i] = tree_flatten(batch)
-                groups.setdefault(_signature(*flat[i], pad), []).append(i)
-            for idx in groups.values():
-                sizes = [len(flat[i][0][0]) for i in idx]
+            for idx, sizes, xy, noise in step_batches(s, norms):
                 size = max(sizes)
-                columns = zip(*(flat[i][0] for i in idx))
-                xy = tree_unflatten([_stack_padded(c, sizes, size) for c in columns], flat[idx[0]][1])
                 mask = (torch.arange(size, device=device) < torch.tensor(sizes, device=device)[:, None]).to(dtype)
                 eps = [_stack_padded(c, sizes, size, 1.0) for c in zip(*(noise[i] for i in idx))]
                 lr = torch.tensor([_rate(local, s, ctxs[i].num_steps) for i in idx], device=device, dtype=dtype)
