@@ -92,3 +92,16 @@ def test_all_finite_matches_elementwise_check_even_when_sums_overflow(values, dt
 
     t = torch.tensor(values, dtype=torch.float64).to(dtype)
     assert all_finite({"a": t, "b": torch.ones(2, dtype=other)}) == bool(np.isfinite(t.double().numpy()).all())
+
+
+@given(st.lists(st.tuples(*[st.sampled_from([0.0, 1.0, -3e38, 3e38, float("nan"), float("inf"), -float("inf")])] * 2),
+                min_size=1, max_size=6),
+       st.sampled_from([torch.complex64, torch.complex128]))
+def test_all_finite_reads_both_parts_of_complex_tensors(parts, dtype):
+    """A complex tensor is finite when both parts of every element are (numpy's element-wise check), next to a real
+    one: the in-process runtime's check that spares the server a second pass (``Reply.finite_checked``) must cover
+    every tensor the server's contract would check, complex extras included."""
+    from fedsight.functional.aggregate import all_finite
+
+    t = torch.tensor([complex(a, b) for a, b in parts], dtype=torch.complex128).to(dtype)
+    assert all_finite({"a": torch.ones(3), "b": t}) == bool(np.isfinite(t.numpy()).all())

@@ -163,6 +163,36 @@ def test_non_finite_update_is_rejected_and_reported(tmp_path):
     assert all(torch.isfinite(p_).all() for p_ in sim.global_model.parameters())
 
 
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_only_updates_found_finite_in_process_are_sealed_and_a_changed_one_is_checked_again(vectorize):
+    """The in-process backend seals a reply (``FiniteSeal``: the server then does not read its values again)
+    exactly when every uploaded tensor is finite: the poisoned client's is not, and the server rejects it. A sealed
+    result whose tensor is then changed in place, or replaced, is checked in full and rejected."""
+    cfg = validate(tiny(**{"server.rounds": 1, "server.clients_per_round": 6, "engine.vectorize": vectorize}))
+    sim = build_simulation(cfg)
+    p = Poison()
+    p.victims = (3,)
+    sim.recipe.components.append(p)
+    sim.server.enter_round(1)
+    sim.backend.enter_round(1)
+    plan = sim.server.begin_round(1)
+    replies, _ = sim.backend.train(plan)
+    sealed = {rep.client: rep.finite_seal is not None and rep.finite_seal.holds(rep.result) for rep in replies}
+    assert sealed == {rep.client: all(bool(torch.isfinite(t).all()) for t in rep.result.delta.values())
+                      for rep in replies}
+    assert sorted(c for c, m in sealed.items() if not m) == [3]
+    changed, replaced = [rep for rep in replies if rep.client != 3][:2]
+    next(iter(changed.result.delta.values()))[0] = float("inf")
+    key = next(iter(replaced.result.delta))
+    replaced.result.delta[key] = torch.full_like(replaced.result.delta[key], float("nan"))
+    events = []
+    results, _ = sim.server.collect(plan, replies, events)
+    assert sorted(r.client_id for r in results) == sorted(set(sealed) - {3, changed.client, replaced.client})
+    assert {e["client"]: e["reason"] for e in events} == {
+        3: "non-finite values", changed.client: f"delta {next(iter(changed.result.delta))!r} has non-finite values",
+        replaced.client: f"delta {key!r} has non-finite values"}
+
+
 def test_rejected_update_leaves_no_client_state():
     """SCAFFOLD saves c_i in every client's state; the poisoned client's save must not take effect."""
     cfg = validate(tiny(**{"server.rounds": 1, "server.clients_per_round": 6, "recipe.components": ["scaffold"]}))

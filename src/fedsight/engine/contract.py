@@ -68,6 +68,35 @@ class ReplyContract:
         return ReplyContract(spec(params), spec(buffers), trains, **kw)
 
 
+def _result_tensors(res: Any) -> list[Any] | None:
+    """The values of a result's delta, buffers and extras groups, in order (None: not a result of that form)."""
+    if not isinstance(res, ClientResult) or not isinstance(res.extras, Mapping):
+        return None
+    groups = [res.delta, res.buffers, *res.extras.values()]
+    return [t for g in groups for t in g.values()] if all(isinstance(g, Mapping) for g in groups) else None
+
+
+@dataclass(frozen=True)
+class FiniteSeal:
+    """The tensors of a result that were found finite in this process (the in-process runtime's ``keep``, on which
+    the client's outcome depends), each with its version counter then. While the result holds exactly these tensor
+    objects, none changed in place since (every in-place torch operation counts a version), the server's contract
+    check does not read their values again: in an in-process run the second pass over every upload (and on a GPU a
+    synchronisation per client) is spared. A result whose tensors were replaced or changed is checked in full; a
+    reply that crossed a process boundary never has a seal."""
+
+    tensors: tuple[tuple[torch.Tensor, int], ...]
+
+    @staticmethod
+    def of(res: ClientResult) -> "FiniteSeal":
+        return FiniteSeal(tuple((t, t._version) for t in _result_tensors(res) or ()))
+
+    def holds(self, res: Any) -> bool:
+        now = _result_tensors(res)
+        return now is not None and len(now) == len(self.tensors) and all(
+            t is s and t._version == v for t, (s, v) in zip(now, self.tensors))
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
 
@@ -76,7 +105,7 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(float(x))
 
 
-def _check_tensors(what: str, got: Any, spec: Spec) -> str | None:
+def _check_tensors(what: str, got: Any, spec: Spec, finite_known: bool = False) -> str | None:
     if not isinstance(got, Mapping):
         return f"{what} is a {type(got).__name__}, not named tensors"
     missing, extra = sorted(set(spec) - set(got)), sorted(set(got) - set(spec))
@@ -92,14 +121,15 @@ def _check_tensors(what: str, got: Any, spec: Spec) -> str | None:
             return f"{what} {k!r} has shape {tuple(t.shape)}, expected {shape}"
         if t.dtype != dtype:
             return f"{what} {k!r} has dtype {t.dtype}, expected {dtype}"
-    if not all_finite(got):  # one check of the whole mapping (a sync on a GPU), then find the culprit
+    if not finite_known and not all_finite(got):  # one check of the whole mapping (a sync on a GPU), then find the culprit
         k = next(k for k in spec if not bool(torch.isfinite(got[k]).all()))
         return f"{what} {k!r} has non-finite values"
     return None
 
 
-def check_result(res: Any, client: int, contract: ReplyContract) -> str | None:
-    """Why ``res`` (the reply for ``client``) breaks the contract, or None when it keeps it."""
+def check_result(res: Any, client: int, contract: ReplyContract, *, finite_known: bool = False) -> str | None:
+    """Why ``res`` (the reply for ``client``) breaks the contract, or None when it keeps it. ``finite_known``: these
+    very tensors were found finite in this process already (``FiniteSeal``): their values are not read again."""
     if not isinstance(res, ClientResult):
         return f"not a client result ({type(res).__name__})"
     if not _is_int(res.client_id) or int(res.client_id) != client:
@@ -123,14 +153,14 @@ def check_result(res: Any, client: int, contract: ReplyContract) -> str | None:
         if not isinstance(k, str) or not _is_real(v):
             return f"metric {k!r} = {v!r} is not a finite number"
     params = contract.params if contract.trains else {}
-    why = _check_tensors("delta", res.delta, params)
+    why = _check_tensors("delta", res.delta, params, finite_known)
     if why:
         return why
     buffers = contract.buffers if (contract.trains or res.buffers) else {}
-    why = _check_tensors("buffers", res.buffers, buffers)
+    why = _check_tensors("buffers", res.buffers, buffers, finite_known)
     if why:
         return why
-    return _check_extras(res, contract.extras)
+    return _check_extras(res, contract.extras, finite_known)
 
 
 def _names(keys: Any) -> str:
@@ -145,7 +175,8 @@ def _shape(shape: tuple, sizes: Mapping[str, tuple[int, int]]) -> str:
     return f"({dims})" + (f" with {', '.join(named)}" if named else "")
 
 
-def _check_group(name: str, group: Mapping[Any, Any], spec: ExtrasSpec, res: ClientResult) -> str | None:
+def _check_group(name: str, group: Mapping[Any, Any], spec: ExtrasSpec, res: ClientResult,
+                 finite_known: bool) -> str | None:
     for k, t in group.items():
         if not isinstance(k, str):
             return f"extras {name!r} have a key {k!r} that is not a name"
@@ -155,7 +186,7 @@ def _check_group(name: str, group: Mapping[Any, Any], spec: ExtrasSpec, res: Cli
             return f"extra {name}/{k} is a {t.layout} tensor, not a dense one"
     if spec.tensors is None:  # undeclared: any named finite tensors
         for k, t in group.items():
-            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            if not finite_known and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
                 return f"extra {name}/{k} has non-finite values"
         return None
     missing, extra = set(spec.tensors) - set(group), set(group) - set(spec.tensors)
@@ -179,7 +210,7 @@ def _check_group(name: str, group: Mapping[Any, Any], spec: ExtrasSpec, res: Cli
                     + (f" and {also}" if also else ""))
         if t.dtype != dtype:
             return f"extra {name}/{k} has dtype {t.dtype}, expected {dtype}"
-        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+        if not finite_known and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
             return f"extra {name}/{k} has non-finite values"
     if spec.check is not None:
         try:
@@ -191,7 +222,7 @@ def _check_group(name: str, group: Mapping[Any, Any], spec: ExtrasSpec, res: Cli
     return None
 
 
-def _check_extras(res: ClientResult, declared: Mapping[str, ExtrasSpec] | None) -> str | None:
+def _check_extras(res: ClientResult, declared: Mapping[str, ExtrasSpec] | None, finite_known: bool) -> str | None:
     extras = res.extras
     if not isinstance(extras, Mapping):
         return "extras are not a mapping"
@@ -211,7 +242,7 @@ def _check_extras(res: ClientResult, declared: Mapping[str, ExtrasSpec] | None) 
             if spec.required:
                 return f"extras: missing group {name!r} (every client of this stage uploads it)"
             continue
-        why = _check_group(name, extras[name], spec, res)
+        why = _check_group(name, extras[name], spec, res, finite_known)
         if why:
             return why
     return None

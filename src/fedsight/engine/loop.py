@@ -26,6 +26,7 @@ from ..metrics import MetricState
 from ..records import ClientResult
 from ..rng import np_rng
 from .client_runtime import ClientRuntime
+from .contract import FiniteSeal
 from .plan import Reply, RoundPlan, refused_reply
 from .server import Server
 
@@ -109,7 +110,8 @@ class InProcessBackend:
                     replies[cid] = Reply(cid, None, False, f"straggler: {took:.3g} unit-speed steps, past the deadline "
                                                            f"of {sch.deadline:g}")
                     continue
-            replies[cid] = Reply(cid, res, runtime.keep(res, state))
+            kept = runtime.keep(res, state)  # (kept: every tensor of the upload was found finite)
+            replies[cid] = Reply(cid, res, kept, finite_seal=FiniteSeal.of(res) if kept else None)
         events += runtime.events
         runtime.events.clear()
         return [replies[cid] for cid in plan.sampled], events

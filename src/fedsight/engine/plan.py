@@ -17,6 +17,7 @@ from ..records import ClientResult
 from ..rng import np_rng
 from ..training import ClientContext, Component, ServerContext
 from ..training.local import SGD_TRAINER, LocalTraining, Trainer, constant_keys, frozen_keys
+from .contract import FiniteSeal
 
 
 @dataclass
@@ -173,6 +174,9 @@ class Reply:
     rejected: bool = False
     #: the client refused the global model it received (``fedsight.errors.ModelRefused``): it trained nothing
     refused: bool = False
+    #: the tensors of ``result`` the in-process backend found finite (``contract.FiniteSeal``): while it holds, the
+    #: server does not read their values again. None for a reply that crossed a process boundary.
+    finite_seal: FiniteSeal | None = None
     #: bytes the client sent, where they differ from its result's tensors (secure aggregation: masked integers,
     #: keys and shares); None: the result's size (``cost.result_bytes``)
     up_bytes: int | None = None

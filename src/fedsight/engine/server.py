@@ -170,7 +170,8 @@ class Server:
             return reply.reason or "no result"
         if not reply.accepted:
             return "non-finite values"  # the client refused its own update (and stored no state)
-        return check_result(reply.result, reply.client, contract or self.contract())
+        sealed = reply.finite_seal is not None and reply.finite_seal.holds(reply.result)
+        return check_result(reply.result, reply.client, contract or self.contract(), finite_known=sealed)
 
     def collect(
         self, plan: RoundPlan, replies: Sequence[Reply], events: list[dict[str, Any]]

@@ -95,14 +95,14 @@ def state_add(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], alph
 
 
 def all_finite(state: Mapping[str, torch.Tensor]) -> bool:
-    """True if no floating-point entry holds NaN or +-Inf.
+    """True if no floating-point or complex entry holds NaN or +-Inf (in either part).
 
     Fast path: a NaN or infinite element makes its tensor's sum NaN or infinite, so finite sums prove
     every element finite. Only a non-finite sum (which may also be an overflow of finite values) pays
     for the exact element-wise check. Sums are in the tensors' own dtype (a float64 sum would copy every
     tensor first), half precision's in float32 (whose range its sums would often overflow).
     """
-    floats = [t for t in state.values() if t.is_floating_point() and t.numel() > 0]
+    floats = [t for t in state.values() if (t.is_floating_point() or t.is_complex()) and t.numel() > 0]
     if not floats:
         return True
     sums = [t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum() for t in floats]
