@@ -165,8 +165,9 @@ class ClientRuntime:
         self, r: int, client: int, gstate: Mapping[str, torch.Tensor],
         broadcast: Mapping[str, Mapping[str, torch.Tensor]] | None = None, *, load: bool = True,
     ):
-        """Load ``client``'s model into the work model (unless ``load`` is False: it holds it already) and start its
-        local work in round ``r`` (``gstate`` on the runtime's device): its context and state."""
+        """Load ``client``'s model into the work model and start its local work in round ``r`` (``gstate`` on the
+        runtime's device): its context and state. ``load`` False: the work model holds that model already, prepared
+        for this stage by the client started before (clients trained together from the same start)."""
         model = self.load(client, gstate) if load else self.work_model
         seed_torch(self.seed, "client", r, client)
         state = ClientState(self.store, client, r, self.device)
@@ -176,6 +177,7 @@ class ClientRuntime:
             {k: gstate[k].detach() for k in lay.shared_params}, lay.shared_buffers, state,
             {name: to_device(dict(t), self.device) for name, t in (broadcast or {}).items()},
             frozen=set(lay.frozen), global_state=dict(gstate), personal_keys=lay.personal_keys, cost=self.cost,
+            prepare=load,
         )
         return ctx, state
 

@@ -415,10 +415,12 @@ def start_client(
     global_state: dict[str, torch.Tensor] | None = None,
     personal_keys: Sequence[str] = (),
     cost=None,
+    prepare: bool = True,
 ) -> ClientContext:
     """The context of ``client``'s local work in round ``round`` (1-based) on ``model``, which already holds the
     received global weights (and the client's personal entries), with ``local`` at that round's rate
-    (``LocalTraining.at_round``: ``ctx.local.lr`` is the round's lr); the model prepared (``prepare_model``) and
+    (``LocalTraining.at_round``: ``ctx.local.lr`` is the round's lr); the model prepared (``prepare_model``; not
+    when ``prepare`` is False: the caller prepared it, with the same ``frozen``, and nothing changed it since) and
     every component's ``client_start`` run."""
     n = task.num_train_examples(client)
     frozen = set(frozen or ())
@@ -429,7 +431,8 @@ def start_client(
         task=task, shared_buffers=list(shared_buffers), frozen=frozen, global_state=global_state or {},
         personal_keys=list(personal_keys), cost=cost,
     )
-    prepare_model(model, frozen)
+    if prepare:
+        prepare_model(model, frozen)
     for c in components:
         c.client_start(ctx)
     return ctx
