@@ -44,6 +44,9 @@ CASES = {
     # a task class changing ``train_batch``: its batches come client by client, not from the gather of the digits'
     # in-memory images (``ClassificationTask.train_batch_stack``) that every other case trains on
     "own_train_batch": {"_flipped": True},
+    # a task class changing ``loss`` alone: its objective is vmapped per client, not computed from the class's
+    # per-example cross-entropies (``_stacked_losses``), which every other case without a loss term uses
+    "own_loss": {"_smoothed": True},
 }
 
 
@@ -58,13 +61,25 @@ def _flip_images(task):
     return task
 
 
-def _run(vectorize, _grouped=False, _flipped=False, **over):
+def _smooth_labels(task):
+    """``task`` as an instance of a subclass whose loss is a label-smoothed cross-entropy."""
+    class Smoothed(type(task)):
+        def loss(self, outputs, targets):
+            return torch.nn.functional.cross_entropy(outputs, targets, label_smoothing=0.2)
+
+    task.__class__ = Smoothed
+    return task
+
+
+def _run(vectorize, _grouped=False, _flipped=False, _smoothed=False, **over):
     cfg = validate(tiny(**{**UNEQUAL, "engine.vectorize": vectorize, **over}))
     sim = build_simulation(cfg)
     if _grouped:
         sim.task.loss_is_example_mean = False
     if _flipped:
         _flip_images(sim.task)
+    if _smoothed:
+        _smooth_labels(sim.task)
     start = {k: v.clone() for k, v in sim.global_model.state_dict().items()}
     rows = [sim.run_round(r)[0] for r in (1, 2)]
     assert any(not torch.equal(start[k], v) for k, v in sim.global_model.state_dict().items()), "nothing trained"

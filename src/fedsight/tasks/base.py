@@ -100,6 +100,13 @@ class Task(ABC):
         for positions in batches:
             yield self.train_batch(client, positions)
 
+    def example_losses(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """Each example's loss (B,), for a task whose ``loss`` is their mean (``loss_is_example_mean``): vectorised
+        training then computes every client's objective in one call (``fedsight.training.vectorized``) instead of
+        one vmapped call per client. A task without it (the default) is served by vmap; a class that overrides
+        ``loss`` must override this too, or it is not used."""
+        raise NotImplementedError(f"task {self.name!r} gives no per-example loss")
+
     def stacks_train_batches(self) -> bool:
         """Whether ``train_batch_stack`` serves this task's training batches (default: no)."""
         return False

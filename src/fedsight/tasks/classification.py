@@ -288,6 +288,9 @@ class ClassificationTask(Task):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs, targets)
 
+    def example_losses(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs, targets, reduction="none")
+
     def _eval_split(self, split: str | int) -> tuple[SplitImages, torch.Tensor, int]:
         """(images, labels, offset of the split's first image in ``images``)."""
         if split == "test":

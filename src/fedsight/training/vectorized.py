@@ -10,7 +10,9 @@ A model built only of common layers (``fedsight.training.fused``: convolutions, 
 activations, Linear, Dropout, residual adds; the small CNN, the ResNets, MobileNetV2) runs its forward for all
 the clients as one ordinary computation instead, the clients folded into the channels, and is differentiated by
 ordinary autograd: the same results, without functorch's per-operation cost and vmap's layout copies (measured
-in ``docs/performance.md``). The objective and the update stay vmapped per client either way.
+in ``docs/performance.md``). There, a task loss that is a mean of per-example losses (``Task.example_losses``)
+with no component's term is computed for all the clients in one call, and an element-wise update (no component's
+``grads``) runs on the stacks in place; otherwise the objective and the update are vmapped per client.
 
 What each client computes is what ``fedsight.training.local.sgd_steps`` computes for it, to float tolerance
 (the batched kernels round differently):
@@ -261,6 +263,28 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     return objective, update
 
 
+def _stacked_losses(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], masked: bool):
+    """The clients' objectives (k,) from their stacked outputs (k, N, ...), targets and mask in one call, without
+    vmap: where the objective is the task's loss alone (no component adds a term) and the task gives each example's
+    loss (``Task.example_losses``, defined by the class that defines its ``loss``): each client's mean over its
+    (real) examples, what ``objective`` computes. None otherwise."""
+    task, tau = ctx.task, ctx.local.temperature
+    if not getattr(task, "loss_is_example_mean", False) or any(
+            vs.loss_term is not None or vs.example_terms for _, vs in hooks):
+        return None
+    owner = lambda name: next((c for c in type(task).__mro__ if name in vars(c)), None)  # noqa: E731
+    by = owner("example_losses")
+    if by is None or by is not owner("loss"):  # (the base Task's raises; ``loss`` is abstract there)
+        return None
+
+    def losses(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        k, n = y.shape[:2]
+        each = task.example_losses(tempered(out.flatten(0, 1), tau), y.flatten(0, 1)).view(k, n)
+        return (each * mask).sum(1) / mask.sum(1) if masked else each.mean(1)
+
+    return losses
+
+
 def _vmapped_step(model: nn.Module, objective, update, norms: NormState, masked: bool, rest_dims):
     """The clients' step under ``vmap(grad(...))`` of the model's forward (any model): (params, other state,
     optimizer state, own tensors, inputs, targets, mask, dropout noise, lr, bias) -> (params, BatchNorm buffers,
@@ -284,14 +308,21 @@ def _vmapped_step(model: nn.Module, objective, update, norms: NormState, masked:
     return vmap(step, in_dims=(0, rest_dims, 0, 0, 0, 0, 0, 0, 0, None), randomness="error")
 
 
-def _fused_step(plan: FusedPlan, objective, update, masked: bool, rest_dims, elementwise: bool):
+def _fused_step(plan: FusedPlan, objective, update, masked: bool, rest_dims, elementwise: bool, direct=None):
     """The clients' step with the fused forward (``fedsight.training.fused``), the same signature and results as
     ``_vmapped_step``'s: the summed objectives differentiated by ordinary autograd with respect to the stacked
     parameters (each client's slice of the gradient is its own gradient); the objective vmapped over the clients,
     and the update too unless it is ``elementwise`` (no component's ``grads``, which may reduce over a client's
     tensors): then it runs on the stacks as they are, each client's rate broadcast over its rows (the same
-    arithmetic without vmap's dispatch on every operation)."""
-    losses = vmap(objective, in_dims=(0, 0, 0, 0, 0), randomness="error")
+    arithmetic without vmap's dispatch on every operation). ``direct``: the objectives in one call on tensor outputs
+    and targets (``_stacked_losses``), or None."""
+    vmapped = vmap(objective, in_dims=(0, 0, 0, 0, 0), randomness="error")
+
+    def losses(params, own, out, y, mask):
+        if direct is not None and isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor):
+            return direct(out, y, mask)
+        return vmapped(params, own, out, y, mask)
+
     updates = update if elementwise else vmap(update, in_dims=(0, 0, 0, 0, 0, None), randomness="error")
 
     def step(params, rest, opt, own, x, y, mask, noise, lr, bias):
@@ -529,7 +560,7 @@ def train_together(
             objective, update = _step_functions(ctx0, hooks, at, m)
             vsteps[m] = (_vmapped_step(model, objective, update, norms, m, rest_dims) if plan is None
                          else _fused_step(plan, objective, update, m, rest_dims,
-                                          all(vs.grads is None for _, vs in hooks)))
+                                          all(vs.grads is None for _, vs in hooks), _stacked_losses(ctx0, hooks, m)))
         b1, b2 = local.betas
         for s in range(max((c.num_steps for c in ctxs), default=0)):
             retire(sum(1 for c in ctxs if s < c.num_steps))
