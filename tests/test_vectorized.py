@@ -126,7 +126,7 @@ def test_vectorised_equals_sequential(case, forward, monkeypatch):
 
 def test_unequal_steps_leave_finished_clients_unmoved():
     """A client with fewer steps is in no group once it is done: its upload is its own K steps, the same as when it
-    is trained alone."""
+    is trained alone, in contiguous tensors."""
     vec, _ = _run(True, **{"server.rounds": 3})
     plan = vec.server.begin_round(3)
     gstate = vec.server.global_state()
@@ -137,6 +137,7 @@ def test_unequal_steps_leave_finished_clients_unmoved():
         (_, alone, _), = vec.runtime.run_many(3, [cid], gstate, plan.broadcast_for)
         for k, d in together[cid].delta.items():
             close(alone.delta[k], d, atol=1e-6, rtol=1e-5)
+            assert d.is_contiguous(), k  # (the stacks' convolution weights are channels-last; uploads are not)
 
 
 class Refuser(Component):

@@ -201,7 +201,9 @@ class ClientRuntime:
         trained in (more local steps first). When the stage has personal entries (``keep`` reads them from the work
         model) or a component's ``client_end`` (which may read ``ctx.model``), the work model holds a client's
         trained weights while its upload is being consumed, so consume each before the next; otherwise the upload
-        is read off the client's trained state and the work model is left alone. ``broadcast_for(client)``: what
+        is read off the client's trained state and the work model is left alone (the deltas of clients that finish
+        their steps together are then rows of one tensor each, computed as they leave the stacks; a component that
+        keeps one beyond the round keeps those rows too). ``broadcast_for(client)``: what
         the client receives besides the model.
 
         Out of memory while training a group of clients together (a large model, many clients), the group starts
@@ -217,6 +219,7 @@ class ClientRuntime:
         # work model loads it once a group and the stacks' rows get it in one copy
         same_start = not self.layout.personal_keys and all(
             type(c).client_start is Component.client_start for c in components)
+        subtract = {k: gstate[k] for k in self.layout.shared_params}  # (the shared entries that train)
         width = self.max_clients_per_batch or len(clients)
         queue = [list(clients[i:i + width]) for i in range(0, len(clients), width)]
         while queue:
@@ -245,8 +248,10 @@ class ClientRuntime:
                         stacks[k][:len(started)].copy_(v)  # (broadcast over the rows)
             ctxs, states, steps, rngs = zip(*started)
             try:
+                # the uploads' deltas computed as the clients leave the stacks, unless the work model must hold
+                # each client's trained weights
                 finals, losses = train_together(ctxs, {k: v[:len(ctxs)] for k, v in stacks.items()}, components,
-                                                steps, rngs)
+                                                steps, rngs, subtract=None if model_read else subtract)
             except OUT_OF_MEMORY:
                 if len(ctxs) == 1:
                     raise
@@ -266,8 +271,10 @@ class ClientRuntime:
                     with torch.no_grad():
                         for k, v in final.items():
                             self._wstate[k].copy_(v)
-                yield ctx.client_id, make_result(ctx, components, loss, ctx.num_steps,
-                                                 None if model_read else final), state
+                    yield ctx.client_id, make_result(ctx, components, loss, ctx.num_steps), state
+                else:
+                    yield ctx.client_id, make_result(ctx, components, loss, ctx.num_steps, final,
+                                                     {k: final[k] for k in subtract}), state
 
     def train(
         self, r: int, client: int, global_state: Mapping[str, torch.Tensor],

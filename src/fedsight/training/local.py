@@ -353,17 +353,21 @@ def loss_accumulator(model: nn.Module) -> torch.Tensor:
 
 
 def make_result(ctx: ClientContext, components: Sequence[Component], loss_sum: float, steps: int,
-                state: Mapping[str, torch.Tensor] | None = None) -> ClientResult:
+                state: Mapping[str, torch.Tensor] | None = None,
+                delta: Mapping[str, torch.Tensor] | None = None) -> ClientResult:
     """The upload: delta of the shared trainable parameters (local minus received global), the shared
     buffers, ``train/loss`` (mean objective over ``steps``); then every component's ``client_end``. ``state``:
     the client's trained model state when the work model does not hold it (clients trained together whose
-    components' ``client_end`` do not read the model); by default the model's."""
+    components' ``client_end`` do not read the model); by default the model's. ``delta``: the deltas of some
+    entries, computed already (``vectorized.train_together``'s ``subtract``)."""
     params = dict(ctx.model.named_parameters()) if state is None else state
     buffers = dict(ctx.model.named_buffers()) if state is None else state
+    given = dict(delta or {})
     with torch.no_grad():
-        keys = list(ctx.global_params)
+        keys = [k for k in ctx.global_params if k not in given]
         local_params = [params[k].detach() for k in keys]
-        delta = dict(zip(keys, torch._foreach_sub(local_params, [ctx.global_params[k] for k in keys]))) if keys else {}
+        computed = iter(torch._foreach_sub(local_params, [ctx.global_params[k] for k in keys]) if keys else ())
+        delta = {k: given[k] if k in given else next(computed) for k in ctx.global_params}
     result = ClientResult(
         client_id=ctx.client_id,
         num_examples=ctx.num_examples,

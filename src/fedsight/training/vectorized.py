@@ -395,6 +395,7 @@ def start_stacks(model: nn.Module, state: Mapping[str, torch.Tensor], n: int) ->
 def train_together(
     ctxs: Sequence[ClientContext], starts: Mapping[str, torch.Tensor], components: Sequence[Component],
     steps: Sequence[Sequence[VectorStep | None]], rng_states: Sequence[torch.Tensor] | None = None,
+    subtract: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
     """Train the clients of ``ctxs`` (started: ``start_client``; all on one model, one stage) together.
 
@@ -407,7 +408,10 @@ def train_together(
     global generator (image and video SR, keypoints) give every client the batches sequential training gives it.
     Returns each client's model state after its ``ctx.num_steps`` steps and the sum of each client's step
     objectives (in the model's floating dtype); ``ctx.flops`` of each client is counted as in
-    ``sgd_steps``. Clients given in the order of their step counts, most first, are trained without reordering
+    ``sgd_steps``. ``subtract``: values of trainable entries (the received global ones) to hand back each client's
+    difference from instead of its final value (its upload's delta, contiguous, one subtraction for the clients
+    finishing together as they leave the stacks, in place of copying their entries out; rows of one tensor per
+    such set of clients). Clients given in the order of their step counts, most first, are trained without reordering
     their stacks."""
     ctx0 = ctxs[0]
     model, task, local = ctx0.model, ctx0.task, ctx0.local
@@ -423,6 +427,9 @@ def train_together(
         starts = {k: v.index_select(0, where) for k, v in starts.items()}
     pad = bool(getattr(task, "loss_is_example_mean", False))
     trainable = [k for k, p in model.named_parameters() if p.requires_grad]
+    subtract = dict(subtract or {})
+    if not set(subtract) <= set(trainable):
+        raise ValueError(f"subtract names entries that do not train: {sorted(set(subtract) - set(trainable))}")
     per_client = batch_norm_buffers(model) | set(ctx0.personal_keys)
     state_keys = list(starts)
     plan = fused_plan(model)
@@ -527,8 +534,14 @@ def train_together(
         if m == live:
             return
         stacked = {**P, **{k: v for k, v in rest.items() if rest_dims[k] == 0}}
-        done = {k: v[m:live] if m == 0 and v.is_contiguous() else v[m:live].clone(memory_format=torch.contiguous_format)
-                for k, v in stacked.items()}
+        done = {}
+        for k, v in stacked.items():
+            rows = v[m:live]
+            if k in subtract:
+                with torch.no_grad():
+                    done[k] = torch.sub(rows, subtract[k], out=torch.empty(rows.shape, dtype=rows.dtype, device=device))
+            else:
+                done[k] = rows if m == 0 and rows.is_contiguous() else rows.clone(memory_format=torch.contiguous_format)
         for j in range(m, live):
             finals[j] = {k: done[k][j - m] if k in done else rest[k] for k in state_keys}
         first = lambda v: v[:m]  # noqa: E731
