@@ -226,7 +226,7 @@ class ClientRuntime:
             # train_together's order, so that the start states go straight into its stacks (any order is right)
             group = sorted(queue.pop(0), key=lambda c: -local.num_steps(self.task.num_train_examples(c), self.seed,
                                                                          r, c))
-            stacks, started = start_stacks(self.work_model, self._wstate, len(group)), []
+            stacks, started = {} if same_start else start_stacks(self.work_model, self._wstate, len(group)), []
             for cid in group:
                 try:
                     ctx, state = self.start(r, cid, gstate, broadcast_for(cid) if broadcast_for else None,
@@ -242,10 +242,8 @@ class ClientRuntime:
                 started.append((ctx, state, steps, torch.get_rng_state()))
             if not started:
                 continue
-            if same_start:
-                with torch.no_grad():
-                    for k, v in self._wstate.items():
-                        stacks[k][:len(started)].copy_(v)  # (broadcast over the rows)
+            if same_start:  # one copy of the start state, every client's row a view of it (stride 0)
+                stacks = {k: v.detach().clone().expand(len(started), *v.shape) for k, v in self._wstate.items()}
             ctxs, states, steps, rngs = zip(*started)
             try:
                 # the uploads' deltas computed as the clients leave the stacks, unless the work model must hold

@@ -250,14 +250,16 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
         for k, p in params.items():  # (one fused kernel per term: the update is memory-bound)
             # on the stacks (``lr`` stacked) the update writes over the parameters and the momentum buffers, which
             # train_together owns (the same arithmetic: ``out=`` an operand): a result written to memory not read
-            # just before costs that memory a second time (measured in docs/performance.md)
+            # just before costs that memory a second time (measured in docs/performance.md); not over a start
+            # state every client's row of which is one tensor (stride 0)
             stacks = lr.dim() > 0
             d = grads[k] if wd == 0 else torch.add(grads[k], p, alpha=wd)
             if momentum != 0:
                 d = torch.add(d, opt["mom"][k], alpha=momentum, out=opt["mom"][k] if stacks else None)
                 new_opt.setdefault("mom", {})[k] = d
             rate = lr.view(-1, *(1,) * (p.dim() - 1)) if stacks else lr  # the stacks', or one client's
-            new_params[k] = torch.addcmul(p, rate, d, value=-1, out=p if stacks else None)
+            over = stacks and (p.shape[0] == 1 or p.stride(0) != 0)
+            new_params[k] = torch.addcmul(p, rate, d, value=-1, out=p if over else None)
         return new_params, new_opt
 
     return objective, update
@@ -400,8 +402,8 @@ def train_together(
     """Train the clients of ``ctxs`` (started: ``start_client``; all on one model, one stage) together.
 
     ``starts``: the clients' whole model states at the start (their global and personal entries), each entry
-    stacked (row i: client i; ``start_stacks``), which the steps may update in place (the caller's stacks are
-    consumed); ``steps[i]``: each component's ``vector_step`` for client i;
+    stacked (row i: client i; ``start_stacks``; or, for clients that all start from one state, that state
+    expanded over the rows), which the steps may update in place (the caller's stacks are consumed); ``steps[i]``: each component's ``vector_step`` for client i;
     ``rng_states[i]``: torch's global CPU generator as client i's
     sequential training would find it after ``client_start`` (seeded from the stream ("client", round, client)):
     each client's batches and ``transform_batch`` draw from their own state, so tasks that crop or augment with the
