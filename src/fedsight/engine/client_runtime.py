@@ -216,7 +216,7 @@ class ClientRuntime:
         model_read = bool(self.layout.personal_keys) or any(
             type(c).client_end is not Component.client_end for c in components)
         # without personal entries or a component's client_start every client starts from the global state: the
-        # work model loads it once a group and the stacks' rows get it in one copy
+        # work model loads it once a group and the stacks are one copy of it, expanded over the clients
         same_start = not self.layout.personal_keys and all(
             type(c).client_start is Component.client_start for c in components)
         subtract = {k: gstate[k] for k in self.layout.shared_params}  # (the shared entries that train)

@@ -121,7 +121,8 @@ def _check_tensors(what: str, got: Any, spec: Spec, finite_known: bool = False) 
             return f"{what} {k!r} has shape {tuple(t.shape)}, expected {shape}"
         if t.dtype != dtype:
             return f"{what} {k!r} has dtype {t.dtype}, expected {dtype}"
-    if not finite_known and not all_finite(got):  # one check of the whole mapping (a sync on a GPU), then find the culprit
+    # one check of the whole mapping (a sync on a GPU), then find the culprit
+    if not finite_known and not all_finite(got):
         k = next(k for k in spec if not bool(torch.isfinite(got[k]).all()))
         return f"{what} {k!r} has non-finite values"
     return None

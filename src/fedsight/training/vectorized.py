@@ -403,18 +403,19 @@ def train_together(
 
     ``starts``: the clients' whole model states at the start (their global and personal entries), each entry
     stacked (row i: client i; ``start_stacks``; or, for clients that all start from one state, that state
-    expanded over the rows), which the steps may update in place (the caller's stacks are consumed); ``steps[i]``: each component's ``vector_step`` for client i;
-    ``rng_states[i]``: torch's global CPU generator as client i's
-    sequential training would find it after ``client_start`` (seeded from the stream ("client", round, client)):
-    each client's batches and ``transform_batch`` draw from their own state, so tasks that crop or augment with the
-    global generator (image and video SR, keypoints) give every client the batches sequential training gives it.
+    expanded over the rows), which the steps may update in place (the caller's stacks are consumed);
+    ``steps[i]``: each component's ``vector_step`` for client i; ``rng_states[i]``: torch's global CPU generator
+    as client i's sequential training would find it after ``client_start`` (seeded from the stream ("client",
+    round, client)): each client's batches and ``transform_batch`` draw from their own state, so tasks that crop
+    or augment with the global generator (image and video SR, keypoints) give every client the batches sequential
+    training gives it.
     Returns each client's model state after its ``ctx.num_steps`` steps and the sum of each client's step
     objectives (in the model's floating dtype); ``ctx.flops`` of each client is counted as in
     ``sgd_steps``. ``subtract``: values of trainable entries (the received global ones) to hand back each client's
     difference from instead of its final value (its upload's delta, contiguous, one subtraction for the clients
     finishing together as they leave the stacks, in place of copying their entries out; rows of one tensor per
-    such set of clients). Clients given in the order of their step counts, most first, are trained without reordering
-    their stacks."""
+    such set of clients). Clients given in the order of their step counts, most first, are trained without
+    reordering their stacks."""
     ctx0 = ctxs[0]
     model, task, local = ctx0.model, ctx0.task, ctx0.local
     device = model_device(model)
@@ -523,7 +524,8 @@ def train_together(
         for idx in groups.values():
             sizes = [len(flat[i][0][0]) for i in idx]
             columns = zip(*(flat[i][0] for i in idx))
-            yield idx, sizes, tree_unflatten([_stack_padded(c, sizes, max(sizes)) for c in columns], flat[idx[0]][1]), noise
+            xy = tree_unflatten([_stack_padded(c, sizes, max(sizes)) for c in columns], flat[idx[0]][1])
+            yield idx, sizes, xy, noise
 
     finals: list[dict[str, torch.Tensor]] = [{}] * K  # by position in ``order``
     live = K  # clients still training: the first ``live`` of the stacks
