@@ -5,6 +5,7 @@ matches ``nn.BatchNorm``; what cannot be vectorised is said, refused under ``tru
 
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 from hypothesis import given, settings
@@ -567,19 +568,14 @@ def test_a_steps_batches_gathered_at_once_are_each_clients_own(data):
     for i, c in enumerate(clients):
         own_x, own_y = task.train_batch(c, positions[i])
         assert torch.equal(x[i], own_x) and torch.equal(y[i], own_y)
-    assert not _flip_images(_digits_task(fresh=True)).stacks_train_batches()
+    assert not _flip_images(_build_digits()).stacks_train_batches()
 
 
-_DIGITS = []
-
-
-def _digits_task(fresh=False):
-    """The digits under a Dirichlet(0.3) partition of 8 clients (unequal sizes), built once unless ``fresh``."""
+def _build_digits():
+    """The digits under a Dirichlet(0.3) partition of 8 clients (unequal sizes)."""
     from fedsight.api import build_task
 
-    if fresh or not _DIGITS:
-        task = build_task(validate(tiny(**{"partition.alpha": 0.3, "partition.num_clients": 8})))
-        if fresh:
-            return task
-        _DIGITS.append(task)
-    return _DIGITS[0]
+    return build_task(validate(tiny(**{"partition.alpha": 0.3, "partition.num_clients": 8})))
+
+
+_digits_task = functools.lru_cache(maxsize=1)(_build_digits)

@@ -531,9 +531,9 @@ def train_together(
     live = K  # clients still training: the first ``live`` of the stacks
 
     def retire(m: int) -> None:
-        """The clients after the first m are done: keep their final states, shrink the stacks to the first m
-        (views). A contiguous copy of the finished clients' entries while others train on (a view would keep the
-        whole stack alive), a view of the last ones where it is contiguous."""
+        """The clients after the first m are done: keep their final states (``subtract``'s entries as deltas, one
+        contiguous subtraction; the others copied while clients train on, as a view would keep the whole stack
+        alive, or a view of the last ones where it is contiguous) and shrink the stacks to the first m (views)."""
         nonlocal P, opt, own, live
         if m == live:
             return
