@@ -17,7 +17,7 @@ For a model built only of the layers below, ``fused_plan`` traces the forward on
   groups) act per channel, hence per client; ``nn.BatchNorm1d/2d`` normalises each client's channels with their
   own batch statistics (the real examples' only on a padded batch) and returns each client's new running
   statistics; ``nn.Linear`` is a batched matrix product; ``nn.Dropout`` multiplies by the client's noise drawn
-  beforehand (``vectorized.draw_noise``), as the vmapped forward does;
+  beforehand (``vector_batches.draw_noise``), as the vmapped forward does;
 * element-wise activations (``_ACTIVATIONS``) act on either layout;
 * the output comes back stacked, (k, N, ...).
 

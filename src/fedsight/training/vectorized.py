@@ -20,7 +20,7 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
 * the same index batches (each client's stream ("shuffle", round, client)), the same batches from
   ``task.train_batches`` and every component's ``transform_batch``, per client (or, from a task holding its
   examples in memory and no component transforming them, a step's batches of all the clients in one gather:
-  ``Task.train_batch_stack``);
+  ``Task.train_batch_stack``; the inputs of the steps come from ``fedsight.training.vector_batches``);
 * unequal clients: at every step the clients that still have a step are grouped by the shapes of their batch
   (a short last batch, a client with fewer steps) and each group is one vmapped call; a client without a step
   is in no group, so its weights do not move (exactly, not by a zero mask);
@@ -34,8 +34,8 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
   update, momentum buffer starting at zero) at the step's rate (``train.lr_schedule = "poly"`` per client);
 * randomness: each client's batches (and ``transform_batch``) draw from that client's own state of torch's
   global generator, which is what sequential training seeds per client; so does its ``nn.Dropout`` noise, drawn
-  before the vmapped step in the order the forward calls the layers (``dropout_shapes`` probes the shapes once
-  per batch shape), the masks of sequential training on a CPU bit for bit.
+  before the vmapped step in the order the forward calls the layers (``vector_batches.dropout_shapes`` probes the
+  shapes once per batch shape), the masks of sequential training on a CPU bit for bit.
 
 One difference from ``torch.optim.SGD`` and ``AdamDirection``: a trainable parameter the loss does not reach gets a
 zero gradient here (so weight decay, momentum and Adam's moments still move it), where they skip a parameter
@@ -53,20 +53,19 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
-from ..device import model_device, to_device
-from ..rng import torch_gen
+from ..device import model_device
 from .component import Component, VectorStep
 from .context import ClientContext
 from .fused import FusedPlan, clients_batch_norm, fused_plan
-from .local import SGD_TRAINER, LocalTraining, backward_scope, batch_positions, direction_position, tempered
+from .local import SGD_TRAINER, LocalTraining, backward_scope, direction_position, tempered
+from .vector_batches import NormState, StepBatches, dropout_modules, dropout_with_noise, stack_padded
 
 #: the hooks that act inside a local step: a component overriding one needs a ``vector_step``
 STEP_HOOKS = ("outputs", "batch_positions", "loss_term", "after_backward")
@@ -94,73 +93,7 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
     return out
 
 
-# -- functional BatchNorm and dropout ------------------------------------------------------------------
-
-@dataclass
-class NormState:
-    """What the functional layers of one forward share: the new running statistics the BatchNorms computed (by
-    state key), the mask of the batch's real examples (None: every example is real), and the dropout noise of
-    this forward, one tensor per dropout call in call order (``noise_at``: the next one)."""
-
-    updates: dict[str, torch.Tensor] = field(default_factory=dict)
-    mask: torch.Tensor | None = None
-    noise: Sequence[torch.Tensor] = ()
-    noise_at: int = 0
-
-
-def _dropout(m: nn.Dropout, state: NormState, x: torch.Tensor) -> torch.Tensor:
-    """``m``'s forward with the noise drawn beforehand (``draw_noise``): ``x * noise``, as torch's dropout."""
-    if not m.training or m.p == 0:
-        return x
-    noise = state.noise[state.noise_at]
-    state.noise_at += 1
-    return x * noise
-
-
-def draw_noise(shapes: Sequence[tuple[tuple[int, ...], torch.dtype, float]], device: torch.device) -> list[torch.Tensor]:
-    """The noise of each dropout call in call order. On a CPU it is drawn from torch's global generator exactly as
-    torch's dropout draws it (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``): the masks of sequential
-    training, bit for bit. On another device (where sequential dropout draws from that device's generator, which
-    nothing seeds per client) it is drawn there, from a generator seeded by one number of the global CPU
-    generator: a deterministic function of (seed, round, client), without building masks on the CPU and copying
-    them over."""
-    gen = None
-    if device.type != "cpu":
-        gen = torch.Generator(device=device)
-        gen.manual_seed(int(torch.randint(2**62, (1,))))
-    out = []
-    for shape, dtype, p in shapes:
-        noise = torch.empty(shape, dtype=dtype, device=device)
-        out.append(noise.zero_() if p == 1 else noise.bernoulli_(1 - p, generator=gen).div_(1 - p))
-    return out
-
-
-def dropout_modules(model: nn.Module) -> list[nn.Dropout]:
-    """The model's ``nn.Dropout`` layers that draw noise (p > 0)."""
-    return [m for m in model.modules() if type(m) is nn.Dropout and m.p > 0]
-
-
-@torch.no_grad()
-def dropout_shapes(model: nn.Module, x: Any, state: NormState) -> list[tuple[tuple[int, ...], torch.dtype, float]]:
-    """(input shape, dtype, p) of every dropout call of a training forward of ``model`` on ``x``, in call order
-    (a forward that draws nothing: dropout passes through, the functional BatchNorms write only to ``state``)."""
-    seen: list[tuple[tuple[int, ...], torch.dtype, float]] = []
-    patched = dropout_modules(model)
-
-    def record(m: nn.Dropout, t: torch.Tensor) -> torch.Tensor:
-        seen.append((tuple(t.shape), t.dtype, m.p))
-        return t
-
-    for m in patched:
-        m.forward = functools.partial(record, m)
-    try:
-        model(x)
-    finally:
-        for m in patched:
-            m.forward = functools.partial(_dropout, m, state)
-        state.updates.clear()
-    return seen
-
+# -- functional BatchNorm (and dropout with noise drawn beforehand: ``vector_batches``) -----------------
 
 def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, state: NormState, x: torch.Tensor) -> torch.Tensor:
     """``m``'s forward for one client (under vmap) as pure tensor operations: ``fused.clients_batch_norm`` of one
@@ -179,7 +112,7 @@ def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, state: NormStat
 def functional_batch_norm(model: nn.Module) -> Iterator[NormState]:
     """Within the block, every BatchNorm of ``model`` runs ``_batch_norm`` (vmap-safe: nothing in place) and
     puts its new running statistics, by state key, in the yielded state's ``updates``; every ``nn.Dropout`` runs
-    ``_dropout`` (multiplies by the state's next noise tensor)."""
+    ``dropout_with_noise`` (multiplies by the state's next noise tensor)."""
     state = NormState()
     patched = []
     for name, m in model.named_modules():
@@ -187,7 +120,7 @@ def functional_batch_norm(model: nn.Module) -> Iterator[NormState]:
             m.forward = functools.partial(_batch_norm, m, f"{name}." if name else "", state)
             patched.append(m)
     for m in dropout_modules(model):
-        m.forward = functools.partial(_dropout, m, state)
+        m.forward = functools.partial(dropout_with_noise, m, state)
         patched.append(m)
     try:
         yield state
@@ -367,24 +300,6 @@ def masked_mean(per_example, out: Any, y: Any, mask: torch.Tensor) -> torch.Tens
     return (vmap(per_example)(out, y) * mask).sum() / mask.sum()
 
 
-def _signature(leaves: Sequence[torch.Tensor], spec: Any, pad: bool) -> tuple:
-    """What must be equal for batches (flattened: ``tree_flatten``) to be stacked: structure, shapes (without the
-    batch size when ``pad``) and dtypes."""
-    return (str(spec), *((tuple(t.shape[1:] if pad else t.shape), t.dtype) for t in leaves))
-
-
-def _stack_padded(tensors: Sequence[torch.Tensor], sizes: Sequence[int], size: int,
-                  fill: float | None = None) -> torch.Tensor:
-    """``tensors`` (``sizes[i]`` examples each) stacked along a new first dimension, each grown to ``size``
-    examples by repeating its first one (real data: finite through any model), or by rows of ``fill``."""
-    def grow(t: torch.Tensor, n: int) -> torch.Tensor:
-        if n == size:
-            return t
-        shape = (size - n, *t.shape[1:])
-        return torch.cat([t, t[:1].expand(shape) if fill is None else t.new_full(shape, fill)])
-    return torch.stack([grow(t, n) for t, n in zip(tensors, sizes)])
-
-
 def start_stacks(model: nn.Module, state: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
     """Uninitialised stacks (n, ...) of ``state``'s entries, for ``train_together``'s ``starts``, in the memory
     layout its step computes in (``FusedPlan.arrange``): writing each client's start state into its row is then
@@ -454,78 +369,7 @@ def train_together(
     loss_sum = torch.zeros(K, device=device, dtype=dtype)
     scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
 
-    # a task serving batches from tensors in memory gives a step's batches in one gather when no component
-    # transforms them: nothing then draws from the clients' random states but their dropout noise
-    gather = task.stacks_train_batches() and all(type(c).transform_batch is Component.transform_batch
-                                                  for c in components)
-
-    positions, iters = [], []
-    for ctx in ctxs:
-        gen = torch_gen(ctx.seed, "shuffle", ctx.round, ctx.client_id)
-        positions.append(list(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)))
-        if not gather:
-            iters.append(iter(task.train_batches(ctx.client_id, positions[-1], seed=ctx.seed, round=ctx.round)))
-    rng = list(rng_states) if rng_states is not None else None
-    drops = bool(dropout_modules(model))
-    probed: dict[tuple, list] = {}  # dropout shapes by batch signature
-
-    def next_batch(i: int, s: int, norms: NormState, gathered: tuple[Any, int] | None = None
-                   ) -> tuple[Any, list[torch.Tensor]]:
-        """Client i's batch of step s (after the components' transforms; None when ``gathered``: the stacked inputs
-        of its group, row j its own) and its dropout noise, drawn from the client's own random state where its
-        sequential training would draw them."""
-        ctx = ctxs[i]
-        ctx.step = s
-        batch = None
-        if rng is not None and (gathered is None or drops):
-            torch.set_rng_state(rng[i])
-        if gathered is None:
-            x, y = to_device(next(iters[i]), device)
-            for c in components:
-                x, y = c.transform_batch(ctx, x, y)
-            batch = (x, y)
-        noise = []
-        if drops:
-            if gathered is not None:
-                x = tree_map(lambda t: t[gathered[1]], gathered[0])
-            sig = _signature(*tree_flatten(x), False)
-            if sig not in probed:
-                probed[sig] = dropout_shapes(model, x, norms)
-            noise = draw_noise(probed[sig], device)
-        if rng is not None and (batch is not None or drops):
-            rng[i] = torch.get_rng_state()
-        if ctx.cost is not None:
-            ctx.flops += ctx.cost.train_step(len(positions[i][s]), scope)
-        return batch, noise
-
-    def step_batches(s: int, norms: NormState) -> Iterator[tuple[list[int], list[int], Any, dict[int, Any]]]:
-        """The groups of step s: (clients, their batch sizes, their batches stacked and padded to the largest,
-        each client's dropout noise). Clients are grouped by the structure, shapes and dtypes of their batches
-        (without the batch size when ``pad``)."""
-        groups: dict[tuple, list[int]] = {}
-        noise: dict[int, Any] = {}
-        if gather:
-            for i in range(live):
-                groups.setdefault(() if pad else (len(positions[i][s]),), []).append(i)
-            for idx in groups.values():
-                sizes = [len(positions[i][s]) for i in idx]
-                # a short batch padded with its first example's index: the padding _stack_padded gives
-                where = _stack_padded([positions[i][s] for i in idx], sizes, max(sizes))
-                xy = to_device(task.train_batch_stack([ctxs[i].client_id for i in idx], where), device)
-                for j, i in enumerate(idx):
-                    noise[i] = next_batch(i, s, norms, (xy[0], j))[1]
-                yield idx, sizes, xy, noise
-            return
-        flat = {}
-        for i in range(live):  # (the clients still training)
-            batch, noise[i] = next_batch(i, s, norms)
-            flat[i] = tree_flatten(batch)
-            groups.setdefault(_signature(*flat[i], pad), []).append(i)
-        for idx in groups.values():
-            sizes = [len(flat[i][0][0]) for i in idx]
-            columns = zip(*(flat[i][0] for i in idx))
-            xy = tree_unflatten([_stack_padded(c, sizes, max(sizes)) for c in columns], flat[idx[0]][1])
-            yield idx, sizes, xy, noise
+    batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope)
 
     finals: list[dict[str, torch.Tensor]] = [{}] * K  # by position in ``order``
     live = K  # clients still training: the first ``live`` of the stacks
@@ -581,10 +425,10 @@ def train_together(
         b1, b2 = local.betas
         for s in range(max((c.num_steps for c in ctxs), default=0)):
             retire(sum(1 for c in ctxs if s < c.num_steps))
-            for idx, sizes, xy, noise in step_batches(s, norms):
+            for idx, sizes, xy, noise in batches.groups(s, live, norms):
                 size = max(sizes)
                 mask = (torch.arange(size, device=device) < torch.tensor(sizes, device=device)[:, None]).to(dtype)
-                eps = [_stack_padded(c, sizes, size, 1.0) for c in zip(*(noise[i] for i in idx))]
+                eps = [stack_padded(c, sizes, size, 1.0) for c in zip(*(noise[i] for i in idx))]
                 lr = torch.tensor([_rate(local, s, ctxs[i].num_steps) for i in idx], device=device, dtype=dtype)
                 # Adam's bias corrections: t = s + 1 for every client at step s
                 bias = torch.tensor([1.0 - b1 ** (s + 1), (1.0 - b2 ** (s + 1)) ** 0.5], device=device, dtype=dtype)

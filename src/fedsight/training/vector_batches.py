@@ -1,0 +1,201 @@
+"""The inputs of the vectorised step (``fedsight.training.vectorized``): each client's batches and dropout noise,
+drawn where and as its sequential training draws them, grouped into stacks step by step.
+
+* each client's index batches come from its stream ("shuffle", round, client), its batches from
+  ``task.train_batches`` and every component's ``transform_batch``, drawing from the client's own state of torch's
+  global generator (``rng_states``: as its sequential training finds it after ``client_start``); or, from a task
+  holding its examples in memory and no component transforming them, a step's batches of all the clients in one
+  gather (``Task.train_batch_stack``);
+* each client's ``nn.Dropout`` noise is drawn before the step, from the same state, in the order the forward calls
+  the layers (``dropout_shapes`` probes the shapes once per batch shape): on a CPU the masks of sequential training
+  bit for bit;
+* at every step the clients still training are grouped by the structure, shapes and dtypes of their batches
+  (without the batch size where a padded batch's mean can skip the padding), each group stacked and padded.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ..device import to_device
+from ..rng import torch_gen
+from .component import Component
+from .context import ClientContext
+from .local import batch_positions
+
+
+@dataclass
+class NormState:
+    """What the functional layers of one forward share: the new running statistics the BatchNorms computed (by
+    state key), the mask of the batch's real examples (None: every example is real), and the dropout noise of
+    this forward, one tensor per dropout call in call order (``noise_at``: the next one)."""
+
+    updates: dict[str, torch.Tensor] = field(default_factory=dict)
+    mask: torch.Tensor | None = None
+    noise: Sequence[torch.Tensor] = ()
+    noise_at: int = 0
+
+
+def dropout_with_noise(m: nn.Dropout, state: NormState, x: torch.Tensor) -> torch.Tensor:
+    """``m``'s forward with the noise drawn beforehand (``draw_noise``): ``x * noise``, as torch's dropout."""
+    if not m.training or m.p == 0:
+        return x
+    noise = state.noise[state.noise_at]
+    state.noise_at += 1
+    return x * noise
+
+
+def draw_noise(shapes: Sequence[tuple[tuple[int, ...], torch.dtype, float]], device: torch.device) -> list[torch.Tensor]:
+    """The noise of each dropout call in call order. On a CPU it is drawn from torch's global generator exactly as
+    torch's dropout draws it (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``): the masks of sequential
+    training, bit for bit. On another device (where sequential dropout draws from that device's generator, which
+    nothing seeds per client) it is drawn there, from a generator seeded by one number of the global CPU
+    generator: a deterministic function of (seed, round, client), without building masks on the CPU and copying
+    them over."""
+    gen = None
+    if device.type != "cpu":
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(torch.randint(2**62, (1,))))
+    out = []
+    for shape, dtype, p in shapes:
+        noise = torch.empty(shape, dtype=dtype, device=device)
+        out.append(noise.zero_() if p == 1 else noise.bernoulli_(1 - p, generator=gen).div_(1 - p))
+    return out
+
+
+def dropout_modules(model: nn.Module) -> list[nn.Dropout]:
+    """The model's ``nn.Dropout`` layers that draw noise (p > 0)."""
+    return [m for m in model.modules() if type(m) is nn.Dropout and m.p > 0]
+
+
+@torch.no_grad()
+def dropout_shapes(model: nn.Module, x: Any, state: NormState) -> list[tuple[tuple[int, ...], torch.dtype, float]]:
+    """(input shape, dtype, p) of every dropout call of a training forward of ``model`` on ``x``, in call order
+    (a forward that draws nothing: dropout passes through, the functional BatchNorms write only to ``state``)."""
+    seen: list[tuple[tuple[int, ...], torch.dtype, float]] = []
+    patched = dropout_modules(model)
+
+    def record(m: nn.Dropout, t: torch.Tensor) -> torch.Tensor:
+        seen.append((tuple(t.shape), t.dtype, m.p))
+        return t
+
+    for m in patched:
+        m.forward = functools.partial(record, m)
+    try:
+        model(x)
+    finally:
+        for m in patched:
+            m.forward = functools.partial(dropout_with_noise, m, state)
+        state.updates.clear()
+    return seen
+
+
+def _signature(leaves: Sequence[torch.Tensor], spec: Any, pad: bool) -> tuple:
+    """What must be equal for batches (flattened: ``tree_flatten``) to be stacked: structure, shapes (without the
+    batch size when ``pad``) and dtypes."""
+    return (str(spec), *((tuple(t.shape[1:] if pad else t.shape), t.dtype) for t in leaves))
+
+
+def stack_padded(tensors: Sequence[torch.Tensor], sizes: Sequence[int], size: int,
+                 fill: float | None = None) -> torch.Tensor:
+    """``tensors`` (``sizes[i]`` examples each) stacked along a new first dimension, each grown to ``size``
+    examples by repeating its first one (real data: finite through any model), or by rows of ``fill``."""
+    def grow(t: torch.Tensor, n: int) -> torch.Tensor:
+        if n == size:
+            return t
+        shape = (size - n, *t.shape[1:])
+        return torch.cat([t, t[:1].expand(shape) if fill is None else t.new_full(shape, fill)])
+    return torch.stack([grow(t, n) for t, n in zip(tensors, sizes)])
+
+
+class StepBatches:
+    """The batches and dropout noise of clients trained together (``ctxs``, on ``model``, with ``components``),
+    step by step (``groups``). ``rng_states[i]``: torch's global CPU generator as client i's sequential training
+    finds it after ``client_start`` (None: draw from the global generator as it is); ``pad``: clients whose batches
+    differ only in their size share a group (padded); ``scope``: the backward's scope, for the FLOP count."""
+
+    def __init__(self, ctxs: Sequence[ClientContext], components: Sequence[Component], model: nn.Module,
+                 device: torch.device, rng_states: Sequence[torch.Tensor] | None, pad: bool, scope: Any):
+        task, local = ctxs[0].task, ctxs[0].local
+        self.ctxs, self.components, self.model, self.device = ctxs, components, model, device
+        self.task, self.pad, self.scope = task, pad, scope
+        # a task serving batches from tensors in memory gives a step's batches in one gather when no component
+        # transforms them: nothing then draws from the clients' random states but their dropout noise
+        self.gather = task.stacks_train_batches() and all(
+            type(c).transform_batch is Component.transform_batch for c in components)
+        self.positions: list[list[Any]] = []
+        self.iters: list[Iterator[Any]] = []
+        for ctx in ctxs:
+            gen = torch_gen(ctx.seed, "shuffle", ctx.round, ctx.client_id)
+            self.positions.append(list(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)))
+            if not self.gather:
+                self.iters.append(iter(task.train_batches(ctx.client_id, self.positions[-1], seed=ctx.seed,
+                                                          round=ctx.round)))
+        self.rng = list(rng_states) if rng_states is not None else None
+        self.drops = bool(dropout_modules(model))
+        self.probed: dict[tuple, list] = {}  # dropout shapes by batch signature
+
+    def _client(self, i: int, s: int, norms: NormState, gathered: tuple[Any, int] | None = None
+                ) -> tuple[Any, list[torch.Tensor]]:
+        """Client i's batch of step s (after the components' transforms; None when ``gathered``: the stacked inputs
+        of its group, row j its own) and its dropout noise, drawn from the client's own random state where its
+        sequential training would draw them."""
+        ctx, rng = self.ctxs[i], self.rng
+        ctx.step = s
+        batch = None
+        if rng is not None and (gathered is None or self.drops):
+            torch.set_rng_state(rng[i])
+        if gathered is None:
+            x, y = to_device(next(self.iters[i]), self.device)
+            for c in self.components:
+                x, y = c.transform_batch(ctx, x, y)
+            batch = (x, y)
+        noise = []
+        if self.drops:
+            if gathered is not None:
+                x = tree_map(lambda t: t[gathered[1]], gathered[0])
+            sig = _signature(*tree_flatten(x), False)
+            if sig not in self.probed:
+                self.probed[sig] = dropout_shapes(self.model, x, norms)
+            noise = draw_noise(self.probed[sig], self.device)
+        if rng is not None and (batch is not None or self.drops):
+            rng[i] = torch.get_rng_state()
+        if ctx.cost is not None:
+            ctx.flops += ctx.cost.train_step(len(self.positions[i][s]), self.scope)
+        return batch, noise
+
+    def groups(self, s: int, live: int, norms: NormState) -> Iterator[tuple[list[int], list[int], Any, dict[int, Any]]]:
+        """The groups of step s of the first ``live`` clients (those still training): (clients, their batch sizes,
+        their batches stacked and padded to the largest, each client's dropout noise)."""
+        groups: dict[tuple, list[int]] = {}
+        noise: dict[int, Any] = {}
+        positions = self.positions
+        if self.gather:
+            for i in range(live):
+                groups.setdefault(() if self.pad else (len(positions[i][s]),), []).append(i)
+            for idx in groups.values():
+                sizes = [len(positions[i][s]) for i in idx]
+                # a short batch padded with its first example's index: the padding stack_padded gives
+                where = stack_padded([positions[i][s] for i in idx], sizes, max(sizes))
+                xy = to_device(self.task.train_batch_stack([self.ctxs[i].client_id for i in idx], where), self.device)
+                for j, i in enumerate(idx):
+                    noise[i] = self._client(i, s, norms, (xy[0], j))[1]
+                yield idx, sizes, xy, noise
+            return
+        flat = {}
+        for i in range(live):
+            batch, noise[i] = self._client(i, s, norms)
+            flat[i] = tree_flatten(batch)
+            groups.setdefault(_signature(*flat[i], self.pad), []).append(i)
+        for idx in groups.values():
+            sizes = [len(flat[i][0][0]) for i in idx]
+            columns = zip(*(flat[i][0] for i in idx))
+            xy = tree_unflatten([stack_padded(c, sizes, max(sizes)) for c in columns], flat[idx[0]][1])
+            yield idx, sizes, xy, noise
