@@ -94,6 +94,30 @@ def test_all_finite_matches_elementwise_check_even_when_sums_overflow(values, dt
     assert all_finite({"a": t, "b": torch.ones(2, dtype=other)}) == bool(np.isfinite(t.double().numpy()).all())
 
 
+@given(st.integers(1, 5), st.data(),
+       st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64]),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_finite_rows_passes_no_row_holding_a_non_finite_value(n, data, dtype, other):
+    """Against numpy's element-wise check of each row of two stacks: a row with a NaN or an infinity in either is
+    never proven finite, whatever the dtypes; a finite row whose sums cannot overflow (values of magnitude <= 1)
+    always is; an integer stack (batch counts) is finite."""
+    from fedsight.functional.aggregate import finite_rows
+
+    values = st.sampled_from([0.0, 1.0, -1.0, -3e38, 3e38, 6e4, float("nan"), float("inf"), -float("inf")])
+    a = torch.tensor(data.draw(st.lists(st.lists(values, min_size=3, max_size=3), min_size=n, max_size=n)),
+                     dtype=torch.float64).to(dtype)
+    b = torch.tensor(data.draw(st.lists(st.lists(values, min_size=2, max_size=2), min_size=n, max_size=n)),
+                     dtype=torch.float64).to(other).view(n, 1, 2)
+    counts = torch.arange(n)
+    got = finite_rows([a, b, counts]).numpy()
+    an, bn = a.numpy() if dtype == torch.complex64 else a.double().numpy(), b.numpy()
+    truth = np.isfinite(an).all(1) & np.isfinite(bn).all((1, 2))
+    small = (np.abs(an) <= 1).all(1) & (np.abs(bn) <= 1).all((1, 2))
+    assert got.shape == (n,)
+    assert not (got & ~truth).any()
+    assert got[truth & small].all()
+
+
 @given(st.lists(st.tuples(*[st.sampled_from([0.0, 1.0, -3e38, 3e38, float("nan"), float("inf"), -float("inf")])] * 2),
                 min_size=1, max_size=6),
        st.sampled_from([torch.complex64, torch.complex128]))

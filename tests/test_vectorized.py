@@ -415,9 +415,10 @@ def test_clients_given_in_any_order_get_their_own_results():
     ctxs = [ClientContext(client_id=i, round=1, model=model, global_params={}, num_examples=4, num_steps=n,
                           local=local, task=task) for i, n in enumerate((1, 3, 2))]
     stack = lambda states: {k: torch.stack([s[k] for s in states]) for k in states[0]}  # noqa: E731
-    finals, losses = train_together(ctxs, stack(starts), [], [[] for _ in range(3)])
+    finals, losses, finite = train_together(ctxs, stack(starts), [], [[] for _ in range(3)])
+    assert finite == [True] * 3
     for i in range(3):
-        (alone,), loss = train_together([ctxs[i]], stack([starts[i]]), [], [[]])
+        (alone,), loss, _ = train_together([ctxs[i]], stack([starts[i]]), [], [[]])
         close(losses[i], loss[0], atol=1e-12, rtol=1e-9)
         for k, v in alone.items():
             close(finals[i][k], v, atol=1e-12, rtol=1e-9)
@@ -461,7 +462,7 @@ def test_every_builtin_model_trains_vectorised_as_sequentially(case):
     ctxs = [ClientContext(client_id=i, round=1, model=model, global_params={}, num_examples=2, num_steps=2,
                           local=local, task=task) for i in range(3)]
     rngs = [torch.Generator().manual_seed(10 + i).get_state() for i in range(3)]
-    finals, _ = train_together(ctxs, {k: torch.stack([s[k] for s in starts]) for k in starts[0]}, [],
+    finals, _, _ = train_together(ctxs, {k: torch.stack([s[k] for s in starts]) for k in starts[0]}, [],
                                [[] for _ in range(3)], rngs)
     for i in range(3):
         model.load_state_dict(starts[i])
@@ -548,6 +549,27 @@ def test_out_of_memory_events_name_the_new_width(monkeypatch):
     assert [e["max_clients_per_batch"] for e in widths] == [3] and "6 clients" in widths[0]["reason"]
     _, events = sim.run_round(2)  # the narrower width holds: no new event
     assert not [e for e in events if e["event"] == "vectorize_width"]
+
+
+def test_a_client_whose_training_diverges_is_rejected_and_only_unproven_uploads_are_read_again(monkeypatch):
+    """Client 3's training images are NaN, so its trained weights are: ``train_together`` does not prove its state
+    finite, ``keep`` checks that upload alone (the others' deltas were proven as they left the stacks) and rejects
+    it; the global model stays finite. (A proof that passed client 3 would leave its weights unread: only its NaN
+    loss would still reject it.)"""
+    import fedsight.engine.client_runtime as CR
+
+    sim = build_simulation(validate(tiny(**{"server.rounds": 1, "server.clients_per_round": 6,
+                                            "engine.vectorize": True})))
+    sim.task.pool.x[sim.task._train_slice(3)] = float("nan")
+    keys = set(sim.shared_params)
+    read, real = [], CR.all_finite
+    monkeypatch.setattr(CR, "all_finite", lambda state: read.append(set(state)) or real(state))
+    rows, events = [], []
+    sim.run(on_round=lambda r, row, ev: (rows.append(row), events.extend(ev)))
+    assert [(e["client"], e["reason"]) for e in events if e["event"] == "rejected_update"] == [(3, "non-finite values")]
+    assert rows[0]["clients/aggregated"] == 5
+    assert all(bool(torch.isfinite(p).all()) for p in sim.global_model.parameters())
+    assert read.count(keys) == 1  # client 3's delta, the only one not proven finite
 
 
 @settings(max_examples=25, deadline=None)

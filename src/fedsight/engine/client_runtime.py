@@ -30,17 +30,21 @@ from ..errors import ConfigError, ModelRefused
 from ..training import ClientState, Component, EvalContext
 from ..training.local import make_result, start_client
 from ..training.vectorized import blockers, start_stacks, train_together
+from .contract import FiniteSeal
 from .plan import Stage, StageLayout, build_models, personal_eval, stage_layout, stage_of_round
 
 #: an allocation failure on any device (``torch.OutOfMemoryError`` from torch 2.5; CUDA's before)
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-def is_finite_result(res: ClientResult) -> bool:
-    """Every uploaded tensor and the training loss are finite."""
-    finite = all_finite(res.delta) and all_finite(res.buffers)
-    finite = finite and all(all_finite(v) for v in res.extras.values())
-    return finite and math.isfinite(res.metrics.get("train/loss", 0.0))
+def is_finite_result(res: ClientResult, seal: FiniteSeal | None = None) -> bool:
+    """Every uploaded tensor and the training loss are finite. ``seal``: the tensors found finite already
+    (``FiniteSeal``), not read again while it holds."""
+    if seal is None or not seal.holds(res):
+        finite = all_finite(res.delta) and all_finite(res.buffers)
+        if not (finite and all(all_finite(v) for v in res.extras.values())):
+            return False
+    return math.isfinite(res.metrics.get("train/loss", 0.0))
 
 
 @contextlib.contextmanager
@@ -104,6 +108,8 @@ class ClientRuntime:
         self.vectorize, self.max_clients_per_batch = vectorize, max_clients_per_batch
         #: what the runtime reports for the round's events (``run_many`` narrowing its width); the backend drains it
         self.events: list[dict[str, Any]] = []
+        #: uploads of ``run_many`` whose tensors were proven finite as they were computed, by client, until ``keep``
+        self._sealed: dict[int, FiniteSeal] = {}
         self.device = torch.device(device)
         self.eval_batch_size = eval_batch_size
         if model is None:
@@ -210,6 +216,7 @@ class ClientRuntime:
         over as two halves, and the width is kept for the rest of the run (a ``vectorize_width`` event in
         ``events``); nothing of the failed attempt is kept."""
         self.enter_round(r)
+        self._sealed.clear()
         gstate = to_device(dict(global_state), self.device)
         components = self.stage.recipe.components
         local = self.stage.local.at_round(r)
@@ -248,8 +255,8 @@ class ClientRuntime:
             try:
                 # the uploads' deltas computed as the clients leave the stacks, unless the work model must hold
                 # each client's trained weights
-                finals, losses = train_together(ctxs, {k: v[:len(ctxs)] for k, v in stacks.items()}, components,
-                                                steps, rngs, subtract=None if model_read else subtract)
+                trained = train_together(ctxs, {k: v[:len(ctxs)] for k, v in stacks.items()}, components, steps,
+                                         rngs, subtract=None if model_read else subtract)
             except OUT_OF_MEMORY:
                 if len(ctxs) == 1:
                     raise
@@ -264,15 +271,20 @@ class ClientRuntime:
                                     "reason": f"out of memory training {len(ids)} clients together"})
                 continue
             del stacks
-            for ctx, state, final, loss in zip(ctxs, states, finals, losses):
+            for ctx, state, final, loss, finite in zip(ctxs, states, trained.states, trained.losses.tolist(),
+                                                       trained.finite):
                 if model_read:
                     with torch.no_grad():
                         for k, v in final.items():
                             self._wstate[k].copy_(v)
                     yield ctx.client_id, make_result(ctx, components, loss, ctx.num_steps), state
-                else:
-                    yield ctx.client_id, make_result(ctx, components, loss, ctx.num_steps, final,
-                                                     {k: final[k] for k in subtract}), state
+                    continue
+                res = make_result(ctx, components, loss, ctx.num_steps, final, {k: final[k] for k in subtract})
+                # the upload holds the deltas and (copies of) the buffers train_together proved finite: keep need
+                # not read them again
+                if finite and not res.extras and set(res.delta) <= set(subtract):
+                    self._sealed[ctx.client_id] = FiniteSeal.of(res)
+                yield ctx.client_id, res, state
 
     def train(
         self, r: int, client: int, global_state: Mapping[str, torch.Tensor],
@@ -287,7 +299,8 @@ class ClientRuntime:
         is finite: its personal entries and held component state go to the store."""
         personal = self.personal_entries(res.client_id) if self.layout.personal_keys else {}
         pending = [t for tensors in state.pending.values() for t in tensors.values()]
-        if not (is_finite_result(res) and all_finite(personal) and all_finite(dict(enumerate(pending)))):
+        seal = self._sealed.pop(res.client_id, None)
+        if not (is_finite_result(res, seal) and all_finite(personal) and all_finite(dict(enumerate(pending)))):
             state.commit(only_always=True)
             return False
         if personal:

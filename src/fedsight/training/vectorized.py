@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -61,6 +61,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
 from ..device import model_device
+from ..functional.aggregate import all_finite, finite_rows
 from .component import Component, VectorStep
 from .context import ClientContext
 from .fused import FusedPlan, clients_batch_norm, fused_plan
@@ -309,11 +310,22 @@ def start_stacks(model: nn.Module, state: Mapping[str, torch.Tensor], n: int) ->
     return stacks if plan is None else plan.arrange(stacks, empty=True)
 
 
+class Trained(NamedTuple):
+    """What ``train_together`` hands back, by client: its model state after its steps (``subtract``'s entries as
+    deltas), the sum of its step objectives, and whether every tensor of that state was proven finite (by finite
+    sums, ``functional.aggregate.finite_rows``, for the clients finishing together at once: False is "not
+    proven", check the client's tensors themselves)."""
+
+    states: list[dict[str, torch.Tensor]]
+    losses: torch.Tensor
+    finite: list[bool]
+
+
 def train_together(
     ctxs: Sequence[ClientContext], starts: Mapping[str, torch.Tensor], components: Sequence[Component],
     steps: Sequence[Sequence[VectorStep | None]], rng_states: Sequence[torch.Tensor] | None = None,
     subtract: Mapping[str, torch.Tensor] | None = None,
-) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+) -> Trained:
     """Train the clients of ``ctxs`` (started: ``start_client``; all on one model, one stage) together.
 
     ``starts``: the clients' whole model states at the start (their global and personal entries), each entry
@@ -324,9 +336,9 @@ def train_together(
     round, client)): each client's batches and ``transform_batch`` draw from their own state, so tasks that crop
     or augment with the global generator (image and video SR, keypoints) give every client the batches sequential
     training gives it.
-    Returns each client's model state after its ``ctx.num_steps`` steps and the sum of each client's step
-    objectives (in the model's floating dtype); ``ctx.flops`` of each client is counted as in
-    ``sgd_steps``. ``subtract``: values of trainable entries (the received global ones) to hand back each client's
+    Returns each client's model state after its ``ctx.num_steps`` steps, the sum of each client's step
+    objectives (in the model's floating dtype) and whether its state was proven finite (``Trained``);
+    ``ctx.flops`` of each client is counted as in ``sgd_steps``. ``subtract``: values of trainable entries (the received global ones) to hand back each client's
     difference from instead of its final value (its upload's delta, contiguous, one subtraction for the clients
     finishing together as they leave the stacks, in place of copying their entries out; rows of one tensor per
     such set of clients). Clients given in the order of their step counts, most first, are trained without
@@ -354,6 +366,9 @@ def train_together(
     P = {k: starts[k] for k in trainable}
     rest = {k: v if k in per_client else v[0] for k, v in starts.items() if k not in P}
     rest_dims = {k: 0 if k in per_client else None for k in rest}
+    # the entries every client holds alike, checked once; each client's own, as it finishes (``retire``)
+    alike_finite = all_finite({k: v for k, v in rest.items() if rest_dims[k] is None})
+    proven = torch.zeros(K, dtype=torch.bool, device=device)
     hooks = [(c.name, vs) for c, vs in zip(components, steps[0]) if vs is not None]
     # Adam runs before the first step correction (SCAFFOLD): after the hooks of the components listed before it
     at = sum(1 for c, vs in zip(components[:direction_position(components)], steps[0]) if vs is not None)
@@ -390,8 +405,10 @@ def train_together(
                     done[k] = torch.sub(rows, subtract[k], out=torch.empty(rows.shape, dtype=rows.dtype, device=device))
             else:
                 done[k] = rows if m == 0 and rows.is_contiguous() else rows.clone(memory_format=torch.contiguous_format)
+        proven[m:live] = finite_rows(list(done.values())) if done else True
+        split = {k: v.unbind(0) for k, v in done.items()}
         for j in range(m, live):
-            finals[j] = {k: done[k][j - m] if k in done else rest[k] for k in state_keys}
+            finals[j] = {k: split[k][j - m] if k in split else rest[k] for k in state_keys}
         first = lambda v: v[:m]  # noqa: E731
         P, opt, own = tree_map(first, P), tree_map(first, opt), tree_map(first, own)
         rest.update({k: v[:m] for k, v in rest.items() if rest_dims[k] == 0})
@@ -435,7 +452,8 @@ def train_together(
                 apply(vsteps[min(sizes) < size], idx, *xy, mask, eps, lr, bias)
         retire(0)
     back = sorted(range(K), key=order.__getitem__)  # back[i]: client i's position in ``order``
-    return [finals[j] for j in back], loss_sum[back]
+    finite = proven.tolist()
+    return Trained([finals[j] for j in back], loss_sum[back], [alike_finite and finite[j] for j in back])
 
 
 def _rate(local: LocalTraining, step: int, num_steps: int) -> float:
