@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fedsight.models.cnn import CNN, CNNParams
+from fedsight.models.rdsn import EDSR, RDSN
 from fedsight.training.fused import fused_plan
 from helpers import close
 
@@ -43,6 +44,46 @@ class Net(nn.Module):
         return self.head(self.gelu(F.relu(self.bn1(self.fc(h)))))
 
 
+class SRNet(nn.Module):
+    """The operations of the super-resolution models (RDSN: dense concatenation, CBAM's spatial gate, sub-pixel
+    upsampling, the interpolated global skip; EDSR's scaled residual), with the awkward settings: a concatenation of
+    three maps of different widths, a one-channel gate both multiplied and added, a number on either side of a
+    product."""
+
+    def __init__(self, scale: int, mode: str):
+        super().__init__()
+        self.scale, self.mode = scale, mode
+        self.a = nn.Conv2d(2, 3, 3, padding=1)
+        self.b = nn.Conv2d(5, 2, 1)
+        self.fuse = nn.Conv2d(7, 4, 3, padding=1)
+        self.gate = nn.Conv2d(2, 1, 3, padding=1)
+        self.up = nn.Sequential(nn.Conv2d(4, 2 * scale * scale, 3, padding=1), nn.PixelShuffle(scale))
+
+    def forward(self, x):
+        a = F.relu(self.a(x))
+        b = self.b(torch.cat([x, a], dim=1))
+        h = self.fuse(torch.cat([a, x, b], dim=1))
+        g = torch.sigmoid(self.gate(torch.cat([h.mean(dim=1, keepdim=True), h.amax(dim=1, keepdim=True)], dim=1)))
+        h = 0.5 * (h * g) + g + h * 2
+        corners = None if self.mode == "nearest" else False
+        return self.up(h) + F.interpolate(x, scale_factor=self.scale, mode=self.mode, align_corners=corners)
+
+
+class Resize(nn.Module):
+    def forward(self, x):
+        return F.interpolate(x, size=(4, 4))  # a size, not a factor: not a client's
+
+
+class CatExamples(nn.Module):
+    def forward(self, x):
+        return torch.cat([x, x], dim=0)  # along the examples, not the channels
+
+
+class MeanDropped(nn.Module):
+    def forward(self, x):
+        return x - x.mean(dim=1).unsqueeze(1)  # the channel dimension not kept
+
+
 class Branchy(nn.Module):
     def __init__(self):
         super().__init__()
@@ -67,6 +108,14 @@ class MyConv(nn.Conv2d):
     (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Upsample(scale_factor=2)), False),
     (nn.Sequential(nn.Linear(4, 4), nn.Flatten(2)), False),
     (Branchy(), False),
+    (SRNet(2, "bicubic"), True),
+    (RDSN(2, features=8, blocks=2, layers=2, growth=4), True),
+    (RDSN(2, features=8, blocks=1, layers=2, growth=4, udc=True), False),  # the UDC's shape checks: not traceable
+    (EDSR(2, features=8, blocks=1, mean_shift=False), True),
+    (EDSR(2, features=8, blocks=1), False),  # the mean shift reads the input's dtype
+    (Resize(), False),
+    (CatExamples(), False),
+    (MeanDropped(), False),
 ])
 def test_which_models_get_a_plan(model, planned):
     assert (fused_plan(model) is not None) is planned
@@ -114,6 +163,34 @@ def test_fused_forward_is_each_clients_forward(norm, momentum, training, real, s
             if name in updates:
                 close(updates[name][j].to(v.dtype), v, atol=1e-12, rtol=1e-9)
     assert bool(updates) == training  # bn1 is a BatchNorm whatever the norm
+
+
+@settings(max_examples=20, deadline=None)
+@given(k=st.integers(1, 3), scale=st.sampled_from([2, 3]), mode=st.sampled_from(["nearest", "bilinear", "bicubic"]),
+       seed=st.integers(0, 2**16))
+def test_fused_super_resolution_forward_is_each_clients_forward(k, scale, mode, seed):
+    """The operations of the SR models (``SRNet``) for k clients with their own weights: outputs and each client's
+    gradient against its own module (float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    models = []
+    for _ in range(k):
+        m = SRNet(scale, mode).double()
+        with torch.no_grad():
+            for t in m.parameters():
+                t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+        models.append(m)
+    plan = fused_plan(models[0])
+    x = torch.randn(k, 2, 2, 5, 4, generator=gen, dtype=torch.float64)
+    params = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models]).requires_grad_()
+              for name, _ in models[0].named_parameters()}
+    out = plan.forward(dict(params), x, None, [], {})
+    assert out.shape == (k, 2, 2, 5 * scale, 4 * scale)
+    grads = dict(zip(params, torch.autograd.grad(out.pow(2).sum(), list(params.values()))))
+    for j, m in enumerate(models):
+        ref = m(x[j])
+        close(out[j], ref, atol=1e-9, rtol=1e-9)
+        for (name, _), g in zip(m.named_parameters(), torch.autograd.grad(ref.pow(2).sum(), list(m.parameters()))):
+            close(grads[name][j], g, atol=1e-9, rtol=1e-9)
 
 
 def test_a_module_hook_sends_the_model_back_to_vmap():
@@ -168,7 +245,7 @@ def test_relu_then_max_pool_computes_as_pool_then_relu_with_the_same_values_and_
     model = PoolAfterRelu()
     plan = fused_plan(model)
     assert plan is not None
-    ops = [m.__class__.__name__ if op == "module" else op for op, _, m, _, _ in plan.steps]
+    ops = [s.module.__class__.__name__ if s.op == "module" else s.op for s in plan.steps]
     assert ops == ["Conv2d", "MaxPool2d", "relu",  # swapped
                    "Conv2d", "relu", "MaxPool2d", "MaxPool2d", "add",  # two uses
                    "Conv2d", "relu", "MaxPool2d", "relu",  # the second ReLU swapped

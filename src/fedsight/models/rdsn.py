@@ -244,7 +244,7 @@ class RDSN(FedModel):
                 self.head.out.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4:
+        if isinstance(x, torch.Tensor) and x.ndim != 4:  # (not while torch.fx traces the forward: a Proxy)
             raise ValueError(f"RDSN expects LR images [B, C, h, w], got shape {tuple(x.shape)}")
         out = self.head(self.backbone(x))
         if self.global_skip:
@@ -309,7 +309,7 @@ class EDSR(FedModel):
         self.register_buffer("rgb_mean", torch.tensor(DIV2K_MEAN).view(1, 3, 1, 1), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4:
+        if isinstance(x, torch.Tensor) and x.ndim != 4:  # (not while torch.fx traces the forward: a Proxy)
             raise ValueError(f"EDSR expects LR images [B, C, h, w], got shape {tuple(x.shape)}")
         if not self.mean_shift:
             return self.head(self.backbone(x))

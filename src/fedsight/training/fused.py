@@ -18,7 +18,12 @@ For a model built only of the layers below, ``fused_plan`` traces the forward on
   own batch statistics (the real examples' only on a padded batch) and returns each client's new running
   statistics; ``nn.Linear`` is a batched matrix product; ``nn.Dropout`` multiplies by the client's noise drawn
   beforehand (``vector_batches.draw_noise``), as the vmapped forward does;
-* element-wise activations (``_ACTIVATIONS``) act on either layout;
+* element-wise activations (``_ACTIVATIONS``, ``torch.sigmoid``) act on either layout, and so does a product with a
+  number;
+* the super-resolution operations (RDSN, and EDSR without its mean shift): ``torch.cat(dim=1)`` concatenates within
+  each client's channels, a channel mean or max (``keepdim``) reduces within them, a sum or product of a map of
+  one channel a client with a wider one broadcasts within each client, ``nn.PixelShuffle`` and ``F.interpolate``
+  by a scale factor act per channel;
 * the output comes back stacked, (k, N, ...).
 
 The clients' objectives are summed and differentiated with ``torch.autograd.grad`` with respect to the stacked
@@ -33,7 +38,7 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +55,15 @@ _ACTIVATIONS: dict[type, Any] = {
     nn.Sigmoid: lambda m, t: torch.sigmoid(t), nn.Tanh: lambda m, t: torch.tanh(t), nn.Identity: lambda m, t: t,
 }
 _LEAVES = (nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm, nn.MaxPool2d, nn.AvgPool2d,
-           nn.AdaptiveAvgPool2d, GridPool, nn.Flatten, nn.Dropout, *_ACTIVATIONS)
-_FUNCTIONS = {operator.add: "add", torch.add: "add", torch.relu: "relu", F.relu: "relu", torch.flatten: "flatten"}
-_METHODS = {"relu": "relu", "flatten": "flatten"}
+           nn.AdaptiveAvgPool2d, GridPool, nn.Flatten, nn.Dropout, nn.PixelShuffle, *_ACTIVATIONS)
+#: element-wise functions and methods of one argument
+_ELEMENTWISE = {"relu": F.relu, "sigmoid": torch.sigmoid}
+_FUNCTIONS = {operator.add: "add", torch.add: "add", torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid",
+              F.sigmoid: "sigmoid", torch.flatten: "flatten", torch.cat: "cat", operator.mul: "mul", torch.mul: "mul",
+              F.interpolate: "interpolate", torch.mean: "mean", torch.amax: "amax"}
+_METHODS = {"relu": "relu", "sigmoid": "sigmoid", "flatten": "flatten", "mean": "mean", "amax": "amax"}
+#: F.interpolate's keywords the fused forward passes on (``size`` is not: a map's size is per client batch)
+_INTERPOLATE = {"scale_factor", "mode", "align_corners"}
 
 FUSED, STACKED = "fused", "stacked"
 
@@ -76,11 +87,25 @@ class _Tracer(fx.Tracer):
         return type(m) in _LEAVES or super().is_leaf_module(m, qualname)
 
 
+class Step(NamedTuple):
+    """One operation of the forward: ``op`` ("module": ``module``'s forward, its state entries under ``prefix``;
+    "add", "mul": of two values; "scale": by the number ``opts``; "cat": along the channels; "mean", "amax": over the
+    channels (kept as one); "interpolate": ``F.interpolate`` with the keywords ``opts``; "flatten"; or an
+    ``_ELEMENTWISE`` function) on the values of the earlier nodes ``args``, giving node ``name``'s."""
+
+    op: str
+    name: str
+    module: nn.Module | None
+    prefix: str
+    args: tuple[str, ...]
+    opts: Any = None
+
+
 @dataclass(frozen=True)
 class FusedPlan:
-    """A model's forward as (op, node name, module, state-key prefix, argument names) steps."""
+    """A model's forward as ``Step`` s."""
 
-    steps: tuple[tuple[str, str, nn.Module | None, str, tuple[Any, ...]], ...]
+    steps: tuple[Step, ...]
     output: str
 
     def forward(self, values: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor | None,
@@ -92,15 +117,25 @@ class FusedPlan:
         k = x.shape[0]
         env: dict[str, tuple[torch.Tensor, str]] = {"x": (x, STACKED)}
         drops = iter(noise)
-        for op, name, m, prefix, args in self.steps:
+        for op, name, m, prefix, args, opts in self.steps:
             ins = [env[a] for a in args]  # every argument is an earlier node (``_trace``)
-            if op == "add":
+            if op in ("add", "mul"):
                 (a, la), (b, lb) = ins
-                env[name] = (a + _layout(b, lb, la, k), la)
-            elif op == "relu":
-                env[name] = (F.relu(ins[0][0]), ins[0][1])
+                env[name] = (_per_client(operator.add if op == "add" else operator.mul, a, _layout(b, lb, la, k),
+                                         la, k), la)
+            elif op == "scale":
+                env[name] = (ins[0][0] * opts, ins[0][1])
+            elif op in _ELEMENTWISE:
+                env[name] = (_ELEMENTWISE[op](ins[0][0]), ins[0][1])
             elif op == "flatten":
                 env[name] = (_layout(*ins[0], STACKED, k).flatten(2), STACKED)
+            elif op == "cat":
+                env[name] = (_cat_channels([_layout(*i, FUSED, k) for i in ins], k), FUSED)
+            elif op in ("mean", "amax"):
+                t = _layout(*ins[0], FUSED, k).unflatten(1, (k, -1))
+                env[name] = (t.mean(2) if op == "mean" else t.amax(2), FUSED)
+            elif op == "interpolate":  # (per channel: per client)
+                env[name] = (F.interpolate(_layout(*ins[0], FUSED, k), **opts), FUSED)
             else:
                 env[name] = _module(m, prefix, values, ins[0], k, mask, drops, updates)
         return _layout(*env[self.output], STACKED, k)
@@ -113,7 +148,8 @@ class FusedPlan:
         layout). The same values (no copy of an entry already so), or with ``empty`` uninitialised tensors of
         the same shapes; anything else as it is."""
         out = dict(stacked)
-        for _, _, m, prefix, _ in self.steps:
+        for step in self.steps:
+            m, prefix = step.module, step.prefix
             w = out.get(prefix + "weight")
             if isinstance(m, nn.Conv2d) and w is not None and w.device.type == "cpu" and w.dim() == 5:
                 fused = w.reshape(-1, *w.shape[2:])
@@ -137,6 +173,24 @@ def _layout(t: torch.Tensor, have: str, want: str, k: int) -> torch.Tensor:
     return t.transpose(0, 1).reshape(n, kk * c, *t.shape[3:])
 
 
+def _per_client(fn: Any, a: torch.Tensor, b: torch.Tensor, lay: str, k: int) -> torch.Tensor:
+    """``fn(a, b)`` (add, multiply) of two values in layout ``lay``, broadcast within each client as ``fn`` of one
+    client's broadcasts: a fused map of one channel a client (a spatial gate) against one of several."""
+    if lay == STACKED or a.shape[1] == b.shape[1]:
+        return fn(a, b)
+    return fn(a.unflatten(1, (k, -1)), b.unflatten(1, (k, -1))).flatten(1, 2)
+
+
+def _cat_channels(maps: list[torch.Tensor], k: int) -> torch.Tensor:
+    """Fused maps (N, k*C_i, ...) concatenated within each client, ``torch.cat(dim=1)`` of each client's maps:
+    (N, k*sum(C_i), ...), client j's channels its own of the first map, then of the second, ... On a CPU a 4-d
+    result is channels-last (the fused maps' layout there) without a further copy."""
+    if maps[0].dim() == 4 and maps[0].device.type == "cpu":
+        parts = [t.permute(0, 2, 3, 1).unflatten(3, (k, -1)) for t in maps]
+        return torch.cat(parts, dim=4).flatten(3).permute(0, 3, 1, 2)
+    return torch.cat([t.unflatten(1, (k, -1)) for t in maps], dim=2).flatten(1, 2)
+
+
 def _module(m: nn.Module, prefix: str, values: dict[str, torch.Tensor], arg: tuple[torch.Tensor, str], k: int,
             mask: torch.Tensor | None, drops: Any, updates: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
     t, lay = arg
@@ -156,6 +210,8 @@ def _module(m: nn.Module, prefix: str, values: dict[str, torch.Tensor], arg: tup
         out = torch.bmm(w, flat) if b is None else torch.baddbmm(b.unsqueeze(2), w, flat)
         return out.transpose(1, 2).reshape(*t.shape[:-1], out.shape[1]), STACKED
     t = _layout(t, lay, FUSED, k)
+    if isinstance(m, nn.PixelShuffle):  # (client j's k*C*r*r channels become its C: per client)
+        return F.pixel_shuffle(t, m.upscale_factor), FUSED
     if isinstance(m, nn.Conv2d):
         w, b = get("weight"), get("bias")
         w = w.reshape(-1, *w.shape[2:])
@@ -259,41 +315,67 @@ def _trace(model: nn.Module) -> FusedPlan | None:
         if node.op == "output":
             output = node.args[0]
             break
-        if node.kwargs and not (node.target is F.relu and set(node.kwargs) <= {"inplace"}):
-            return None
-        args = node.args
         if node.op == "call_module":
             m = model.get_submodule(node.target)
-            if not _supported(m) or len(args) != 1:
+            if not _supported(m) or len(node.args) != 1 or node.kwargs:
                 return None
-            op, prefix = "module", f"{node.target}."
+            step = Step("module", node.name, m, f"{node.target}.", node.args)
         elif node.op in ("call_function", "call_method"):
             op = (_FUNCTIONS if node.op == "call_function" else _METHODS).get(node.target)
-            m, prefix = None, ""
-            if op is None:
-                return None
-            if op == "flatten":
-                if len(args) != 2 or args[1] != 1:
-                    return None
-                args = args[:1]
-            if op == "relu" and len(args) != 1 or op == "add" and len(args) != 2:
-                return None
+            step = None if op is None else _function_step(op, node)
         else:
             return None
-        if not all(isinstance(a, fx.Node) and a in names for a in args):
+        if step is None or not all(isinstance(a, fx.Node) and a in names for a in step.args):
             return None
         names[node] = node.name
-        steps.append((op, node.name, m, prefix, tuple(names[a] for a in args)))
+        steps.append(step._replace(args=tuple(names[a] for a in step.args)))
     if not isinstance(output, fx.Node) or output not in names:
         return None
     return FusedPlan(tuple(_pool_before_relu(steps, names[output])), names[output])
 
 
-def _is_relu(step: tuple) -> bool:
-    return step[0] == "relu" or step[0] == "module" and type(step[2]) is nn.ReLU
+def _function_step(op: str, node: fx.Node) -> Step | None:
+    """The step of a function or method call ``op`` (``_FUNCTIONS``, ``_METHODS``) with the node's arguments (nodes
+    still), or None when its arguments ask for what the fused forward does not compute."""
+    args, kw = node.args, dict(node.kwargs)
+    if op in _ELEMENTWISE or op == "add":
+        if op == "relu":
+            kw.pop("inplace", None)
+        ok = len(args) == (2 if op == "add" else 1) and not kw
+        return Step(op, node.name, None, "", args) if ok else None
+    if op == "mul":
+        if len(args) != 2 or kw:
+            return None
+        factors = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        if len(factors) == 1:  # a node times a number
+            return Step("scale", node.name, None, "", tuple(a for a in args if a is not factors[0]), float(factors[0]))
+        return Step("mul", node.name, None, "", args)
+    if op == "flatten":
+        ok = len(args) == 2 and args[1] == 1 and not kw or len(args) == 1 and kw == {"start_dim": 1}
+        return Step(op, node.name, None, "", args[:1]) if ok else None
+    if op == "cat":  # along the channels only
+        dim = kw.pop("dim", args[1] if len(args) > 1 else 0)
+        ok = len(args) in (1, 2) and isinstance(args[0], (list, tuple)) and dim == 1 and not kw
+        return Step(op, node.name, None, "", tuple(args[0])) if ok else None
+    if op in ("mean", "amax"):  # over the channels, kept as one
+        dim = kw.pop("dim", args[1] if len(args) > 1 else None)
+        keep = kw.pop("keepdim", args[2] if len(args) > 2 else False)
+        ok = len(args) <= 3 and dim in (1, (1,), [1]) and keep is True and not kw
+        return Step(op, node.name, None, "", args[:1]) if ok else None
+    if op == "interpolate":  # by a scale factor (a size would be a map's, not a client's)
+        for name, default in (("size", None), ("recompute_scale_factor", None), ("antialias", False)):
+            if name in kw and kw[name] == default:  # (the tracer records F.interpolate's defaults too)
+                del kw[name]
+        ok = len(args) == 1 and set(kw) <= _INTERPOLATE and isinstance(kw.get("scale_factor"), (int, float))
+        return Step(op, node.name, None, "", args, kw) if ok else None
+    return None
 
 
-def _pool_before_relu(steps: list[tuple], output: str) -> list[tuple]:
+def _is_relu(step: Step) -> bool:
+    return step.op == "relu" or step.op == "module" and type(step.module) is nn.ReLU
+
+
+def _pool_before_relu(steps: list[Step], output: str) -> list[Step]:
     """``steps`` with every ReLU whose only use is a max-pooling swapped with it: max-pooling then ReLU computes
     the same values (ReLU is monotone, so the window's maximum after ReLU is ReLU of its maximum; a padded
     window's -inf stays below any ReLU value) and the same gradients (a positive maximum is the same element;
@@ -302,12 +384,12 @@ def _pool_before_relu(steps: list[tuple], output: str) -> list[tuple]:
     convolution's whole output were most of a vectorised small-CNN step's element-wise work."""
     users: dict[str, int] = {output: 1}
     for step in steps:
-        for a in step[4]:
+        for a in step.args:
             users[a] = users.get(a, 0) + 1
     out = list(steps)
     for i in range(len(out) - 1):
         relu, pool = out[i], out[i + 1]
-        if _is_relu(relu) and type(pool[2]) is nn.MaxPool2d and pool[4] == (relu[1],) and users[relu[1]] == 1:
-            out[i] = ("module", relu[1], pool[2], pool[3], relu[4])
-            out[i + 1] = ("relu", pool[1], None, "", (relu[1],))
+        if _is_relu(relu) and type(pool.module) is nn.MaxPool2d and pool.args == (relu.name,) and users[relu.name] == 1:
+            out[i] = Step("module", relu.name, pool.module, pool.prefix, relu.args)
+            out[i + 1] = Step("relu", pool.name, None, "", (relu.name,))
     return out
