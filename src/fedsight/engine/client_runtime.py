@@ -227,6 +227,7 @@ class ClientRuntime:
         same_start = not self.layout.personal_keys and all(
             type(c).client_start is Component.client_start for c in components)
         subtract = {k: gstate[k] for k in self.layout.shared_params}  # (the shared entries that train)
+        subtracted = set(subtract)
         width = self.max_clients_per_batch or len(clients)
         queue = [list(clients[i:i + width]) for i in range(0, len(clients), width)]
         while queue:
@@ -282,7 +283,7 @@ class ClientRuntime:
                 res = make_result(ctx, components, loss, ctx.num_steps, final, {k: final[k] for k in subtract})
                 # the upload holds the deltas and (copies of) the buffers train_together proved finite: keep need
                 # not read them again
-                if finite and not res.extras and set(res.delta) <= set(subtract):
+                if finite and not res.extras and set(res.delta) <= subtracted:
                     self._sealed[ctx.client_id] = FiniteSeal.of(res)
                 yield ctx.client_id, res, state
 

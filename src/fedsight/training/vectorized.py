@@ -338,10 +338,10 @@ def train_together(
     training gives it.
     Returns each client's model state after its ``ctx.num_steps`` steps, the sum of each client's step
     objectives (in the model's floating dtype) and whether its state was proven finite (``Trained``);
-    ``ctx.flops`` of each client is counted as in ``sgd_steps``. ``subtract``: values of trainable entries (the received global ones) to hand back each client's
-    difference from instead of its final value (its upload's delta, contiguous, one subtraction for the clients
-    finishing together as they leave the stacks, in place of copying their entries out; rows of one tensor per
-    such set of clients). Clients given in the order of their step counts, most first, are trained without
+    ``ctx.flops`` of each client is counted as in ``sgd_steps``. ``subtract``: values of trainable entries (the
+    received global ones) to hand back each client's difference from instead of its final value (its upload's
+    delta, contiguous, one subtraction for the clients finishing together as they leave the stacks, in place of
+    copying their entries out; rows of one tensor per such set of clients). Clients given in the order of their step counts, most first, are trained without
     reordering their stacks."""
     ctx0 = ctxs[0]
     model, task, local = ctx0.model, ctx0.task, ctx0.local
