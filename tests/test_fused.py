@@ -46,9 +46,11 @@ class Net(nn.Module):
 
 class SRNet(nn.Module):
     """The operations of the super-resolution models (RDSN: dense concatenation, CBAM's spatial gate, sub-pixel
-    upsampling, the interpolated global skip; EDSR's scaled residual), with the awkward settings: a concatenation of
-    three maps of different widths, a one-channel gate both multiplied and added, a number on either side of a
-    product."""
+    upsampling, the interpolated global skip; EDSR's scaled residual and mean shift), with the awkward settings: a
+    concatenation of three maps of different widths, a one-channel gate both multiplied and added, a number on
+    either side of a product, buffers outside the state cast to the input's dtype and to a given one, subtracted
+    from the input (stacked) and from a map (fused, a buffer of fewer dimensions on the left), added to the
+    output."""
 
     def __init__(self, scale: int, mode: str):
         super().__init__()
@@ -58,15 +60,19 @@ class SRNet(nn.Module):
         self.fuse = nn.Conv2d(7, 4, 3, padding=1)
         self.gate = nn.Conv2d(2, 1, 3, padding=1)
         self.up = nn.Sequential(nn.Conv2d(4, 2 * scale * scale, 3, padding=1), nn.PixelShuffle(scale))
+        self.register_buffer("shift", torch.tensor([0.25, -0.5]).view(1, 2, 1, 1), persistent=False)
+        self.register_buffer("level", torch.tensor([0.5, 1.0, -1.0, 2.0]).view(4, 1, 1), persistent=False)
 
     def forward(self, x):
+        shift = self.shift.to(x.dtype)
+        x = x - shift
         a = F.relu(self.a(x))
         b = self.b(torch.cat([x, a], dim=1))
         h = self.fuse(torch.cat([a, x, b], dim=1))
         g = torch.sigmoid(self.gate(torch.cat([h.mean(dim=1, keepdim=True), h.amax(dim=1, keepdim=True)], dim=1)))
-        h = 0.5 * (h * g) + g + h * 2
+        h = 0.5 * (h * g) + g + (self.level.to(torch.float64) - h) * 2
         corners = None if self.mode == "nearest" else False
-        return self.up(h) + F.interpolate(x, scale_factor=self.scale, mode=self.mode, align_corners=corners)
+        return self.up(h) + F.interpolate(x, scale_factor=self.scale, mode=self.mode, align_corners=corners) + shift
 
 
 class Resize(nn.Module):
@@ -93,6 +99,22 @@ class Branchy(nn.Module):
         return self.fc(x) if x.sum() > 0 else -self.fc(x)  # data-dependent: cannot be traced
 
 
+class Held(nn.Module):
+    """A tensor held by the model used as it is: a parameter or a persistent buffer (a client's own, stacked) in a
+    product, or a buffer outside the state fed to a convolution (a constant where a client's map is needed)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what, self.conv = what, nn.Conv2d(1, 1, 1)
+        if what == "parameter":
+            self.t = nn.Parameter(torch.ones(1, 1, 1))
+        else:
+            self.register_buffer("t", torch.ones(1, 1, 2, 2), persistent=what == "persistent")
+
+    def forward(self, x):
+        return self.conv(self.t) + x if self.what == "into a conv" else self.conv(x) * self.t
+
+
 class MyConv(nn.Conv2d):
     def forward(self, x):
         return super().forward(x) * 2
@@ -112,7 +134,11 @@ class MyConv(nn.Conv2d):
     (RDSN(2, features=8, blocks=2, layers=2, growth=4), True),
     (RDSN(2, features=8, blocks=1, layers=2, growth=4, udc=True), False),  # the UDC's shape checks: not traceable
     (EDSR(2, features=8, blocks=1, mean_shift=False), True),
-    (EDSR(2, features=8, blocks=1), False),  # the mean shift reads the input's dtype
+    (EDSR(2, features=8, blocks=1), True),  # the mean shift: a buffer outside the state, cast to the input's dtype
+    (Held("parameter"), False),
+    (Held("persistent"), False),
+    (Held("into a conv"), False),
+    (Held("non-persistent"), True),
     (Resize(), False),
     (CatExamples(), False),
     (MeanDropped(), False),
@@ -172,25 +198,53 @@ def test_fused_super_resolution_forward_is_each_clients_forward(k, scale, mode, 
     """The operations of the SR models (``SRNet``) for k clients with their own weights: outputs and each client's
     gradient against its own module (float64)."""
     gen = torch.Generator().manual_seed(seed)
+    out = _each_clients_own(lambda: SRNet(scale, mode), torch.randn(k, 2, 2, 5, 4, generator=gen, dtype=torch.float64),
+                            gen)
+    assert out.shape == (k, 2, 2, 5 * scale, 4 * scale)
+
+
+def _each_clients_own(make, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The fused forward of ``len(x)`` models ``make()`` with their own random weights (float64) on inputs ``x``
+    (clients, examples, ...): the outputs and each client's gradient checked against its own module. The output."""
     models = []
-    for _ in range(k):
-        m = SRNet(scale, mode).double()
+    for _ in range(len(x)):
+        m = make().double()
         with torch.no_grad():
             for t in m.parameters():
                 t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
         models.append(m)
     plan = fused_plan(models[0])
-    x = torch.randn(k, 2, 2, 5, 4, generator=gen, dtype=torch.float64)
     params = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models]).requires_grad_()
               for name, _ in models[0].named_parameters()}
     out = plan.forward(dict(params), x, None, [], {})
-    assert out.shape == (k, 2, 2, 5 * scale, 4 * scale)
     grads = dict(zip(params, torch.autograd.grad(out.pow(2).sum(), list(params.values()))))
-    for j, m in enumerate(models):
+    for j, m in enumerate(models):  # (to float64 rounding of the largest value: a gradient sums values of ~1e6)
         ref = m(x[j])
-        close(out[j], ref, atol=1e-9, rtol=1e-9)
+        close(out[j], ref, atol=1e-12 * float(ref.detach().abs().max()), rtol=1e-9)
         for (name, _), g in zip(m.named_parameters(), torch.autograd.grad(ref.pow(2).sum(), list(m.parameters()))):
-            close(grads[name][j], g, atol=1e-9, rtol=1e-9)
+            close(grads[name][j], g, atol=1e-12 * float(g.detach().abs().max()), rtol=1e-9)
+    return out
+
+
+class Wider(nn.Module):
+    """Buffers outside the state with more dimensions than a client's map: the result grows a dimension, from a
+    fused map and from a stacked (flattened) one."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(72, 2)
+        self.register_buffer("five", torch.tensor([1.0, -2.0]).view(2, 1, 1, 1, 1), persistent=False)
+        self.register_buffer("three", torch.tensor([0.5, 3.0, 1.0]).view(3, 1, 1), persistent=False)
+
+    def forward(self, x):
+        h = self.conv(x) * self.five  # (2, N, 3, H, W)
+        return self.three - self.fc(torch.flatten(h, 1))  # (3, 2, 2)
+
+
+def test_constants_that_add_dimensions_are_each_clients_operands():
+    gen = torch.Generator().manual_seed(0)
+    out = _each_clients_own(Wider, torch.randn(3, 4, 2, 2, 3, generator=gen, dtype=torch.float64), gen)
+    assert out.shape == (3, 3, 2, 2)
 
 
 def test_a_module_hook_sends_the_model_back_to_vmap():

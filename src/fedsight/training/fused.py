@@ -20,7 +20,10 @@ For a model built only of the layers below, ``fused_plan`` traces the forward on
   beforehand (``vector_batches.draw_noise``), as the vmapped forward does;
 * element-wise activations (``_ACTIVATIONS``, ``torch.sigmoid``) act on either layout, and so does a product with a
   number;
-* the super-resolution operations (RDSN, and EDSR without its mean shift): ``torch.cat(dim=1)`` concatenates within
+* a buffer of the model outside its state (``register_buffer(..., persistent=False)``: EDSR's RGB mean) is the
+  same for every client: cast (``.to`` a dtype, or the input's ``.dtype``) and added, subtracted or multiplied as
+  one client's operand, its channels repeated for each client against a fused map;
+* the super-resolution operations (RDSN, EDSR): ``torch.cat(dim=1)`` concatenates within
   each client's channels, a channel mean or max (``keepdim``) reduces within them, a sum or product of a map of
   one channel a client with a wider one broadcasts within each client, ``nn.PixelShuffle`` and ``F.interpolate``
   by a scale factor act per channel;
@@ -58,14 +61,19 @@ _LEAVES = (nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm, n
            nn.AdaptiveAvgPool2d, GridPool, nn.Flatten, nn.Dropout, nn.PixelShuffle, *_ACTIVATIONS)
 #: element-wise functions and methods of one argument
 _ELEMENTWISE = {"relu": F.relu, "sigmoid": torch.sigmoid}
-_FUNCTIONS = {operator.add: "add", torch.add: "add", torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid",
-              F.sigmoid: "sigmoid", torch.flatten: "flatten", torch.cat: "cat", operator.mul: "mul", torch.mul: "mul",
-              F.interpolate: "interpolate", torch.mean: "mean", torch.amax: "amax"}
-_METHODS = {"relu": "relu", "sigmoid": "sigmoid", "flatten": "flatten", "mean": "mean", "amax": "amax"}
+_FUNCTIONS = {operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub", operator.mul: "mul",
+              torch.mul: "mul", torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
+              torch.flatten: "flatten", torch.cat: "cat", F.interpolate: "interpolate", torch.mean: "mean",
+              torch.amax: "amax", getattr: "getattr"}
+_METHODS = {"relu": "relu", "sigmoid": "sigmoid", "flatten": "flatten", "mean": "mean", "amax": "amax", "to": "to",
+            "add": "add", "sub": "sub", "mul": "mul"}
+_BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}
 #: F.interpolate's keywords the fused forward passes on (``size`` is not: a map's size is per client batch)
 _INTERPOLATE = {"scale_factor", "mode", "align_corners"}
 
 FUSED, STACKED = "fused", "stacked"
+#: the layouts of what is not a client's value: a tensor the same for every client, and a dtype
+CONST, DTYPE = "const", "dtype"
 
 
 def _supported(m: nn.Module) -> bool:
@@ -89,9 +97,11 @@ class _Tracer(fx.Tracer):
 
 class Step(NamedTuple):
     """One operation of the forward: ``op`` ("module": ``module``'s forward, its state entries under ``prefix``;
-    "add", "mul": of two values; "scale": by the number ``opts``; "cat": along the channels; "mean", "amax": over the
-    channels (kept as one); "interpolate": ``F.interpolate`` with the keywords ``opts``; "flatten"; or an
-    ``_ELEMENTWISE`` function) on the values of the earlier nodes ``args``, giving node ``name``'s."""
+    "const": ``module``'s tensor named ``opts``; "dtype": of a value; "to": a value cast to a dtype (the second
+    argument's, else ``opts``); "add", "sub", "mul": of two values; "scale": by the number ``opts``; "cat": along
+    the channels; "mean", "amax": over the channels (kept as one); "interpolate": ``F.interpolate`` with the
+    keywords ``opts``; "flatten"; or an ``_ELEMENTWISE`` function) on the values of the earlier nodes ``args``,
+    giving node ``name``'s."""
 
     op: str
     name: str
@@ -119,10 +129,14 @@ class FusedPlan:
         drops = iter(noise)
         for op, name, m, prefix, args, opts in self.steps:
             ins = [env[a] for a in args]  # every argument is an earlier node (``_trace``)
-            if op in ("add", "mul"):
-                (a, la), (b, lb) = ins
-                env[name] = (_per_client(operator.add if op == "add" else operator.mul, a, _layout(b, lb, la, k),
-                                         la, k), la)
+            if op in _BINARY:
+                env[name] = _binary(_BINARY[op], *ins[0], *ins[1], k)
+            elif op == "const":
+                env[name] = (getattr(m, opts), CONST)
+            elif op == "dtype":
+                env[name] = (ins[0][0].dtype, DTYPE)
+            elif op == "to":
+                env[name] = (ins[0][0].to(ins[1][0] if len(ins) > 1 else opts), ins[0][1])
             elif op == "scale":
                 env[name] = (ins[0][0] * opts, ins[0][1])
             elif op in _ELEMENTWISE:
@@ -171,6 +185,26 @@ def _layout(t: torch.Tensor, have: str, want: str, k: int) -> torch.Tensor:
     if t.dim() == 5 and t.device.type == "cpu":
         return t.permute(1, 3, 4, 0, 2).contiguous().view(n, t.shape[3], t.shape[4], kk * c).permute(0, 3, 1, 2)
     return t.transpose(0, 1).reshape(n, kk * c, *t.shape[3:])
+
+
+def _binary(fn: Any, a: torch.Tensor, la: str, b: torch.Tensor, lb: str, k: int) -> tuple[torch.Tensor, str]:
+    """``fn(a, b)`` (add, subtract, multiply) of two values in layouts ``la`` and ``lb``, one of them perhaps a
+    constant (``CONST``, the same for every client): each client's ``fn`` of its own operands."""
+    if la == CONST and lb == CONST:
+        return fn(a, b), CONST
+    if CONST in (la, lb):
+        t, lay, c = (b, lb, a) if la == CONST else (a, la, b)
+        c = c.to(t.device)  # (a tensor the tracer kept as an attribute does not follow the model's moves)
+        if lay == FUSED and c.dim() > t.dim():  # the result has more dimensions than the fused map
+            t, lay = _layout(t, FUSED, STACKED, k), STACKED
+        if lay == STACKED:  # one client's value is t[j]: c broadcasts against it right-aligned, as against t
+            t = t.reshape(t.shape[0], *[1] * (c.dim() - t.dim() + 1), *t.shape[1:])
+        else:  # fused (N, k*C, ...): c as one client's operand, its channels repeated for each client
+            c = c.reshape((1,) * (t.dim() - c.dim()) + tuple(c.shape))
+            if c.shape[1] > 1:
+                c = c.repeat(1, k, *[1] * (c.dim() - 2))
+        return (fn(c, t) if la == CONST else fn(t, c)), lay
+    return _per_client(fn, a, _layout(b, lb, la, k), la, k), la
 
 
 def _per_client(fn: Any, a: torch.Tensor, b: torch.Tensor, lay: str, k: int) -> torch.Tensor:
@@ -306,6 +340,7 @@ def _trace(model: nn.Module) -> FusedPlan | None:
     except Exception:  # data-dependent control flow, unusual signatures: vmap handles those
         return None
     steps, names, output = [], {}, None
+    kinds: dict[str, str] = {}  # a node's layout if it is not a client's value (CONST, DTYPE)
     for node in graph.nodes:
         if node.op == "placeholder":
             if names:
@@ -320,6 +355,8 @@ def _trace(model: nn.Module) -> FusedPlan | None:
             if not _supported(m) or len(node.args) != 1 or node.kwargs:
                 return None
             step = Step("module", node.name, m, f"{node.target}.", node.args)
+        elif node.op == "get_attr":
+            step = _constant(model, node)
         elif node.op in ("call_function", "call_method"):
             op = (_FUNCTIONS if node.op == "call_function" else _METHODS).get(node.target)
             step = None if op is None else _function_step(op, node)
@@ -328,21 +365,67 @@ def _trace(model: nn.Module) -> FusedPlan | None:
         if step is None or not all(isinstance(a, fx.Node) and a in names for a in step.args):
             return None
         names[node] = node.name
-        steps.append(step._replace(args=tuple(names[a] for a in step.args)))
-    if not isinstance(output, fx.Node) or output not in names:
+        step = step._replace(args=tuple(names[a] for a in step.args))
+        kind = _kind(step, [kinds.get(a) for a in step.args])
+        if kind is False:
+            return None
+        if kind is not None:
+            kinds[node.name] = kind
+        steps.append(step)
+    if not isinstance(output, fx.Node) or output not in names or names[output] in kinds:
         return None
     return FusedPlan(tuple(_pool_before_relu(steps, names[output])), names[output])
+
+
+def _constant(model: nn.Module, node: fx.Node) -> Step | None:
+    """The step reading tensor ``node.target`` of ``model`` when it is outside the model's state: a buffer
+    registered as not persistent, or a tensor the tracer found computed from one (``self.mean.to(torch.float64)``,
+    kept as an attribute of the model). A parameter or a persistent buffer is each client's own, stacked, which the
+    fused forward does not combine with a map: None."""
+    owner_name, _, attr = str(node.target).rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return None
+    if not isinstance(getattr(owner, attr, None), torch.Tensor) or attr in owner._parameters \
+            or attr in owner._buffers and attr not in owner._non_persistent_buffers_set:
+        return None
+    return Step("const", node.name, owner, "", (), attr)
+
+
+def _kind(step: Step, kinds: list[str | None]) -> str | None | bool:
+    """What ``step`` gives from arguments of ``kinds`` (None: a client's value): CONST, DTYPE, None, or False when
+    the fused forward does not compute it (a constant where a client's value is needed, a dtype but to cast)."""
+    if step.op == "const":
+        return CONST
+    if step.op == "dtype":
+        return DTYPE if kinds[0] != DTYPE else False
+    if step.op == "to":
+        return kinds[0] if kinds[0] != DTYPE and kinds[1:] in ([], [DTYPE]) else False
+    if DTYPE in kinds:
+        return False
+    if step.op in _BINARY or step.op == "scale" or step.op in _ELEMENTWISE:
+        return CONST if all(k == CONST for k in kinds) else None
+    return None if CONST not in kinds else False
 
 
 def _function_step(op: str, node: fx.Node) -> Step | None:
     """The step of a function or method call ``op`` (``_FUNCTIONS``, ``_METHODS``) with the node's arguments (nodes
     still), or None when its arguments ask for what the fused forward does not compute."""
     args, kw = node.args, dict(node.kwargs)
-    if op in _ELEMENTWISE or op == "add":
+    if op in _ELEMENTWISE or op in ("add", "sub"):
         if op == "relu":
             kw.pop("inplace", None)
-        ok = len(args) == (2 if op == "add" else 1) and not kw
+        ok = len(args) == (1 if op in _ELEMENTWISE else 2) and not kw
         return Step(op, node.name, None, "", args) if ok else None
+    if op == "getattr":  # (a value's dtype only)
+        return Step("dtype", node.name, None, "", args[:1]) if args[1:] == ("dtype",) and not kw else None
+    if op == "to":  # to a dtype: a node's (``x.dtype``) or a given one
+        if len(args) != 2 or kw:
+            return None
+        if isinstance(args[1], torch.dtype):
+            return Step(op, node.name, None, "", args[:1], args[1])
+        return Step(op, node.name, None, "", args)
     if op == "mul":
         if len(args) != 2 or kw:
             return None
