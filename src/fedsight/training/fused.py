@@ -189,7 +189,9 @@ def _layout(t: torch.Tensor, have: str, want: str, k: int) -> torch.Tensor:
 
 def _binary(fn: Any, a: torch.Tensor, la: str, b: torch.Tensor, lb: str, k: int) -> tuple[torch.Tensor, str]:
     """``fn(a, b)`` (add, subtract, multiply) of two values in layouts ``la`` and ``lb``, one of them perhaps a
-    constant (``CONST``, the same for every client): each client's ``fn`` of its own operands."""
+    constant (``CONST``, the same for every client): each client's ``fn`` of its own operands. Two fused maps of
+    different widths broadcast within each client (a map of one channel a client, a spatial gate, against a wider
+    one)."""
     if la == CONST and lb == CONST:
         return fn(a, b), CONST
     if CONST in (la, lb):
@@ -204,15 +206,10 @@ def _binary(fn: Any, a: torch.Tensor, la: str, b: torch.Tensor, lb: str, k: int)
             if c.shape[1] > 1:
                 c = c.repeat(1, k, *[1] * (c.dim() - 2))
         return (fn(c, t) if la == CONST else fn(t, c)), lay
-    return _per_client(fn, a, _layout(b, lb, la, k), la, k), la
-
-
-def _per_client(fn: Any, a: torch.Tensor, b: torch.Tensor, lay: str, k: int) -> torch.Tensor:
-    """``fn(a, b)`` (add, multiply) of two values in layout ``lay``, broadcast within each client as ``fn`` of one
-    client's broadcasts: a fused map of one channel a client (a spatial gate) against one of several."""
-    if lay == STACKED or a.shape[1] == b.shape[1]:
-        return fn(a, b)
-    return fn(a.unflatten(1, (k, -1)), b.unflatten(1, (k, -1))).flatten(1, 2)
+    b = _layout(b, lb, la, k)
+    if la == STACKED or a.shape[1] == b.shape[1]:
+        return fn(a, b), la
+    return fn(a.unflatten(1, (k, -1)), b.unflatten(1, (k, -1))).flatten(1, 2), la
 
 
 def _cat_channels(maps: list[torch.Tensor], k: int) -> torch.Tensor:
