@@ -75,9 +75,42 @@ class SRNet(nn.Module):
         return self.up(h) + F.interpolate(x, scale_factor=self.scale, mode=self.mode, align_corners=corners) + shift
 
 
+class SegNet(nn.Module):
+    """The operations of the segmentation models (DeepLab's ASPP image pooling, BiSeNetV2's context embedding and
+    auxiliary heads), with the awkward settings: BatchNorm of pooled 1x1 maps, sizes read off the input (stacked)
+    and off a map (fused) by ``.shape`` and ``.size`` (a size built of both, of a map that is not square), a size
+    of a number and a node, spatial reductions kept and not kept, three outputs in training and one in eval."""
+
+    def __init__(self, norm: str, momentum: float | None):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.norm = nn.BatchNorm2d(4, momentum=momentum) if norm == "batch" else nn.GroupNorm(2, 4)
+        self.pool_conv = nn.Conv2d(4, 4, 1)
+        self.pool_norm = nn.BatchNorm2d(4, momentum=momentum)
+        self.head = nn.Conv2d(8, 3, 1)
+        self.aux = nn.Conv2d(4, 3, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = F.relu(self.norm(self.conv(x)))
+        h = h + h.mean((2, 3), keepdim=True)
+        p = F.relu(self.pool_norm(self.pool_conv(F.adaptive_avg_pool2d(h, 1))))
+        p = F.interpolate(p, size=h.shape[-2:], mode="bilinear", align_corners=False)
+        out = F.interpolate(self.head(torch.cat([h, p], dim=1)), size=(x.size(2), x.shape[-1]), mode="bilinear")
+        out = out * torch.sigmoid(h.amax(dim=(2, 3), keepdim=True).mean(dim=1, keepdim=True))
+        if not self.training:
+            return out
+        return out, F.interpolate(self.aux(h), size=(7, h.shape[-1]), mode="nearest"), self.fc(h.mean((2, 3)))
+
+
 class Resize(nn.Module):
     def forward(self, x):
-        return F.interpolate(x, size=(4, 4))  # a size, not a factor: not a client's
+        return F.interpolate(x, size=x.shape[:2])  # the example dimension's size: on a padded step not a client's
+
+
+class ShapeTimes(nn.Module):
+    def forward(self, x):
+        return x * x.shape[-1]  # a shape where a client's value is needed
 
 
 class CatExamples(nn.Module):
@@ -139,7 +172,10 @@ class MyConv(nn.Conv2d):
     (Held("persistent"), False),
     (Held("into a conv"), False),
     (Held("non-persistent"), True),
+    (SegNet("batch", 0.1), True),
+    (SegNet("group", None).eval(), True),
     (Resize(), False),
+    (ShapeTimes(), False),
     (CatExamples(), False),
     (MeanDropped(), False),
 ])
@@ -147,18 +183,20 @@ def test_which_models_get_a_plan(model, planned):
     assert (fused_plan(model) is not None) is planned
 
 
-@settings(max_examples=25, deadline=None)
-@given(norm=st.sampled_from(["batch", "group"]), momentum=st.sampled_from([None, 0.3]), training=st.booleans(),
+@settings(max_examples=40, deadline=None)
+@given(make=st.sampled_from([Net, SegNet]), norm=st.sampled_from(["batch", "group"]),
+       momentum=st.sampled_from([None, 0.3]), training=st.booleans(),
        real=st.lists(st.integers(2, 4), min_size=1, max_size=3), seed=st.integers(0, 2**16))
-def test_fused_forward_is_each_clients_forward(norm, momentum, training, real, seed):
+def test_fused_forward_is_each_clients_forward(make, norm, momentum, training, real, seed):
     """k clients with their own weights and running statistics, each with ``real[j]`` real examples in a batch
     padded to 4: outputs on the real examples, new running statistics and the gradient of each client's mean
-    squared output, against the client's own ``nn`` model on its unpadded batch (``torch.autograd``)."""
+    squared output (summed over the outputs of a tuple), against the client's own ``nn`` model on its unpadded
+    batch (``torch.autograd``)."""
     gen = torch.Generator().manual_seed(seed)
     k, n = len(real), 4
     models = []
     for _ in real:
-        m = Net(norm, momentum).double().train(training)
+        m = make(norm, momentum).double().train(training)
         with torch.no_grad():
             for t in m.state_dict(keep_vars=True).values():
                 if t.is_floating_point():
@@ -167,7 +205,7 @@ def test_fused_forward_is_each_clients_forward(norm, momentum, training, real, s
                     t.fill_(int(torch.randint(0, 3, (), generator=gen)))
         models.append(m)
     plan = fused_plan(models[0])
-    x = torch.randn(k, n, 2, 5, 5, generator=gen, dtype=torch.float64)
+    x = torch.randn(k, n, 2, 5, 8, generator=gen, dtype=torch.float64)
     mask = (torch.arange(n) < torch.tensor(real)[:, None]).double()
     padded = mask.bool().all()
     params = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models]).requires_grad_()
@@ -175,14 +213,17 @@ def test_fused_forward_is_each_clients_forward(norm, momentum, training, real, s
     values = {**{name: torch.stack([m.state_dict()[name] for m in models]) for name in models[0].state_dict()},
               **params}
     updates: dict[str, torch.Tensor] = {}
-    out = plan.forward(values, x, None if padded else mask, [], updates)
-    assert out.shape == (k, n, 3)
-    losses = (out.pow(2).mean(-1) * mask).sum(1) / mask.sum(1)
-    grads = dict(zip(params, torch.autograd.grad(losses.sum(), list(params.values()))))
+    outs = plan.forward(values, x, None if padded else mask, [], updates)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    assert [o.shape[:2] for o in outs] == [(k, n)] * (3 if make is SegNet and training else 1)
+    losses = sum((o.pow(2).flatten(2).mean(-1) * mask).sum(1) / mask.sum(1) for o in outs)
+    grads = dict(zip(params, _grads(losses.sum(), list(params.values()))))
     for j, m in enumerate(models):
-        ref = m(x[j, : real[j]])
-        close(out[j, : real[j]], ref, atol=1e-9, rtol=1e-9)
-        ref_grads = torch.autograd.grad(ref.pow(2).mean(), list(m.parameters()))
+        refs = m(x[j, : real[j]])
+        refs = refs if isinstance(refs, tuple) else (refs,)
+        for o, ref in zip(outs, refs, strict=True):
+            close(o[j, : real[j]], ref, atol=1e-9, rtol=1e-9)
+        ref_grads = _grads(sum(r.pow(2).mean() for r in refs), list(m.parameters()))
         for (name, _), g in zip(m.named_parameters(), ref_grads):
             close(grads[name][j], g, atol=1e-9, rtol=1e-9)
         for name, v in m.state_dict().items():  # the module's own update, in place
@@ -201,6 +242,12 @@ def test_fused_super_resolution_forward_is_each_clients_forward(k, scale, mode, 
     out = _each_clients_own(lambda: SRNet(scale, mode), torch.randn(k, 2, 2, 5, 4, generator=gen, dtype=torch.float64),
                             gen)
     assert out.shape == (k, 2, 2, 5 * scale, 4 * scale)
+
+
+def _grads(loss: torch.Tensor, wrt: list[torch.Tensor]) -> list[torch.Tensor]:
+    """d loss / d wrt, zeros for what the loss does not use (SegNet's auxiliary heads in eval)."""
+    got = torch.autograd.grad(loss, wrt, allow_unused=True)
+    return [torch.zeros_like(w) if g is None else g for w, g in zip(wrt, got)]
 
 
 def _each_clients_own(make, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -245,6 +292,15 @@ def test_constants_that_add_dimensions_are_each_clients_operands():
     gen = torch.Generator().manual_seed(0)
     out = _each_clients_own(Wider, torch.randn(3, 4, 2, 2, 3, generator=gen, dtype=torch.float64), gen)
     assert out.shape == (3, 3, 2, 2)
+
+
+def test_a_models_plan_is_its_forward_in_its_current_mode():
+    """A forward that branches on ``self.training`` (SegNet: three outputs in training, one in eval) gets the plan
+    of the mode it is in, whichever mode it was first traced in."""
+    m = SegNet("batch", 0.1).eval()
+    assert isinstance(fused_plan(m).output, str)
+    assert len(fused_plan(m.train()).output) == 3
+    assert isinstance(fused_plan(m.eval()).output, str)
 
 
 def test_a_module_hook_sends_the_model_back_to_vmap():

@@ -197,7 +197,11 @@ class SemanticBranch(nn.Module):
 
 
 def _resize(x: torch.Tensor, size: torch.Size | tuple[int, int]) -> torch.Tensor:
-    return x if x.shape[-2:] == size else F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    """``x`` resized (bilinear) to ``size``; as it is when it has that size (where interpolation is the identity,
+    values and gradients: while torch.fx traces the forward, a Proxy's size is unknown, and it interpolates)."""
+    if isinstance(x, torch.Tensor) and x.shape[-2:] == size:
+        return x
+    return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
 
 
 class BilateralGuidedAggregation(nn.Module):

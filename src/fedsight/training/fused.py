@@ -27,6 +27,11 @@ For a model built only of the layers below, ``fused_plan`` traces the forward on
   each client's channels, a channel mean or max (``keepdim``) reduces within them, a sum or product of a map of
   one channel a client with a wider one broadcasts within each client, ``nn.PixelShuffle`` and ``F.interpolate``
   by a scale factor act per channel;
+* the segmentation operations (DeepLabV3/V3+, BiSeNetV2): ``F.interpolate`` to a size (given, or read off a
+  value's shape: ``x.shape[-2:]``, ``x.size(2)``, which is one client's shape), ``F.adaptive_avg_pool2d`` and a
+  mean or max over spatial dimensions act per channel; a forward may return a tuple (BiSeNetV2's auxiliary heads
+  in training). A shape's example dimension is the padded batch's on a padded step, so it may only be read by an
+  index that names a later dimension (``x.shape[0]``, ``x.shape[:2]``: no plan);
 * the output comes back stacked, (k, N, ...).
 
 The clients' objectives are summed and differentiated with ``torch.autograd.grad`` with respect to the stacked
@@ -64,16 +69,18 @@ _ELEMENTWISE = {"relu": F.relu, "sigmoid": torch.sigmoid}
 _FUNCTIONS = {operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub", operator.mul: "mul",
               torch.mul: "mul", torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
               torch.flatten: "flatten", torch.cat: "cat", F.interpolate: "interpolate", torch.mean: "mean",
-              torch.amax: "amax", getattr: "getattr"}
+              torch.amax: "amax", getattr: "getattr", operator.getitem: "getitem",
+              F.adaptive_avg_pool2d: "adaptive_avg_pool2d"}
 _METHODS = {"relu": "relu", "sigmoid": "sigmoid", "flatten": "flatten", "mean": "mean", "amax": "amax", "to": "to",
-            "add": "add", "sub": "sub", "mul": "mul"}
+            "add": "add", "sub": "sub", "mul": "mul", "size": "size"}
 _BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}
-#: F.interpolate's keywords the fused forward passes on (``size`` is not: a map's size is per client batch)
-_INTERPOLATE = {"scale_factor", "mode", "align_corners"}
+#: F.interpolate's keywords the fused forward passes on (a ``size`` given by a node is the step's argument)
+_INTERPOLATE = {"size", "scale_factor", "mode", "align_corners"}
 
 FUSED, STACKED = "fused", "stacked"
-#: the layouts of what is not a client's value: a tensor the same for every client, and a dtype
-CONST, DTYPE = "const", "dtype"
+#: the layouts of what is not a client's value: a tensor the same for every client, a dtype, and a shape (one
+#: client's ``torch.Size``, or part of it)
+CONST, DTYPE, SHAPE = "const", "dtype", "shape"
 
 
 def _supported(m: nn.Module) -> bool:
@@ -98,10 +105,13 @@ class _Tracer(fx.Tracer):
 class Step(NamedTuple):
     """One operation of the forward: ``op`` ("module": ``module``'s forward, its state entries under ``prefix``;
     "const": ``module``'s tensor named ``opts``; "dtype": of a value; "to": a value cast to a dtype (the second
-    argument's, else ``opts``); "add", "sub", "mul": of two values; "scale": by the number ``opts``; "cat": along
-    the channels; "mean", "amax": over the channels (kept as one); "interpolate": ``F.interpolate`` with the
-    keywords ``opts``; "flatten"; or an ``_ELEMENTWISE`` function) on the values of the earlier nodes ``args``,
-    giving node ``name``'s."""
+    argument's, else ``opts``); "shape": one client's shape of a value (its entry ``opts`` unless None);
+    "getitem": entry or slice ``opts`` of a shape; "add", "sub", "mul": of two values; "scale": by the number
+    ``opts``; "cat": along the channels; "mean", "amax": over the channels (kept as one) when ``opts`` is None,
+    else over the spatial dimensions ``opts[0]`` with keepdim ``opts[1]``; "interpolate": ``F.interpolate`` with
+    the keywords ``opts`` (and the size of a second argument); "adaptive_avg_pool2d" to the size ``opts``;
+    "flatten"; or an ``_ELEMENTWISE`` function) on the values of the earlier nodes ``args``, giving node
+    ``name``'s."""
 
     op: str
     name: str
@@ -116,11 +126,12 @@ class FusedPlan:
     """A model's forward as ``Step`` s."""
 
     steps: tuple[Step, ...]
-    output: str
+    output: str | tuple[str, ...]
 
     def forward(self, values: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor | None,
-                noise: list[torch.Tensor], updates: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The k clients' outputs (k, N, ...) on their inputs ``x`` (k, N, ...). ``values``: every state entry
+                noise: list[torch.Tensor], updates: dict[str, torch.Tensor]) -> Any:
+        """The k clients' outputs (k, N, ...; a tuple of them where the model returns a tuple) on their inputs
+        ``x`` (k, N, ...). ``values``: every state entry
         stacked (k, ...); ``mask`` (k, N): each client's real examples (None: all are real); ``noise``: the
         dropout noise of each dropout call in call order, stacked; BatchNorms write the clients' new running
         statistics (stacked, by state key) to ``updates``."""
@@ -135,6 +146,12 @@ class FusedPlan:
                 env[name] = (getattr(m, opts), CONST)
             elif op == "dtype":
                 env[name] = (ins[0][0].dtype, DTYPE)
+            elif op == "shape":  # one client's shape: the same for every client
+                t, lay = ins[0]
+                shape = t.shape[1:] if lay == STACKED else torch.Size((t.shape[0], t.shape[1] // k, *t.shape[2:]))
+                env[name] = (shape if opts is None else shape[opts], SHAPE)
+            elif op == "getitem":
+                env[name] = (ins[0][0][opts], SHAPE)
             elif op == "to":
                 env[name] = (ins[0][0].to(ins[1][0] if len(ins) > 1 else opts), ins[0][1])
             elif op == "scale":
@@ -145,13 +162,20 @@ class FusedPlan:
                 env[name] = (_layout(*ins[0], STACKED, k).flatten(2), STACKED)
             elif op == "cat":
                 env[name] = (_cat_channels([_layout(*i, FUSED, k) for i in ins], k), FUSED)
-            elif op in ("mean", "amax"):
+            elif op in ("mean", "amax") and opts is None:  # over the channels, kept: within each client's
                 t = _layout(*ins[0], FUSED, k).unflatten(1, (k, -1))
                 env[name] = (t.mean(2) if op == "mean" else t.amax(2), FUSED)
+            elif op in ("mean", "amax"):  # over spatial dimensions ``opts[0]`` (per channel: per client)
+                t = _layout(*ins[0], FUSED, k)
+                env[name] = ((t.mean if op == "mean" else t.amax)(opts[0], keepdim=opts[1]), FUSED)
             elif op == "interpolate":  # (per channel: per client)
-                env[name] = (F.interpolate(_layout(*ins[0], FUSED, k), **opts), FUSED)
+                env[name] = (F.interpolate(_layout(*ins[0], FUSED, k), **_sized(opts, [v for v, _ in ins[1:]])), FUSED)
+            elif op == "adaptive_avg_pool2d":
+                env[name] = (F.adaptive_avg_pool2d(_layout(*ins[0], FUSED, k), opts), FUSED)
             else:
                 env[name] = _module(m, prefix, values, ins[0], k, mask, drops, updates)
+        if isinstance(self.output, tuple):
+            return tuple(_layout(*env[o], STACKED, k) for o in self.output)
         return _layout(*env[self.output], STACKED, k)
 
     def arrange(self, stacked: dict[str, torch.Tensor], *, empty: bool = False) -> dict[str, torch.Tensor]:
@@ -305,7 +329,8 @@ def clients_batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, values: 
     return y.reshape(x.shape)
 
 
-_PLANS: weakref.WeakKeyDictionary[nn.Module, FusedPlan | None] = weakref.WeakKeyDictionary()
+#: by model, then by its training flag (a forward may branch on it: BiSeNetV2's auxiliary heads)
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[bool, FusedPlan | None]] = weakref.WeakKeyDictionary()
 
 
 def _hooked(model: nn.Module) -> bool:
@@ -323,12 +348,14 @@ def fused_plan(model: nn.Module) -> FusedPlan | None:
     """The model's forward as a ``FusedPlan``, or None when it holds a layer or an operation the fused forward does
     not compute (or cannot be traced), or a module hook is registered on it now (a component's mechanism on a
     layer's output, such as ``dct_dp``'s noise, must see the module's call): then it trains under vmap. Traced
-    once per model object; the hooks are looked at on every call."""
+    once per model object and training flag (the forward as the model is now: in its mode); the hooks are looked
+    at on every call."""
     if _hooked(model):
         return None
-    if model not in _PLANS:
-        _PLANS[model] = _trace(model)
-    return _PLANS[model]
+    plans = _PLANS.setdefault(model, {})
+    if model.training not in plans:
+        plans[model.training] = _trace(model)
+    return plans[model.training]
 
 
 def _trace(model: nn.Module) -> FusedPlan | None:
@@ -369,9 +396,11 @@ def _trace(model: nn.Module) -> FusedPlan | None:
         if kind is not None:
             kinds[node.name] = kind
         steps.append(step)
-    if not isinstance(output, fx.Node) or output not in names or names[output] in kinds:
+    outputs = output if isinstance(output, (tuple, list)) and output else (output,)
+    if not all(isinstance(o, fx.Node) and o in names and names[o] not in kinds for o in outputs):
         return None
-    return FusedPlan(tuple(_pool_before_relu(steps, names[output])), names[output])
+    out = tuple(names[o] for o in outputs) if isinstance(output, (tuple, list)) else names[output]
+    return FusedPlan(tuple(_pool_before_relu(steps, out)), out)
 
 
 def _constant(model: nn.Module, node: fx.Node) -> Step | None:
@@ -399,7 +428,13 @@ def _kind(step: Step, kinds: list[str | None]) -> str | None | bool:
         return DTYPE if kinds[0] != DTYPE else False
     if step.op == "to":
         return kinds[0] if kinds[0] != DTYPE and kinds[1:] in ([], [DTYPE]) else False
-    if DTYPE in kinds:
+    if step.op == "shape":
+        return SHAPE if kinds[0] is None else False
+    if step.op == "getitem":
+        return SHAPE if kinds[0] == SHAPE else False
+    if step.op == "interpolate" and kinds[1:]:
+        return None if kinds[0] is None and all(k == SHAPE for k in kinds[1:]) else False
+    if DTYPE in kinds or SHAPE in kinds:
         return False
     if step.op in _BINARY or step.op == "scale" or step.op in _ELEMENTWISE:
         return CONST if all(k == CONST for k in kinds) else None
@@ -415,8 +450,18 @@ def _function_step(op: str, node: fx.Node) -> Step | None:
             kw.pop("inplace", None)
         ok = len(args) == (1 if op in _ELEMENTWISE else 2) and not kw
         return Step(op, node.name, None, "", args) if ok else None
-    if op == "getattr":  # (a value's dtype only)
-        return Step("dtype", node.name, None, "", args[:1]) if args[1:] == ("dtype",) and not kw else None
+    if op == "getattr":  # a value's dtype or shape
+        what = args[1] if len(args) == 2 and not kw else None
+        return Step(what, node.name, None, "", args[:1]) if what in ("dtype", "shape") else None
+    if op == "size":  # ``x.size()``, ``x.size(d)``: the shape, or its entry d
+        d = kw.pop("dim", args[1] if len(args) > 1 else None)
+        ok = len(args) <= 2 and not kw and (d is None or _later_dims(d))
+        return Step("shape", node.name, None, "", args[:1], d) if ok else None
+    if op == "getitem":  # of a shape (``_kind``: of nothing else)
+        return Step(op, node.name, None, "", args[:1], args[1]) if len(args) == 2 and _later_dims(args[1]) else None
+    if op == "adaptive_avg_pool2d":
+        size = kw.pop("output_size", args[1] if len(args) > 1 else None)
+        return Step(op, node.name, None, "", args[:1], size) if len(args) <= 2 and not kw and size is not None else None
     if op == "to":  # to a dtype: a node's (``x.dtype``) or a given one
         if len(args) != 2 or kw:
             return None
@@ -437,32 +482,74 @@ def _function_step(op: str, node: fx.Node) -> Step | None:
         dim = kw.pop("dim", args[1] if len(args) > 1 else 0)
         ok = len(args) in (1, 2) and isinstance(args[0], (list, tuple)) and dim == 1 and not kw
         return Step(op, node.name, None, "", tuple(args[0])) if ok else None
-    if op in ("mean", "amax"):  # over the channels, kept as one
+    if op in ("mean", "amax"):  # over the channels, kept as one; or over spatial dimensions
         dim = kw.pop("dim", args[1] if len(args) > 1 else None)
         keep = kw.pop("keepdim", args[2] if len(args) > 2 else False)
-        ok = len(args) <= 3 and dim in (1, (1,), [1]) and keep is True and not kw
-        return Step(op, node.name, None, "", args[:1]) if ok else None
-    if op == "interpolate":  # by a scale factor (a size would be a map's, not a client's)
-        for name, default in (("size", None), ("recompute_scale_factor", None), ("antialias", False)):
+        if len(args) > 3 or kw or not isinstance(keep, bool):
+            return None
+        if dim in (1, (1,), [1]):
+            return Step(op, node.name, None, "", args[:1]) if keep else None
+        dims = (dim,) if isinstance(dim, int) else dim
+        spatial = isinstance(dims, (tuple, list)) and dims and all(type(d) is int and d >= 2 for d in dims)
+        return Step(op, node.name, None, "", args[:1], (tuple(dims), keep)) if spatial else None
+    if op == "interpolate":  # by a scale factor, or to a size (given, or a node's: ``x.shape[-2:]``)
+        for name, default in (("size", None), ("scale_factor", None), ("recompute_scale_factor", None),
+                              ("antialias", False)):
             if name in kw and kw[name] == default:  # (the tracer records F.interpolate's defaults too)
                 del kw[name]
-        ok = len(args) == 1 and set(kw) <= _INTERPOLATE and isinstance(kw.get("scale_factor"), (int, float))
-        return Step(op, node.name, None, "", args, kw) if ok else None
+        size = kw.pop("size", None)
+        ok = len(args) == 1 and set(kw) <= _INTERPOLATE and (size is None) != ("scale_factor" not in kw)
+        if not ok or "scale_factor" in kw and not isinstance(kw["scale_factor"], (int, float)):
+            return None
+        if isinstance(size, fx.Node):  # (its value is the size)
+            return Step(op, node.name, None, "", (args[0], size), kw)
+        if isinstance(size, (tuple, list)):  # of numbers and nodes (``(x.shape[2], 8)``): None where a node's
+            nodes = tuple(n for n in size if isinstance(n, fx.Node))
+            if not all(isinstance(n, fx.Node) or type(n) is int for n in size):
+                return None
+            return Step(op, node.name, None, "", (args[0], *nodes),
+                        {**kw, "size": tuple(None if isinstance(n, fx.Node) else n for n in size)})
+        if size is not None and type(size) is not int:
+            return None
+        return Step(op, node.name, None, "", args, kw if size is None else {**kw, "size": size})
     return None
+
+
+def _sized(opts: dict[str, Any], sizes: list[Any]) -> dict[str, Any]:
+    """An "interpolate" step's keywords with its arguments' ``sizes`` (shapes) in place: as the size, or in the
+    size's None entries."""
+    if not sizes:
+        return opts
+    template = opts.get("size")
+    if template is None:
+        return {**opts, "size": sizes[0]}
+    given = iter(sizes)
+    return {**opts, "size": tuple(next(given) if n is None else n for n in template)}
+
+
+def _later_dims(index: Any) -> bool:
+    """Whether shape entry or slice ``index`` is one the fused forward reads as each client's: it must not name
+    the example dimension (0: on a padded step the padded count, not the client's own), by a number other than 0
+    or a slice from one. Negative numbers count from the end: the spatial sizes a forward reads to interpolate to;
+    only on a value of fewer dimensions than the number would they reach the example dimension."""
+    if isinstance(index, slice):
+        return isinstance(index.start, int) and index.start != 0 and index.step in (None, 1) \
+            and (index.stop is None or isinstance(index.stop, int))
+    return type(index) is int and index != 0
 
 
 def _is_relu(step: Step) -> bool:
     return step.op == "relu" or step.op == "module" and type(step.module) is nn.ReLU
 
 
-def _pool_before_relu(steps: list[Step], output: str) -> list[Step]:
+def _pool_before_relu(steps: list[Step], output: str | tuple[str, ...]) -> list[Step]:
     """``steps`` with every ReLU whose only use is a max-pooling swapped with it: max-pooling then ReLU computes
     the same values (ReLU is monotone, so the window's maximum after ReLU is ReLU of its maximum; a padded
     window's -inf stays below any ReLU value) and the same gradients (a positive maximum is the same element;
     a window of no positive value gives every element a zero gradient either way, ReLU's gradient being zero at
     and below 0), on a quarter of the elements for 2x2 pooling: ReLU's forward and backward over the
     convolution's whole output were most of a vectorised small-CNN step's element-wise work."""
-    users: dict[str, int] = {output: 1}
+    users: dict[str, int] = {o: 1 for o in ((output,) if isinstance(output, str) else output)}
     for step in steps:
         for a in step.args:
             users[a] = users.get(a, 0) + 1
