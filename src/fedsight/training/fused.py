@@ -284,9 +284,30 @@ def _module(m: nn.Module, prefix: str, values: dict[str, torch.Tensor], arg: tup
         w, b = get("weight"), get("bias")
         out = F.group_norm(t, m.num_groups * k, None if w is None else w.reshape(-1),
                            None if b is None else b.reshape(-1), m.eps)
+    elif mask is None and (m.momentum is not None or not m.training):
+        out = _torch_batch_norm(m, prefix, values, t, k, updates)
     else:
         out = clients_batch_norm(m, prefix, values, t, k, mask, updates)
     return out, FUSED
+
+
+def _torch_batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, values: dict[str, torch.Tensor],
+                      x: torch.Tensor, k: int, updates: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``clients_batch_norm`` where every example is real and the running statistics move by a fixed
+    ``momentum``, by torch's own batch norm over the fused map's k*C channels: client j's channels are channels of
+    the map, normalised with their statistics over the same examples and positions, and their running statistics
+    move as the client's own module moves them. One kernel forward and back, where the general path's strided
+    reductions over the clients' view took 2.2 ms a call on DeepLabV3's channels-last maps (a third of a round)."""
+    flat = lambda name: None if values.get(prefix + name) is None else values[prefix + name].reshape(-1)  # noqa: E731
+    if not (m.training and m.track_running_stats):  # batch statistics without tracking, or the running ones
+        use_batch = m.training or m.running_mean is None
+        return F.batch_norm(x, None if use_batch else flat("running_mean"), None if use_batch else flat("running_var"),
+                            flat("weight"), flat("bias"), use_batch, 0.0, m.eps)
+    mean, var = flat("running_mean").clone(), flat("running_var").clone()  # (updated in place: new tensors)
+    out = F.batch_norm(x, mean, var, flat("weight"), flat("bias"), True, m.momentum, m.eps)
+    updates[prefix + "num_batches_tracked"] = values[prefix + "num_batches_tracked"] + 1
+    updates[prefix + "running_mean"], updates[prefix + "running_var"] = mean.view(k, -1), var.view(k, -1)
+    return out
 
 
 def clients_batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, values: dict[str, torch.Tensor],
