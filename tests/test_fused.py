@@ -165,7 +165,7 @@ class MyConv(nn.Conv2d):
     (Branchy(), False),
     (SRNet(2, "bicubic"), True),
     (RDSN(2, features=8, blocks=2, layers=2, growth=4), True),
-    (RDSN(2, features=8, blocks=1, layers=2, growth=4, udc=True), False),  # the UDC's shape checks: not traceable
+    (RDSN(2, features=8, blocks=1, layers=2, growth=4, udc=True), True),  # the UDC: one traced operation
     (EDSR(2, features=8, blocks=1, mean_shift=False), True),
     (EDSR(2, features=8, blocks=1), True),  # the mean shift: a buffer outside the state, cast to the input's dtype
     (Held("parameter"), False),
@@ -271,6 +271,17 @@ def _each_clients_own(make, x: torch.Tensor, gen: torch.Generator) -> torch.Tens
         for (name, _), g in zip(m.named_parameters(), torch.autograd.grad(ref.pow(2).sum(), list(m.parameters()))):
             close(grads[name][j], g, atol=1e-12 * float(g.detach().abs().max()), rtol=1e-9)
     return out
+
+
+@pytest.mark.parametrize("scale, offset", [(2, 0), (3, 1), (3, 2)])
+def test_the_uniform_down_sampling_constraint_is_each_clients(scale, offset):
+    """RDSN with its UDC (PPFL-RDSN's model: the output's pixels at (o + s i, o + s j) are the input's) for three
+    clients: outputs and gradients against each client's own module, and the kept pixels exactly the input's."""
+    gen = torch.Generator().manual_seed(scale + offset)
+    x = torch.rand(3, 2, 3, 5, 4, generator=gen, dtype=torch.float64)
+    out = _each_clients_own(lambda: RDSN(scale, features=8, blocks=1, layers=2, growth=4, udc=True, udc_offset=offset),
+                            x, gen)
+    assert torch.equal(out[..., offset::scale, offset::scale], x)
 
 
 class Wider(nn.Module):

@@ -179,6 +179,11 @@ def apply_udc(out: torch.Tensor, lr: torch.Tensor, scale: int, offset: int = 0) 
     return torch.where(mask, kept.to(out.dtype), out)
 
 
+# one operation for torch.fx (its checks read shapes): the vectorised engine's fused forward applies it to all the
+# clients' channels at once (``fedsight.training.fused``)
+torch.fx.wrap("apply_udc")
+
+
 def interpolate(x: torch.Tensor, scale: int, mode: str) -> torch.Tensor:
     """``x`` upsampled by ``scale`` (``align_corners=False`` for the modes that take it)."""
     corners = None if mode == "nearest" else False

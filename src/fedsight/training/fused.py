@@ -25,8 +25,8 @@ For a model built only of the layers below, ``fused_plan`` traces the forward on
   one client's operand, its channels repeated for each client against a fused map;
 * the super-resolution operations (RDSN, EDSR): ``torch.cat(dim=1)`` concatenates within
   each client's channels, a channel mean or max (``keepdim``) reduces within them, a sum or product of a map of
-  one channel a client with a wider one broadcasts within each client, ``nn.PixelShuffle`` and ``F.interpolate``
-  by a scale factor act per channel;
+  one channel a client with a wider one broadcasts within each client, ``nn.PixelShuffle``, ``F.interpolate``
+  by a scale factor and RDSN's ``apply_udc`` (one operation for torch.fx) act per channel;
 * the segmentation operations (DeepLabV3/V3+, BiSeNetV2): ``F.interpolate`` to a size (given, or read off a
   value's shape: ``x.shape[-2:]``, ``x.size(2)``, which is one client's shape), ``F.adaptive_avg_pool2d`` and a
   mean or max over spatial dimensions act per channel; a forward may return a tuple (BiSeNetV2's auxiliary heads
@@ -42,6 +42,7 @@ or operation, or whose forward cannot be traced, gets no plan and trains under `
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import weakref
@@ -53,6 +54,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..models.cnn import GridPool
+from ..models.rdsn import apply_udc
 
 #: parameter-free element-wise layers, as functions (never in place: the input may be a view autograd needs)
 _ACTIVATIONS: dict[type, Any] = {
@@ -70,7 +72,7 @@ _FUNCTIONS = {operator.add: "add", torch.add: "add", operator.sub: "sub", torch.
               torch.mul: "mul", torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
               torch.flatten: "flatten", torch.cat: "cat", F.interpolate: "interpolate", torch.mean: "mean",
               torch.amax: "amax", getattr: "getattr", operator.getitem: "getitem",
-              F.adaptive_avg_pool2d: "adaptive_avg_pool2d"}
+              F.adaptive_avg_pool2d: "adaptive_avg_pool2d", apply_udc: "udc"}
 _METHODS = {"relu": "relu", "sigmoid": "sigmoid", "flatten": "flatten", "mean": "mean", "amax": "amax", "to": "to",
             "add": "add", "sub": "sub", "mul": "mul", "size": "size"}
 _BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}
@@ -109,7 +111,8 @@ class Step(NamedTuple):
     "getitem": entry or slice ``opts`` of a shape; "add", "sub", "mul": of two values; "scale": by the number
     ``opts``; "cat": along the channels; "mean", "amax": over the channels (kept as one) when ``opts`` is None,
     else over the spatial dimensions ``opts[0]`` with keepdim ``opts[1]``; "interpolate": ``F.interpolate`` with
-    the keywords ``opts`` (and the size of a second argument); "adaptive_avg_pool2d" to the size ``opts``;
+    the keywords ``opts`` (and the size of a second argument); "adaptive_avg_pool2d" to the size ``opts``; "udc":
+    ``apply_udc`` of the output and the input with the scale and offset ``opts``;
     "flatten"; or an ``_ELEMENTWISE`` function) on the values of the earlier nodes ``args``, giving node
     ``name``'s."""
 
@@ -172,6 +175,8 @@ class FusedPlan:
                 env[name] = (F.interpolate(_layout(*ins[0], FUSED, k), **_sized(opts, [v for v, _ in ins[1:]])), FUSED)
             elif op == "adaptive_avg_pool2d":
                 env[name] = (F.adaptive_avg_pool2d(_layout(*ins[0], FUSED, k), opts), FUSED)
+            elif op == "udc":  # (per channel: the output's and the input's channels are each client's, in order)
+                env[name] = (apply_udc(*(_layout(*i, FUSED, k) for i in ins), *opts), FUSED)
             else:
                 env[name] = _module(m, prefix, values, ins[0], k, mask, drops, updates)
         if isinstance(self.output, tuple):
@@ -480,6 +485,15 @@ def _function_step(op: str, node: fx.Node) -> Step | None:
         return Step("shape", node.name, None, "", args[:1], d) if ok else None
     if op == "getitem":  # of a shape (``_kind``: of nothing else)
         return Step(op, node.name, None, "", args[:1], args[1]) if len(args) == 2 and _later_dims(args[1]) else None
+    if op == "udc":  # RDSN's uniform down-sampling constraint, by a given scale and offset
+        try:
+            bound = inspect.signature(apply_udc).bind(*args, **kw)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        a = bound.arguments
+        ok = type(a["scale"]) is int and type(a["offset"]) is int
+        return Step(op, node.name, None, "", (a["out"], a["lr"]), (a["scale"], a["offset"])) if ok else None
     if op == "adaptive_avg_pool2d":
         size = kw.pop("output_size", args[1] if len(args) > 1 else None)
         return Step(op, node.name, None, "", args[:1], size) if len(args) <= 2 and not kw and size is not None else None
