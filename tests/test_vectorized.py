@@ -34,6 +34,9 @@ CASES = {
     "adam": {"train.optimizer": "adam", "train.lr": 0.01, "train.weight_decay": 1e-3, "model.norm": "batch"},
     "adamw_scaffold": {"train.optimizer": "adamw", "train.lr": 0.01, "train.weight_decay": 1e-2,
                        "recipe.components": [{"name": "feddyn", "alpha": 0.1}, "scaffold"]},
+    # a component's own Adam (``VectorStep.adam``), before SCAFFOLD's correction as local_adam's docs advise (after
+    # a correction: test_a_components_own_adam_runs_at_its_place_among_the_hooks)
+    "local_adam_scaffold": {"train.lr": 0.01, "recipe.components": [{"name": "local_adam", "beta2": 0.9}, "scaffold"]},
     "dropout": {"model.dropout": 0.5, "model.norm": "batch"},  # each client's masks from its own stream
     "batchnorm": {"model.norm": "batch"},
     "silobn": {"model.norm": "batch", "recipe.sharing": "silobn"},
@@ -372,6 +375,31 @@ def test_dwt_loss_vectorises_per_example_on_padded_batches(dwt):
         close(models[1][k], v, atol=2e-6, rtol=1e-5)
 
 
+def test_ppfl_rdsn_with_its_udc_and_local_adam_trains_vectorised_as_sequentially(monkeypatch):
+    """PPFL-RDSN's model and local training (RDSN with the uniform down-sampling constraint, ``local_adam``) on
+    clients with short last batches: through the fused forward, the global model sequential training gives."""
+    import copy
+
+    import fedsight.training.vectorized as V
+
+    calls = []
+    monkeypatch.setattr(V, "_fused_step", lambda *a, _f=V._fused_step: calls.append(1) or _f(*a))
+    models = []
+    for vectorize in (False, True):
+        raw = copy.deepcopy(SR)
+        raw["model"]["udc"] = True
+        raw["recipe"] = {"components": ["local_adam"]}
+        raw["train"]["lr"] = 0.01
+        raw["engine"] = {"vectorize": vectorize}
+        sim = build_simulation(validate(raw))
+        for r in (1, 2):
+            sim.run_round(r)
+        models.append(sim.global_model.state_dict())
+    assert calls
+    for k, v in models[0].items():
+        close(models[1][k], v, atol=2e-6, rtol=1e-5)
+
+
 # -- every built-in model ----------------------------------------------------------------------------------
 
 class _Batches:
@@ -393,6 +421,54 @@ class _Batches:
     def loss(self, outputs, targets):
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
         return sum(o.float().pow(2).mean() for o in outs)
+
+
+def test_a_components_own_adam_runs_at_its_place_among_the_hooks():
+    """Components [a correction added to the gradients, local_adam]: Adam normalises the corrected gradients, as the
+    hooks of sequential training run in list order (float64, where the engine-level cases' float32 rounding would
+    be magnified by Adam wherever a corrected gradient is near zero). Each client's weights after 3 steps against
+    ``torch.optim.Adam`` stepped on its gradients plus its own correction."""
+    from fedsight.models.cnn import CNN, CNNParams
+    from fedsight.recipe.local_adam import LocalAdam, LocalAdamParams
+    from fedsight.training import ClientContext, Component, VectorStep
+    from fedsight.training.local import LocalTraining, prepare_model
+    from fedsight.training.vectorized import train_together
+
+    class Shift(Component):
+        name = "shift"
+        step_correction = True
+
+        def vector_step(self, ctx):
+            return VectorStep(tensors=corr[ctx.client_id],
+                              grads=lambda c, params, grads: {k: g + c[k] for k, g in grads.items()})
+
+    class Batches64(_Batches):
+        def loss(self, outputs, targets):
+            return outputs.pow(2).mean()
+
+    torch.manual_seed(0)
+    model = CNN(CNNParams(), num_classes=3, in_channels=1, image_size=8).double()
+    prepare_model(model, set())
+    corr = [{n: 0.1 * torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(2)]
+    inputs = [torch.randn(4, 1, 8, 8, dtype=torch.float64) for _ in range(2)]
+    task, local = Batches64(inputs), LocalTraining(batch_size=4, lr=0.01, epochs=None, steps=3)
+    components = [Shift(), LocalAdam(LocalAdamParams(beta1=0.8, beta2=0.95, eps=1e-6))]
+    ctxs = [ClientContext(client_id=i, round=1, model=model, global_params={}, num_examples=4, num_steps=3,
+                          local=local, task=task) for i in range(2)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    finals, _, _ = train_together(ctxs, {k: torch.stack([v, v]) for k, v in start.items()}, components,
+                                  [[c.vector_step(ctx) for c in components] for ctx in ctxs])
+    for i in range(2):
+        model.load_state_dict(start)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.95), eps=1e-6)
+        for _ in range(3):
+            opt.zero_grad()
+            task.loss(model(inputs[i]), None).backward()
+            for n, p in model.named_parameters():
+                p.grad += corr[i][n]
+            opt.step()
+        for k, v in model.state_dict().items():
+            close(finals[i][k], v, atol=1e-12, rtol=1e-9)
 
 
 def test_clients_given_in_any_order_get_their_own_results():

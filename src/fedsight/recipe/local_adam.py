@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import Field
 
 from ..registry import COMPONENTS, Params
-from ..training import ClientContext, Component
+from ..training import ClientContext, Component, VectorStep
 from ..training.optim import AdamDirection
 
 
@@ -58,6 +58,10 @@ class LocalAdam(Component):
 
     def after_backward(self, ctx: ClientContext) -> None:
         ctx.scratch[self.name].apply_((k, p) for k, p in ctx.model.named_parameters() if p.requires_grad)
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        """The same Adam step for vectorised training: the trainer keeps the moments (``VectorStep.adam``)."""
+        return VectorStep(adam=AdamDirection((self.p.beta1, self.p.beta2), self.p.eps))
 
 
 def _check(spec: LocalAdamParams, cfg: Any) -> str | None:

@@ -58,12 +58,18 @@ class VectorStep:
     ``example_terms``: (term, reduction) pairs, each ``term(outputs, targets)`` of a batch being the ``reduction``
     ("mean" or "sum") over its examples of the same term of each example alone (a per-pixel loss over same-sized
     images): on a padded batch (``Task.loss_is_example_mean``) the trainer reduces them over the real examples
-    only, where ``loss_term`` would see the padding."""
+    only, where ``loss_term`` would see the padding.
+
+    ``adam``: an ``AdamDirection`` (``fedsight.training.optim``) when ``after_backward`` turns the gradients into
+    Adam's direction with moments fresh for each local pass (``local_adam``): moments are state across steps,
+    which ``grads`` cannot keep, so the trainer keeps every client's stacked and computes the direction (its betas,
+    eps and L2) at the component's place among the hooks."""
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     loss_term: Callable[..., torch.Tensor | None] | None = None
     grads: Callable[..., Mapping[str, torch.Tensor]] | None = None
     example_terms: tuple[tuple[Callable[[Any, Any], torch.Tensor], str], ...] = ()
+    adam: Any = None
 
 
 class Component:

@@ -30,7 +30,7 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
   FedBN need); frozen norm layers (eval mode) read their running statistics;
 * the local objective: the task loss of the tempered outputs plus every component's ``VectorStep`` terms;
   then every component's ``VectorStep.grads`` in list order, with ``train.optimizer``'s Adam / AdamW transform
-  where ``sgd_steps`` puts it, then SGD with ``train.momentum`` and ``train.weight_decay`` (torch's ``SGD``
+  where ``sgd_steps`` puts it (or a component's own Adam, ``VectorStep.adam``, at its place), then SGD with ``train.momentum`` and ``train.weight_decay`` (torch's ``SGD``
   update, momentum buffer starting at zero) at the step's rate (``train.lr_schedule = "poly"`` per client);
 * randomness: each client's batches (and ``transform_batch``) draw from that client's own state of torch's
   global generator, which is what sequential training seeds per client; so does its ``nn.Dropout`` noise, drawn
@@ -138,21 +138,20 @@ def batch_norm_buffers(model: nn.Module) -> set[str]:
 
 # -- the vmapped step ------------------------------------------------------------------------------
 
-def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], at: int, masked: bool):
+def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]], adam: Any, at: int, masked: bool):
     """One client's step as two pure functions: ``objective(params, own, out, y, mask)``, the local objective of
     the model's outputs ``out`` (and the trainable parameters ``params``), and ``update(params, grads, opt, own,
     lr, bias)`` -> (new params, new optimizer state), the step from the objective's gradients (``lr``: the client's
     rate, or the stacked clients' rates (k,) when ``update`` runs on stacks without vmap).
     ``hooks``: each stepping component's name and first client's ``VectorStep`` (its functions serve every
-    client), the first ``at`` of them before ``train.optimizer``'s Adam transform, the rest after
-    (``fedsight.training.local.direction_position``). ``masked``: the batch is padded and ``mask`` marks its real
+    client), the first ``at`` of them before the Adam transform ``adam`` (``AdamDirection``, or None), the rest after
+    (``fedsight.training.local.direction_position``; ``_adam_at``). ``masked``: the batch is padded and ``mask`` marks its real
     examples: the task loss is the mean of the real examples' losses (``loss`` of each example alone,
     ``Task.loss_is_example_mean``). The optimizer state is SGD's momentum buffer (``"mom"``, starting at zero,
     which torch's first step equals) or Adam's moments (``"m"``, ``"v"``: ``fedsight.training.optim.AdamDirection``'s
     arithmetic, t = the step number); ``bias``: Adam's bias corrections."""
     task, local = ctx.task, ctx.local
     tau, momentum, wd = local.temperature, local.momentum, local.step_weight_decay
-    adam = local.adam_direction()
     example_loss = functools.partial(_one_example, task.loss)
 
     def objective(params, own, out, y, mask):
@@ -370,15 +369,14 @@ def train_together(
     alike_finite = all_finite({k: v for k, v in rest.items() if rest_dims[k] is None})
     proven = torch.zeros(K, dtype=torch.bool, device=device)
     hooks = [(c.name, vs) for c, vs in zip(components, steps[0]) if vs is not None]
-    # Adam runs before the first step correction (SCAFFOLD): after the hooks of the components listed before it
-    at = sum(1 for c, vs in zip(components[:direction_position(components)], steps[0]) if vs is not None)
+    adam, at = _adam_at(local, components, steps[0])
     own = {c.name: {k: torch.stack([steps[i][j].tensors[k] for i in range(K)]) for k in vs.tensors}
            for j, (c, vs) in enumerate(zip(components, steps[0])) if vs is not None}
     if plan is not None:
         P, own = plan.arrange(P), {name: plan.arrange(t) for name, t in own.items()}
     zeros = lambda: {k: torch.zeros_like(v) for k, v in P.items()}  # noqa: E731
     opt = {"mom": zeros()} if local.momentum != 0 else {}
-    if local.optimizer != "sgd":
+    if adam is not None:
         opt = {"m": zeros(), "v": zeros()}
     dtype = next((v.dtype for v in P.values() if v.is_floating_point()), torch.float32)
     loss_sum = torch.zeros(K, device=device, dtype=dtype)
@@ -435,11 +433,11 @@ def train_together(
     with functional_batch_norm(model) as norms:
         vsteps = {}
         for m in (False, True):
-            objective, update = _step_functions(ctx0, hooks, at, m)
+            objective, update = _step_functions(ctx0, hooks, adam, at, m)
             vsteps[m] = (_vmapped_step(model, objective, update, norms, m, rest_dims) if plan is None
                          else _fused_step(plan, objective, update, m, rest_dims,
                                           all(vs.grads is None for _, vs in hooks), _stacked_losses(ctx0, hooks, m)))
-        b1, b2 = local.betas
+        b1, b2 = (adam.beta1, adam.beta2) if adam is not None else (0.0, 0.0)
         for s in range(max((c.num_steps for c in ctxs), default=0)):
             retire(sum(1 for c in ctxs if s < c.num_steps))
             for idx, sizes, xy, noise in batches.groups(s, live, norms):
@@ -454,6 +452,20 @@ def train_together(
     back = sorted(range(K), key=order.__getitem__)  # back[i]: client i's position in ``order``
     finite = proven.tolist()
     return Trained([finals[j] for j in back], loss_sum[back], [alike_finite and finite[j] for j in back])
+
+
+def _adam_at(local: LocalTraining, components: Sequence[Component],
+             steps: Sequence[VectorStep | None]) -> tuple[Any, int]:
+    """The Adam transform of a vectorised step (``AdamDirection``: ``train.optimizer``'s, or the ``VectorStep.adam``
+    of a component such as ``local_adam``, or None for SGD) and how many of the stepping components' hooks run
+    before it: ``train.optimizer``'s before the first step correction (SCAFFOLD), after the hooks of the components
+    listed before it (``sgd_steps``); a component's at its own place, as its ``after_backward`` runs."""
+    hooks = [vs for vs in steps if vs is not None]
+    own = next((i for i, vs in enumerate(hooks) if vs.adam is not None), None)
+    if own is not None:
+        return hooks[own].adam, own
+    return local.adam_direction(), sum(1 for c, vs in zip(components[:direction_position(components)], steps)
+                                       if vs is not None)
 
 
 def _rate(local: LocalTraining, step: int, num_steps: int) -> float:
