@@ -92,7 +92,7 @@ def _run(vectorize, _grouped=False, _flipped=False, _smoothed=False, **over):
 
 # the small CNN trains with the fused forward (``fedsight.training.fused``); these cases also under vmap(grad(...)),
 # which every model without a fused plan uses
-VMAP_CASES = ["fedavg", "adamw_scaffold", "dropout", "silobn", "frozen_head", "grouped_epochs"]
+VMAP_CASES = ["fedavg", "adamw_scaffold", "local_adam_scaffold", "dropout", "silobn", "frozen_head", "grouped_epochs"]
 
 
 @pytest.mark.parametrize("case, forward", [(c, "fused") for c in sorted(CASES)] + [(c, "vmap") for c in VMAP_CASES])
