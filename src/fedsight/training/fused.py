@@ -16,8 +16,9 @@ For a model built only of the layers below, ``fused_plan`` traces the forward on
 * ``nn.Conv2d`` is one convolution with k times the groups; pooling, ReLU and ``nn.GroupNorm`` (k times the
   groups) act per channel, hence per client; ``nn.BatchNorm1d/2d`` normalises each client's channels with their
   own batch statistics (the real examples' only on a padded batch; torch's batch norm over the k*C channels where
-  no example is padded) and returns each client's new running statistics; ``nn.Linear`` is a batched matrix product; ``nn.Dropout`` multiplies by the client's noise drawn
-  beforehand (``vector_batches.draw_noise``), as the vmapped forward does;
+  no example is padded) and returns each client's new running statistics; ``nn.Linear`` is a batched matrix
+  product; ``nn.Dropout`` multiplies by the client's noise drawn beforehand (``vector_batches.draw_noise``), as
+  the vmapped forward does;
 * element-wise activations (``_ACTIVATIONS``, ``torch.sigmoid``) act on either layout, and so does a product with a
   number;
 * a buffer of the model outside its state (``register_buffer(..., persistent=False)``: EDSR's RGB mean) is the

@@ -30,8 +30,9 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
   FedBN need); frozen norm layers (eval mode) read their running statistics;
 * the local objective: the task loss of the tempered outputs plus every component's ``VectorStep`` terms;
   then every component's ``VectorStep.grads`` in list order, with ``train.optimizer``'s Adam / AdamW transform
-  where ``sgd_steps`` puts it (or a component's own Adam, ``VectorStep.adam``, at its place), then SGD with ``train.momentum`` and ``train.weight_decay`` (torch's ``SGD``
-  update, momentum buffer starting at zero) at the step's rate (``train.lr_schedule = "poly"`` per client);
+  where ``sgd_steps`` puts it (or a component's own Adam, ``VectorStep.adam``, at its place), then SGD with
+  ``train.momentum`` and ``train.weight_decay`` (torch's ``SGD`` update, momentum buffer starting at zero) at
+  the step's rate (``train.lr_schedule = "poly"`` per client);
 * randomness: each client's batches (and ``transform_batch``) draw from that client's own state of torch's
   global generator, which is what sequential training seeds per client; so does its ``nn.Dropout`` noise, drawn
   before the vmapped step in the order the forward calls the layers (``vector_batches.dropout_shapes`` probes the
@@ -144,12 +145,12 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     lr, bias)`` -> (new params, new optimizer state), the step from the objective's gradients (``lr``: the client's
     rate, or the stacked clients' rates (k,) when ``update`` runs on stacks without vmap).
     ``hooks``: each stepping component's name and first client's ``VectorStep`` (its functions serve every
-    client), the first ``at`` of them before the Adam transform ``adam`` (``AdamDirection``, or None), the rest after
-    (``fedsight.training.local.direction_position``; ``_adam_at``). ``masked``: the batch is padded and ``mask`` marks its real
-    examples: the task loss is the mean of the real examples' losses (``loss`` of each example alone,
-    ``Task.loss_is_example_mean``). The optimizer state is SGD's momentum buffer (``"mom"``, starting at zero,
-    which torch's first step equals) or Adam's moments (``"m"``, ``"v"``: ``fedsight.training.optim.AdamDirection``'s
-    arithmetic, t = the step number); ``bias``: Adam's bias corrections."""
+    client), the first ``at`` of them before the Adam transform ``adam`` (``AdamDirection``, or None), the rest
+    after (``_adam_at``). ``masked``: the batch is padded and ``mask`` marks its real examples: the task loss is
+    the mean of the real examples' losses (``loss`` of each example alone, ``Task.loss_is_example_mean``). The
+    optimizer state is SGD's momentum buffer (``"mom"``, starting at zero, which torch's first step equals) or
+    Adam's moments (``"m"``, ``"v"``: ``fedsight.training.optim.AdamDirection``'s arithmetic, t = the step
+    number); ``bias``: Adam's bias corrections."""
     task, local = ctx.task, ctx.local
     tau, momentum, wd = local.temperature, local.momentum, local.step_weight_decay
     example_loss = functools.partial(_one_example, task.loss)
