@@ -77,8 +77,8 @@ _FUNCTIONS = {operator.add: "add", torch.add: "add", operator.sub: "sub", torch.
 _METHODS = {"relu": "relu", "sigmoid": "sigmoid", "flatten": "flatten", "mean": "mean", "amax": "amax", "to": "to",
             "add": "add", "sub": "sub", "mul": "mul", "size": "size"}
 _BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}
-#: F.interpolate's keywords the fused forward passes on (a ``size`` given by a node is the step's argument)
-_INTERPOLATE = {"size", "scale_factor", "mode", "align_corners"}
+#: F.interpolate's keywords the fused forward passes on besides ``size`` (``_function_step`` takes that apart)
+_INTERPOLATE = {"scale_factor", "mode", "align_corners"}
 
 FUSED, STACKED = "fused", "stacked"
 #: the layouts of what is not a client's value: a tensor the same for every client, a dtype, and a shape (one

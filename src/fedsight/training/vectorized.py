@@ -341,8 +341,8 @@ def train_together(
     ``ctx.flops`` of each client is counted as in ``sgd_steps``. ``subtract``: values of trainable entries (the
     received global ones) to hand back each client's difference from instead of its final value (its upload's
     delta, contiguous, one subtraction for the clients finishing together as they leave the stacks, in place of
-    copying their entries out; rows of one tensor per such set of clients). Clients given in the order of their step counts, most first, are trained without
-    reordering their stacks."""
+    copying their entries out; rows of one tensor per such set of clients). Clients given in the order of their
+    step counts, most first, are trained without reordering their stacks."""
     ctx0 = ctxs[0]
     model, task, local = ctx0.model, ctx0.task, ctx0.local
     device = model_device(model)
