@@ -13,7 +13,7 @@ from torch import nn
 
 from fedsight.models.cnn import CNN, CNNParams
 from fedsight.models.rdsn import EDSR, RDSN
-from fedsight.training.fused import fused_plan
+from fedsight.training.fused_trace import fused_plan
 from helpers import close
 
 

@@ -238,7 +238,8 @@ def tempered(out: Any, tau: float) -> Any:
     return tuple(o / tau for o in out) if isinstance(out, (tuple, list)) else out / tau
 
 
-def local_objective(ctx: ClientContext, components: Sequence[Component], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def local_objective(ctx: ClientContext, components: Sequence[Component], x: torch.Tensor,
+                    y: torch.Tensor) -> torch.Tensor:
     """The local objective on one batch (after every component's ``transform_batch``): the task loss of the
     (component-transformed) outputs divided by the temperature, plus every component's loss term."""
     for c in components:

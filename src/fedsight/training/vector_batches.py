@@ -52,7 +52,8 @@ def dropout_with_noise(m: nn.Dropout, state: NormState, x: torch.Tensor) -> torc
     return x * noise
 
 
-def draw_noise(shapes: Sequence[tuple[tuple[int, ...], torch.dtype, float]], device: torch.device) -> list[torch.Tensor]:
+def draw_noise(shapes: Sequence[tuple[tuple[int, ...], torch.dtype, float]],
+               device: torch.device) -> list[torch.Tensor]:
     """The noise of each dropout call in call order. On a CPU it is drawn from torch's global generator exactly as
     torch's dropout draws it (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``): the masks of sequential
     training, bit for bit. On another device (where sequential dropout draws from that device's generator, which

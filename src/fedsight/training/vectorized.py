@@ -65,7 +65,8 @@ from ..device import model_device
 from ..functional.aggregate import all_finite, finite_rows
 from .component import Component, VectorStep
 from .context import ClientContext
-from .fused import FusedPlan, clients_batch_norm, fused_plan
+from .fused import FusedPlan, clients_batch_norm
+from .fused_trace import fused_plan
 from .local import SGD_TRAINER, LocalTraining, backward_scope, direction_position, tempered
 from .vector_batches import NormState, StepBatches, dropout_modules, dropout_with_noise, stack_padded
 
@@ -77,7 +78,8 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
     """Why the stage's clients cannot be trained together (empty: they can)."""
     out = []
     if trainer is not SGD_TRAINER:
-        out.append(f"the local procedure {getattr(trainer, 'name', type(trainer).__name__)!r} trains one client at a time")
+        proc = getattr(trainer, 'name', type(trainer).__name__)
+        out.append(f"the local procedure {proc!r} trains one client at a time")
     for c in components:
         if c.hooks_the_model:
             out.append(f"component {c.name!r} acts inside the forward through a module hook, one client at a time")
@@ -87,8 +89,8 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
             out.append(f"component {c.name!r} changes the local step ({', '.join(overrides)}) and has no vector_step")
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and type(m) is not nn.Dropout:
-            out.append(f"the model draws random numbers in training ({name or 'model'}: {type(m).__name__} p = {m.p:g}; "
-                       "only nn.Dropout is vectorised)")
+            out.append(f"the model draws random numbers in training ({name or 'model'}: {type(m).__name__} "
+                       f"p = {m.p:g}; only nn.Dropout is vectorised)")
         elif (isinstance(m, nn.modules.batchnorm._NormBase) and not isinstance(m, nn.modules.batchnorm._BatchNorm)
               and m.track_running_stats):
             out.append(f"{name}: {type(m).__name__} with running statistics (only BatchNorm is vectorised)")
