@@ -37,6 +37,12 @@ CASES = {
     # a component's own Adam (``VectorStep.adam``), before SCAFFOLD's correction as local_adam's docs advise (after
     # a correction: test_a_components_own_adam_runs_at_its_place_among_the_hooks)
     "local_adam_scaffold": {"train.lr": 0.01, "recipe.components": [{"name": "local_adam", "beta2": 0.9}, "scaffold"]},
+    # PPFL-RDSN's watermark regulariser on every marked parameter, the frozen ones' values from each client's model
+    "watermark": {"recipe.components": [{"name": "watermark", "p": 0.2, "min_carriers": 50, "beta": 0.05,
+                                         "lam": 200.0, "verify_from": 3}]},
+    "watermark_frozen": {"train.freeze": ["backbone"], "model.norm": "batch", "recipe.sharing": "fedbn",
+                         "recipe.components": [{"name": "watermark", "p": 0.2, "min_carriers": 50, "beta": 0.05,
+                                                "lam": 200.0, "verify_from": 3}]},
     "dropout": {"model.dropout": 0.5, "model.norm": "batch"},  # each client's masks from its own stream
     "batchnorm": {"model.norm": "batch"},
     "silobn": {"model.norm": "batch", "recipe.sharing": "silobn"},
@@ -92,7 +98,8 @@ def _run(vectorize, _grouped=False, _flipped=False, _smoothed=False, **over):
 
 # the small CNN trains with the fused forward (``fedsight.training.fused``); these cases also under vmap(grad(...)),
 # which every model without a fused plan uses
-VMAP_CASES = ["fedavg", "adamw_scaffold", "local_adam_scaffold", "dropout", "silobn", "frozen_head", "grouped_epochs"]
+VMAP_CASES = ["fedavg", "adamw_scaffold", "local_adam_scaffold", "dropout", "silobn", "frozen_head", "grouped_epochs",
+              "watermark_frozen"]
 
 
 @pytest.mark.parametrize("case, forward", [(c, "fused") for c in sorted(CASES)] + [(c, "vmap") for c in VMAP_CASES])

@@ -69,7 +69,7 @@ from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import derive_seed
-from ..training import ClientContext, Component, ServerContext
+from ..training import ClientContext, Component, ServerContext, VectorStep
 
 __all__ = [
     "DctDP",
@@ -323,6 +323,20 @@ class Watermark(Component):
         if s["lam"] == 0.0:
             return None
         return s["lam"] * wm_loss(ctx.model, s["carrier"], self.p.beta)
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        """``loss_term`` of the client's parameters: the carrier set and lam are every client's (one key, one
+        architecture). A marked parameter that does not train (``train.freeze``) still counts in L_wm's value: the
+        client's own value rides along in ``tensors``."""
+        s = ctx.scratch[self.name]
+        if s["lam"] == 0.0:
+            return VectorStep()
+        c, lam, beta = s["carrier"], s["lam"], self.p.beta
+        marked = set(c.names)
+        frozen = {k: p.detach().clone() for k, p in ctx.model.named_parameters()  # (the work model moves on)
+                  if k in marked and not p.requires_grad}
+        return VectorStep(tensors=frozen,
+                          loss_term=lambda own, params, outputs, targets: lam * wm_loss({**own, **params}, c, beta))
 
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
         s = ctx.scratch[self.name]
