@@ -160,8 +160,9 @@ class StepBatches:
             batch = (x, y)
         noise = []
         if self.drops:
-            if gathered is not None:
-                x = tree_map(lambda t: t[gathered[1]], gathered[0])
+            if gathered is not None:  # (its row of the group's stack, without the padding: its own batch)
+                n = len(self.positions[i][s])
+                x = tree_map(lambda t: t[gathered[1]][:n], gathered[0])
             sig = _signature(*tree_flatten(x), False)
             if sig not in self.probed:
                 self.probed[sig] = dropout_shapes(self.model, x, norms)
