@@ -46,7 +46,7 @@ def test_an_output_dir_that_is_a_file_is_one_line_and_the_file_survives(tmp_path
 
 def test_parts_that_do_not_fit_together_found_while_building_are_a_configuration_error(tmp_path) -> None:
     """Refused when the run is built (not by the schema): still one line and exit 2, and nothing written."""
-    raw = tiny(**{"server.rounds": 1, "engine.vectorize": True, "recipe.components": ["dct_dp"],
+    raw = tiny(**{"server.rounds": 1, "engine.vectorize": True, "recipe.components": ["ditto"],
                   "run.output_dir": str(tmp_path / "runs")})
     cfg = tmp_path / "c.toml"
     cfg.write_text(tomli_w.dumps(raw))

@@ -242,18 +242,52 @@ def test_true_refuses_what_cannot_be_vectorised_before_the_run_starts():
         build_simulation(validate(tiny(**{"engine.vectorize": True, "recipe.components": ["ditto"]})))
 
 
-def test_a_component_acting_through_a_module_hook_trains_one_client_at_a_time():
-    """``dct_dp`` noises a layer's output in a forward hook from each client's own generator, which no vectorised
-    forward can run per client (under vmap the draw fails, the fused forward calls no module): ``true`` refuses the
-    recipe before the run, ``"auto"`` trains it sequentially, with the noise."""
-    with pytest.raises(ValueError, match=r"component 'dct_dp' acts inside the forward through a module hook"):
-        build_simulation(validate(tiny(**{"engine.vectorize": True, "recipe.components": ["dct_dp"]})))
-    from fedsight.recipe.ppfl import DctDP
+class _Hooked(Component):
+    """Scales its first layer's output in a forward hook (registered in ``client_start``)."""
 
-    sim = _sim_with(DctDP(), "auto")
-    assert not sim.runtime.vectorizes(6)
-    row, _ = sim.run_round(1)
-    assert row["privacy/dct_passes"] > 0
+    name = "hooked"
+    hooks_the_model = True
+
+    def client_start(self, ctx):
+        conv = next(m for m in ctx.model.modules() if isinstance(m, nn.Conv2d))
+        self.handle = conv.register_forward_hook(lambda m, i, out: out * 0.5)
+
+    def client_end(self, ctx, result):
+        self.handle.remove()
+
+
+def test_a_component_acting_through_a_module_hook_trains_one_client_at_a_time():
+    """A component whose module hook acts in every step, which no vectorised forward can run per client (the fused
+    forward calls no module): ``true`` refuses the recipe before the run, ``"auto"`` trains it sequentially."""
+    with pytest.raises(ConfigError, match=r"component 'hooked' acts inside the forward through a module hook"):
+        _sim_with(_Hooked(), True)
+    sim = _sim_with(_Hooked(), "auto")
+    assert not sim.runtime.vectorizes(6) and sim.runtime.sequential_reasons
+    sim.run_round(1)
+
+
+@pytest.mark.parametrize("over", [{}, {"model.dropout": 0.5, "dct.low_from": "clipped", "dct.tau": 2}])
+def test_dct_dp_noise_vectorises_with_each_clients_own_draws(over):
+    """``dct_dp``'s mechanism on a layer's output (clip, DCT, noise on the high band) applied by the vectorised
+    trainer with each client's noise from its own generator, for its real examples (whole epochs: short last
+    batches; with dropout, whose noise draws interleave): the model and the privacy metrics sequential training
+    gives; without the noise the model differs."""
+    dct = {"name": "dct_dp", "epsilon": 5.0, "c_max": 2.0, "tau": 3}
+    dct.update({k.split(".")[1]: v for k, v in over.items() if k.startswith("dct.")})
+    extra = {k: v for k, v in over.items() if not k.startswith("dct.")}
+    runs = []
+    for vectorize, components in ((False, [dct]), (True, [dct]), (True, [])):
+        sim, rows = _run(vectorize, **{"train.steps_range": None, "train.epochs": 1, "model.norm": "group",
+                                       "recipe.components": components, **extra})
+        assert sim.runtime.vectorizes(4) == vectorize
+        runs.append((sim.global_model.state_dict(), rows))
+    (a, rows_a), (b, rows_b), (plain, _) = runs
+    for k in a:
+        close(b[k], a[k], atol=2e-6, rtol=1e-5)
+    assert any((plain[k] - a[k]).abs().max() > 1e-3 for k in a if a[k].is_floating_point())
+    for ra, rb in zip(rows_a, rows_b):
+        assert ra["train/loss"] == pytest.approx(rb["train/loss"], rel=1e-5)
+        assert ra["privacy/dct_passes"] == rb["privacy/dct_passes"] == pytest.approx(1.0)
 
 
 def test_blockers_name_each_reason():
@@ -384,9 +418,14 @@ def test_dwt_loss_vectorises_per_example_on_padded_batches(dwt):
         close(models[1][k], v, atol=2e-6, rtol=1e-5)
 
 
-def test_ppfl_rdsn_with_its_udc_and_local_adam_trains_vectorised_as_sequentially(monkeypatch):
+@pytest.mark.parametrize("mechanisms", [[], [{"name": "dct_dp", "epsilon": 8.0, "c_max": 4.0},
+                                             {"name": "watermark", "p": 0.05, "min_carriers": 50, "lam": 100.0,
+                                              "verify_from": 3}]])
+def test_ppfl_rdsn_with_its_udc_and_local_adam_trains_vectorised_as_sequentially(monkeypatch, mechanisms):
     """PPFL-RDSN's model and local training (RDSN with the uniform down-sampling constraint, ``local_adam``) on
-    clients with short last batches: through the fused forward, the global model sequential training gives."""
+    clients with short last batches, alone (through the fused forward) and with the paper's two mechanisms (DCT-domain
+    noise on the first layer's output and the watermark regulariser: under vmap): the global model sequential
+    training gives."""
     import copy
 
     import fedsight.training.vectorized as V
@@ -397,14 +436,15 @@ def test_ppfl_rdsn_with_its_udc_and_local_adam_trains_vectorised_as_sequentially
     for vectorize in (False, True):
         raw = copy.deepcopy(SR)
         raw["model"]["udc"] = True
-        raw["recipe"] = {"components": ["local_adam"]}
+        raw["recipe"] = {"components": [*mechanisms, "local_adam"]}
         raw["train"]["lr"] = 0.01
         raw["engine"] = {"vectorize": vectorize}
         sim = build_simulation(validate(raw))
+        assert sim.runtime.vectorizes(2) == vectorize
         for r in (1, 2):
             sim.run_round(r)
         models.append(sim.global_model.state_dict())
-    assert calls
+    assert bool(calls) == (not mechanisms)
     for k, v in models[0].items():
         close(models[1][k], v, atol=2e-6, rtol=1e-5)
 

@@ -62,6 +62,8 @@ __all__ = [
     "dct2",
     "dct_matrix",
     "dct_mechanism",
+    "dct_noise",
+    "draws_noise",
     "gaussian_delta",
     "gaussian_sigma",
     "high_band_mask",
@@ -177,6 +179,20 @@ def gaussian_sigma(epsilon: float, delta: float, c_max: float, calibration: Cali
     raise ValueError(f"unknown calibration {calibration!r}; choose 'classic' or 'analytic'")
 
 
+def draws_noise(shape: tuple[int, ...], tau: int, sigma: float) -> bool:
+    """Whether ``dct_mechanism`` draws noise for activations of ``shape``: sigma > 0 and a high band u + v >= tau
+    inside the map (the largest u + v is height + width - 2)."""
+    return sigma > 0 and int(tau) <= shape[-2] + shape[-1] - 2
+
+
+def dct_noise(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator | None,
+              device: torch.device | str) -> torch.Tensor:
+    """The standard normal noise ``dct_mechanism`` draws for activations of ``shape`` and ``dtype``: from
+    ``generator`` on its device (else on ``device``), then moved to ``device``."""
+    gdev = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, dtype=dtype, device=gdev).to(device)
+
+
 def dct_mechanism(
     h: torch.Tensor,
     c_max: float,
@@ -184,15 +200,18 @@ def dct_mechanism(
     sigma: float,
     generator: torch.Generator | None = None,
     low_from: LowFrom = "unclipped",
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Algorithm 1 on a batch of activations ``h`` of shape ``[N, ..., height, width]`` (N samples; e.g.
     ``[N, C, height, width]``): per-sample L2 clip to ``c_max``, per-channel 2-D DCT, N(0, sigma^2) noise on
     the high band u + v >= ``tau`` only, and eq. (2): H~ = H_L + T^T (C_H(Hhat) + noise) T with H_L from the
     unclipped ``h`` (``low_from="unclipped"``, the paper) or from the clipped one (``"clipped"``).
 
-    The noise is drawn from ``generator`` (on its device, then moved to ``h``'s) in ``h``'s dtype. Only the
-    noised high band of each sample is (epsilon, delta)-DP for the sigma of ``gaussian_sigma``; the low band
-    is passed through without noise (see the module docstring)."""
+    The noise is drawn from ``generator`` (on its device, then moved to ``h``'s) in ``h``'s dtype
+    (``dct_noise``), or given: ``noise``, standard normal of ``h``'s shape, drawn beforehand (vectorised training
+    draws each client's so, from its own generator). Only the noised high band of each sample is (epsilon,
+    delta)-DP for the sigma of ``gaussian_sigma``; the low band is passed through without noise (see the module
+    docstring)."""
     if h.dim() < 3:
         raise ValueError(f"dct_mechanism needs [N, ..., h, w] (a batch of maps), got shape {tuple(h.shape)}")
     if sigma < 0:
@@ -205,8 +224,8 @@ def dct_mechanism(
     c_hat = dct2(hat)
     c_low = c_hat if low_from == "clipped" else dct2(h)
     coeffs = torch.where(high, c_hat, c_low)
-    if sigma > 0 and bool(high.any()):
-        gdev = generator.device if generator is not None else h.device
-        noise = torch.randn(h.shape, generator=generator, dtype=h.dtype, device=gdev).to(h.device)
+    if draws_noise(tuple(h.shape), tau, sigma):
+        if noise is None:
+            noise = dct_noise(tuple(h.shape), h.dtype, generator, h.device)
         coeffs = coeffs + noise * (sigma * high.to(h.dtype))
     return idct2(coeffs)

@@ -23,7 +23,10 @@ The noise comes from a generator seeded from (seed, "dct_dp", round, client) (``
 device. The forward hook is registered in ``client_start`` on the client's work model and removed in
 ``client_end``; it acts only while the model is in training mode and only for the registration of the current
 client (a hook left by a client refused or failed after ``client_start`` stays inert outside training mode and
-is removed by the next ``client_start``), so evaluation and the server's model never see it. "Per example" means per entry of the
+is removed by the next ``client_start``), so evaluation and the server's model never see it. Trained together
+(``engine.vectorize``), the component removes its hook and hands the trainer the mechanism and each client's noise
+draws instead (``vector_step``): the same noise from the same generator, for each client's real examples.
+"Per example" means per entry of the
 layer's output along dimension 0; it assumes the layers up to k treat examples independently (no BatchNorm in
 training mode before k).
 
@@ -55,7 +58,7 @@ from torch import nn
 
 from ..device import model_device
 from ..errors import ConfigError, ModelRefused
-from ..functional.dct import dct_mechanism, gaussian_sigma
+from ..functional.dct import dct_mechanism, dct_noise, draws_noise, gaussian_sigma
 from ..functional.watermark import (
     Carrier,
     hoeffding_false_positive,
@@ -69,7 +72,7 @@ from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import derive_seed
-from ..training import ClientContext, Component, ServerContext, VectorStep
+from ..training import ClientContext, Component, OutputNoise, ServerContext, VectorStep
 
 __all__ = [
     "DctDP",
@@ -131,7 +134,6 @@ class DctDP(Component):
     """Algorithm 1 on one layer's output during local training (see the module docstring)."""
 
     name = "dct_dp"
-    hooks_the_model = True  # the noise is drawn in a forward hook, per client: no vectorised training
 
     def __init__(self, params: DctDPParams | None = None):
         self.p = params or DctDPParams()
@@ -159,18 +161,45 @@ class DctDP(Component):
         def hook(mod: nn.Module, inputs: Any, output: Any) -> Any:
             if self._token is not token or not root.training:
                 return None
-            if not isinstance(output, torch.Tensor) or output.dim() < 3 or not output.is_floating_point():
-                shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-                raise ConfigError(f"dct_dp: layer {p.layer or 'first Conv2d'!r} outputs {shape}; it needs a "
-                                  f"floating [N, ..., h, w] tensor")
+            self._check_output(output)
             count[0] += int(output.shape[0])
             return dct_mechanism(output, p.c_max, p.tau, sigma, gen, p.low_from)
 
         self._handle, self._token = module.register_forward_hook(hook), token
-        ctx.scratch[self.name] = count
+        ctx.scratch[self.name] = {"count": count, "gen": gen}
+
+    def _check_output(self, output: Any) -> None:
+        """A one-line ``ConfigError`` unless the layer's output is a floating [N, ..., h, w] tensor."""
+        tensor = isinstance(output, torch.Tensor)
+        self._check_shape(tuple(output.shape) if tensor else type(output).__name__, output.dtype if tensor else None)
+
+    def _check_shape(self, shape: tuple[int, ...] | str, dtype: torch.dtype | None) -> None:
+        """``_check_output`` of an output of ``shape`` (a type's name for anything but a tensor) and ``dtype``."""
+        if not isinstance(shape, tuple) or len(shape) < 3 or dtype is None or not dtype.is_floating_point:
+            raise ConfigError(f"dct_dp: layer {self.p.layer or 'first Conv2d'!r} outputs {shape}; it needs a "
+                              f"floating [N, ..., h, w] tensor")
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        """The mechanism for the trainer to apply (``OutputNoise``), with this client's noise drawn from its own
+        generator as the hook draws it; the hook is removed (the vectorised forward draws nothing itself)."""
+        self._remove()
+        s, p, sigma = ctx.scratch[self.name], self.p, self.sigma
+        count, gen, device = s["count"], s["gen"], model_device(ctx.model)
+
+        def draw(shape: Any, dtype: Any) -> torch.Tensor:
+            self._check_shape(shape, dtype)
+            count[0] += int(shape[0])
+            if not draws_noise(shape, p.tau, sigma):  # (the hook draws nothing then)
+                return torch.zeros(shape, dtype=dtype, device=device)
+            return dct_noise(shape, dtype, gen, device)
+
+        def apply(output: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+            return dct_mechanism(output, p.c_max, p.tau, sigma, None, p.low_from, noise=noise)
+
+        return VectorStep(output_noise=OutputNoise(find_layer(ctx.model, p.layer)[0], draw, apply))
 
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
-        count = ctx.scratch.get(self.name, [0])
+        count = ctx.scratch.get(self.name, {"count": [0]})["count"]
         self._remove()
         result.metrics["privacy/dct_epsilon"] = float(self.p.epsilon)
         result.metrics["privacy/dct_delta"] = float(self.p.delta)

@@ -44,6 +44,19 @@ class ExtrasSpec:
 
 
 @dataclass(frozen=True)
+class OutputNoise:
+    """A mechanism on one module's output in every training forward, with noise from the client's own generator
+    (``dct_dp``), for vectorised training: ``module``, the module's qualified name; ``draw(shape, dtype)``, this
+    client's noise for an output of that shape (its real examples only), drawn as its sequential training draws
+    it, called once per forward in step order, outside the vectorised step; ``apply(output, noise)``, the
+    mechanism on one client's output with that noise (pure: under vmap it sees one client's values)."""
+
+    module: str
+    draw: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class VectorStep:
     """A component's part in one local step, as pure per-client functions, for vectorised training
     (``fedsight.training.vectorized``: the clients of a round trained together under ``torch.func.vmap``).
@@ -63,13 +76,18 @@ class VectorStep:
     ``adam``: an ``AdamDirection`` (``fedsight.training.optim``) when ``after_backward`` turns the gradients into
     Adam's direction with moments fresh for each local pass (``local_adam``): moments are state across steps,
     which ``grads`` cannot keep, so the trainer keeps every client's stacked and computes the direction (its betas,
-    eps and L2) at the component's place among the hooks."""
+    eps and L2) at the component's place among the hooks.
+
+    ``output_noise``: an ``OutputNoise`` where the component acts on a module's output inside the forward with
+    random numbers (``dct_dp``, whose own hook the component removes: the trainer applies the mechanism). The
+    step then runs under vmap (the fused forward calls no module)."""
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     loss_term: Callable[..., torch.Tensor | None] | None = None
     grads: Callable[..., Mapping[str, torch.Tensor]] | None = None
     example_terms: tuple[tuple[Callable[[Any, Any], torch.Tensor], str], ...] = ()
     adam: Any = None
+    output_noise: OutputNoise | None = None
 
 
 class Component:
@@ -85,9 +103,10 @@ class Component:
     #: every component before the first such one (DP-SGD's noisy clipped gradient, FedDyn's clipping) and
     #: before it, so the correction is added to the Adam direction (``fedsight.training.local.sgd_steps``)
     step_correction: bool = False
-    #: whether ``client_start`` registers a module hook that acts inside every local step (``dct_dp`` noises a
-    #: layer's output from the client's own generator): vectorised training cannot run such a hook per client, so
-    #: the stage trains one client at a time (``engine.vectorize = true`` refuses it before the run)
+    #: whether ``client_start`` registers a module hook that acts inside every local step: vectorised training
+    #: cannot run such a hook per client, so the stage trains one client at a time (``engine.vectorize = true``
+    #: refuses it before the run). A hook that noises a layer's output can hand its mechanism to the trainer instead
+    #: (``VectorStep.output_noise``, as ``dct_dp`` does) and leave this False
     hooks_the_model: bool = False
 
     # -- client side ---------------------------------------------------------------------------

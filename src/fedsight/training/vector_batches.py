@@ -7,15 +7,15 @@ drawn where and as its sequential training draws them, grouped into stacks step 
   holding its examples in memory and no component transforming them, a step's batches of all the clients in one
   gather (``Task.train_batch_stack``);
 * each client's ``nn.Dropout`` noise is drawn before the step, from the same state, in the order the forward calls
-  the layers (``dropout_shapes`` probes the shapes once per batch shape): on a CPU the masks of sequential training
-  bit for bit;
+  the layers (``noise_calls`` probes the shapes once per batch shape): on a CPU the masks of sequential training
+  bit for bit; so is the noise of a component's mechanism on a module's output (``VectorStep.output_noise``), from
+  the client's own generator, for its real examples;
 * at every step the clients still training are grouped by the structure, shapes and dtypes of their batches
   (without the batch size where a padded batch's mean can skip the padding), each group stacked and padded.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..device import to_device
 from ..rng import torch_gen
-from .component import Component
+from .component import Component, OutputNoise
 from .context import ClientContext
 from .local import batch_positions
 
@@ -34,40 +34,61 @@ from .local import batch_positions
 @dataclass
 class NormState:
     """What the functional layers of one forward share: the new running statistics the BatchNorms computed (by
-    state key), the mask of the batch's real examples (None: every example is real), and the dropout noise of
-    this forward, one tensor per dropout call in call order (``noise_at``: the next one)."""
+    state key), the mask of the batch's real examples (None: every example is real), and the noise of this
+    forward, one tensor per noise call (a dropout, a mechanism on a module's output) in call order (``noise_at``:
+    the next one). While ``probe`` is a list, the noise calls only record themselves there (``noise_calls``)."""
 
     updates: dict[str, torch.Tensor] = field(default_factory=dict)
     mask: torch.Tensor | None = None
     noise: Sequence[torch.Tensor] = ()
     noise_at: int = 0
+    probe: list[tuple[str, tuple[int, ...], torch.dtype, Any]] | None = None
+
+    def next_noise(self, kind: str, t: Any, arg: Any) -> torch.Tensor | None:
+        """The noise of this call (None while probing: the call is recorded as (kind, t's shape and dtype, arg))."""
+        if self.probe is not None:  # (a value other than a tensor recorded by its type's name, for the error)
+            tensor = isinstance(t, torch.Tensor)
+            self.probe.append((kind, tuple(t.shape) if tensor else type(t).__name__, t.dtype if tensor else None, arg))
+            return None
+        self.noise_at += 1
+        return self.noise[self.noise_at - 1]
 
 
 def dropout_with_noise(m: nn.Dropout, state: NormState, x: torch.Tensor) -> torch.Tensor:
     """``m``'s forward with the noise drawn beforehand (``draw_noise``): ``x * noise``, as torch's dropout."""
     if not m.training or m.p == 0:
         return x
-    noise = state.noise[state.noise_at]
-    state.noise_at += 1
-    return x * noise
+    noise = state.next_noise("dropout", x, m.p)
+    return x if noise is None else x * noise
 
 
-def draw_noise(shapes: Sequence[tuple[tuple[int, ...], torch.dtype, float]],
-               device: torch.device) -> list[torch.Tensor]:
-    """The noise of each dropout call in call order. On a CPU it is drawn from torch's global generator exactly as
-    torch's dropout draws it (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``): the masks of sequential
-    training, bit for bit. On another device (where sequential dropout draws from that device's generator, which
-    nothing seeds per client) it is drawn there, from a generator seeded by one number of the global CPU
-    generator: a deterministic function of (seed, round, client), without building masks on the CPU and copying
-    them over."""
+def output_with_noise(forward: Any, index: int, apply: Any, state: NormState, *args: Any, **kwargs: Any) -> Any:
+    """A module's ``forward`` followed by a component's mechanism ``apply(output, noise)`` (``OutputNoise``, the
+    client's ``index``-th), with the noise drawn beforehand (``draw_noise``)."""
+    out = forward(*args, **kwargs)
+    noise = state.next_noise("output", out, index)
+    return out if noise is None else apply(out, noise)
+
+
+def draw_noise(calls: Sequence[tuple[str, tuple[int, ...], torch.dtype, Any]], device: torch.device,
+               outputs: Sequence[OutputNoise] = ()) -> list[torch.Tensor]:
+    """The noise of each call of ``calls`` (``noise_calls``) in call order. A dropout's: on a CPU drawn from torch's
+    global generator exactly as torch's dropout draws it (``empty_like(input).bernoulli_(1 - p).div_(1 - p)``):
+    the masks of sequential training, bit for bit. On another device (where sequential dropout draws from that
+    device's generator, which nothing seeds per client) it is drawn there, from a generator seeded by one number
+    of the global CPU generator: a deterministic function of (seed, round, client), without building masks on the
+    CPU and copying them over. A module output's: ``outputs[index].draw`` (the client's own generator)."""
     gen = None
-    if device.type != "cpu":
+    if device.type != "cpu" and any(kind == "dropout" for kind, *_ in calls):
         gen = torch.Generator(device=device)
         gen.manual_seed(int(torch.randint(2**62, (1,))))
     out = []
-    for shape, dtype, p in shapes:
+    for kind, shape, dtype, arg in calls:
+        if kind == "output":
+            out.append(outputs[arg].draw(shape, dtype))
+            continue
         noise = torch.empty(shape, dtype=dtype, device=device)
-        out.append(noise.zero_() if p == 1 else noise.bernoulli_(1 - p, generator=gen).div_(1 - p))
+        out.append(noise.zero_() if arg == 1 else noise.bernoulli_(1 - arg, generator=gen).div_(1 - arg))
     return out
 
 
@@ -77,25 +98,17 @@ def dropout_modules(model: nn.Module) -> list[nn.Dropout]:
 
 
 @torch.no_grad()
-def dropout_shapes(model: nn.Module, x: Any, state: NormState) -> list[tuple[tuple[int, ...], torch.dtype, float]]:
-    """(input shape, dtype, p) of every dropout call of a training forward of ``model`` on ``x``, in call order
-    (a forward that draws nothing: dropout passes through, the functional BatchNorms write only to ``state``)."""
-    seen: list[tuple[tuple[int, ...], torch.dtype, float]] = []
-    patched = dropout_modules(model)
-
-    def record(m: nn.Dropout, t: torch.Tensor) -> torch.Tensor:
-        seen.append((tuple(t.shape), t.dtype, m.p))
-        return t
-
-    for m in patched:
-        m.forward = functools.partial(record, m)
+def noise_calls(model: nn.Module, x: Any, state: NormState) -> list[tuple[str, tuple[int, ...], torch.dtype, Any]]:
+    """(kind, shape, dtype, arg) of every noise call of a training forward of ``model`` on ``x`` in call order: each
+    dropout's input (arg: p), each noised module output (arg: its ``OutputNoise``'s index). A forward that draws
+    nothing: the calls pass their values through, the functional BatchNorms write only to ``state``."""
+    state.probe = []
     try:
         model(x)
+        return state.probe
     finally:
-        for m in patched:
-            m.forward = functools.partial(dropout_with_noise, m, state)
+        state.probe = None
         state.updates.clear()
-    return seen
 
 
 def _signature(leaves: Sequence[torch.Tensor], spec: Any, pad: bool) -> tuple:
@@ -117,13 +130,15 @@ def stack_padded(tensors: Sequence[torch.Tensor], sizes: Sequence[int], size: in
 
 
 class StepBatches:
-    """The batches and dropout noise of clients trained together (``ctxs``, on ``model``, with ``components``),
-    step by step (``groups``). ``rng_states[i]``: torch's global CPU generator as client i's sequential training
-    finds it after ``client_start`` (None: draw from the global generator as it is); ``pad``: clients whose batches
-    differ only in their size share a group (padded); ``scope``: the backward's scope, for the FLOP count."""
+    """The batches and noise of clients trained together (``ctxs``, on ``model``, with ``components``), step by
+    step (``groups``). ``rng_states[i]``: torch's global CPU generator as client i's sequential training finds it
+    after ``client_start`` (None: draw from the global generator as it is); ``pad``: clients whose batches differ
+    only in their size share a group (padded); ``scope``: the backward's scope, for the FLOP count; ``outputs[i]``:
+    client i's mechanisms on module outputs (``OutputNoise``, in the order ``output_with_noise`` indexes them)."""
 
     def __init__(self, ctxs: Sequence[ClientContext], components: Sequence[Component], model: nn.Module,
-                 device: torch.device, rng_states: Sequence[torch.Tensor] | None, pad: bool, scope: Any):
+                 device: torch.device, rng_states: Sequence[torch.Tensor] | None, pad: bool, scope: Any,
+                 outputs: Sequence[Sequence[OutputNoise]] = ()):
         task, local = ctxs[0].task, ctxs[0].local
         self.ctxs, self.components, self.model, self.device = ctxs, components, model, device
         self.task, self.pad, self.scope = task, pad, scope
@@ -141,7 +156,9 @@ class StepBatches:
                                                           round=ctx.round)))
         self.rng = list(rng_states) if rng_states is not None else None
         self.drops = bool(dropout_modules(model))
-        self.probed: dict[tuple, list] = {}  # dropout shapes by batch signature
+        self.outputs = outputs  # each client's mechanisms on module outputs
+        self.noisy = self.drops or any(outputs)
+        self.probed: dict[tuple, list] = {}  # noise calls by batch signature
 
     def _client(self, i: int, s: int, norms: NormState, gathered: tuple[Any, int] | None = None
                 ) -> tuple[Any, list[torch.Tensor]]:
@@ -159,14 +176,14 @@ class StepBatches:
                 x, y = c.transform_batch(ctx, x, y)
             batch = (x, y)
         noise = []
-        if self.drops:
+        if self.noisy:
             if gathered is not None:  # (its row of the group's stack, without the padding: its own batch)
                 n = len(self.positions[i][s])
                 x = tree_map(lambda t: t[gathered[1]][:n], gathered[0])
             sig = _signature(*tree_flatten(x), False)
             if sig not in self.probed:
-                self.probed[sig] = dropout_shapes(self.model, x, norms)
-            noise = draw_noise(self.probed[sig], self.device)
+                self.probed[sig] = noise_calls(self.model, x, norms)
+            noise = draw_noise(self.probed[sig], self.device, self.outputs[i] if self.outputs else ())
         if rng is not None and (batch is not None or self.drops):
             rng[i] = torch.get_rng_state()
         if ctx.cost is not None:

@@ -35,8 +35,9 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
   the step's rate (``train.lr_schedule = "poly"`` per client);
 * randomness: each client's batches (and ``transform_batch``) draw from that client's own state of torch's
   global generator, which is what sequential training seeds per client; so does its ``nn.Dropout`` noise, drawn
-  before the vmapped step in the order the forward calls the layers (``vector_batches.dropout_shapes`` probes the
-  shapes once per batch shape), the masks of sequential training on a CPU bit for bit.
+  before the vmapped step in the order the forward calls the layers (``vector_batches.noise_calls`` probes the
+  shapes once per batch shape), the masks of sequential training on a CPU bit for bit; a component's mechanism on
+  a module's output (``VectorStep.output_noise``: ``dct_dp``) draws from the client's own generator likewise.
 
 One difference from ``torch.optim.SGD`` and ``AdamDirection``: a trainable parameter the loss does not reach gets a
 zero gradient here (so weight decay, momentum and Adam's moments still move it), where they skip a parameter
@@ -44,9 +45,9 @@ without ``.grad``.
 
 What cannot be vectorised (``blockers``) trains sequentially: a trainer other than the SGD loop's (Ditto's,
 Fed3R's statistics pass, ...), a component that changes the step without a ``VectorStep`` or through a module hook
-(``Component.hooks_the_model``: ``dct_dp``), a model that draws
-random numbers in training other than through ``nn.Dropout`` (``Dropout2d``, ...), a norm layer with running
-statistics other than BatchNorm.
+(``Component.hooks_the_model``; ``dct_dp`` hands its mechanism over instead: ``VectorStep.output_noise``), a model
+that draws random numbers in training other than through ``nn.Dropout`` (``Dropout2d``, ...), a norm layer with
+running statistics other than BatchNorm.
 """
 
 from __future__ import annotations
@@ -63,12 +64,19 @@ from torch.utils._pytree import tree_map
 
 from ..device import model_device
 from ..functional.aggregate import all_finite, finite_rows
-from .component import Component, VectorStep
+from .component import Component, OutputNoise, VectorStep
 from .context import ClientContext
 from .fused import FusedPlan, clients_batch_norm
 from .fused_trace import fused_plan
 from .local import SGD_TRAINER, LocalTraining, backward_scope, direction_position, tempered
-from .vector_batches import NormState, StepBatches, dropout_modules, dropout_with_noise, stack_padded
+from .vector_batches import (
+    NormState,
+    StepBatches,
+    dropout_modules,
+    dropout_with_noise,
+    output_with_noise,
+    stack_padded,
+)
 
 #: the hooks that act inside a local step: a component overriding one needs a ``vector_step``
 STEP_HOOKS = ("outputs", "batch_positions", "loss_term", "after_backward")
@@ -113,19 +121,24 @@ def _batch_norm(m: nn.modules.batchnorm._BatchNorm, prefix: str, state: NormStat
 
 
 @contextlib.contextmanager
-def functional_batch_norm(model: nn.Module) -> Iterator[NormState]:
+def functional_batch_norm(model: nn.Module, outputs: Sequence[OutputNoise] = ()) -> Iterator[NormState]:
     """Within the block, every BatchNorm of ``model`` runs ``_batch_norm`` (vmap-safe: nothing in place) and
     puts its new running statistics, by state key, in the yielded state's ``updates``; every ``nn.Dropout`` runs
-    ``dropout_with_noise`` (multiplies by the state's next noise tensor)."""
+    ``dropout_with_noise`` (multiplies by the state's next noise tensor); the module of each of ``outputs`` applies
+    its mechanism to its output with the state's next noise tensor (``output_with_noise``)."""
     state = NormState()
-    patched = []
+    patched = set()
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.forward = functools.partial(_batch_norm, m, f"{name}." if name else "", state)
-            patched.append(m)
+            patched.add(m)
     for m in dropout_modules(model):
         m.forward = functools.partial(dropout_with_noise, m, state)
-        patched.append(m)
+        patched.add(m)
+    for index, spec in enumerate(outputs):
+        m = model.get_submodule(spec.module)
+        m.forward = functools.partial(output_with_noise, m.forward, index, spec.apply, state)
+        patched.add(m)
     try:
         yield state
     finally:
@@ -364,14 +377,16 @@ def train_together(
         raise ValueError(f"subtract names entries that do not train: {sorted(set(subtract) - set(trainable))}")
     per_client = batch_norm_buffers(model) | set(ctx0.personal_keys)
     state_keys = list(starts)
-    plan = fused_plan(model)
+    hooks = [(c.name, vs) for c, vs in zip(components, steps[0]) if vs is not None]
+    # each client's mechanisms on module outputs (the first client's apply serves all): the step runs under vmap
+    outputs = [[vs.output_noise for vs in client if vs is not None and vs.output_noise is not None] for client in steps]
+    plan = None if outputs[0] else fused_plan(model)
     P = {k: starts[k] for k in trainable}
     rest = {k: v if k in per_client else v[0] for k, v in starts.items() if k not in P}
     rest_dims = {k: 0 if k in per_client else None for k in rest}
     # the entries every client holds alike, checked once; each client's own, as it finishes (``retire``)
     alike_finite = all_finite({k: v for k, v in rest.items() if rest_dims[k] is None})
     proven = torch.zeros(K, dtype=torch.bool, device=device)
-    hooks = [(c.name, vs) for c, vs in zip(components, steps[0]) if vs is not None]
     adam, at = _adam_at(local, components, steps[0])
     own = {c.name: {k: torch.stack([steps[i][j].tensors[k] for i in range(K)]) for k in vs.tensors}
            for j, (c, vs) in enumerate(zip(components, steps[0])) if vs is not None}
@@ -385,7 +400,7 @@ def train_together(
     loss_sum = torch.zeros(K, device=device, dtype=dtype)
     scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
 
-    batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope)
+    batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope, outputs if outputs[0] else ())
 
     finals: list[dict[str, torch.Tensor]] = [{}] * K  # by position in ``order``
     live = K  # clients still training: the first ``live`` of the stacks
@@ -433,7 +448,7 @@ def train_together(
                 store[k] = store[k].index_put((where,), v)  # deterministic on CUDA too
         loss_sum.index_add_(0, where, loss)
 
-    with functional_batch_norm(model) as norms:
+    with functional_batch_norm(model, outputs[0]) as norms:
         vsteps = {}
         for m in (False, True):
             objective, update = _step_functions(ctx0, hooks, adam, at, m)
