@@ -151,7 +151,7 @@ class DctDP(Component):
 
     def client_start(self, ctx: ClientContext) -> None:
         self._remove()
-        _, module = find_layer(ctx.model, self.p.layer)
+        name, module = find_layer(ctx.model, self.p.layer)
         dev = model_device(ctx.model)
         gen = torch.Generator(device=dev)
         gen.manual_seed(derive_seed(ctx.seed, "dct_dp", ctx.round, ctx.client_id))
@@ -166,7 +166,7 @@ class DctDP(Component):
             return dct_mechanism(output, p.c_max, p.tau, sigma, gen, p.low_from)
 
         self._handle, self._token = module.register_forward_hook(hook), token
-        ctx.scratch[self.name] = {"count": count, "gen": gen}
+        ctx.scratch[self.name] = {"count": count, "gen": gen, "layer": name}
 
     def _check_output(self, output: Any) -> None:
         """A one-line ``ConfigError`` unless the layer's output is a floating [N, ..., h, w] tensor."""
@@ -196,7 +196,7 @@ class DctDP(Component):
         def apply(output: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
             return dct_mechanism(output, p.c_max, p.tau, sigma, None, p.low_from, noise=noise)
 
-        return VectorStep(output_noise=OutputNoise(find_layer(ctx.model, p.layer)[0], draw, apply))
+        return VectorStep(output_noise=OutputNoise(s["layer"], draw, apply))
 
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
         count = ctx.scratch.get(self.name, {"count": [0]})["count"]

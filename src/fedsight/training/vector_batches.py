@@ -138,7 +138,7 @@ class StepBatches:
 
     def __init__(self, ctxs: Sequence[ClientContext], components: Sequence[Component], model: nn.Module,
                  device: torch.device, rng_states: Sequence[torch.Tensor] | None, pad: bool, scope: Any,
-                 outputs: Sequence[Sequence[OutputNoise]] = ()):
+                 outputs: Sequence[Sequence[OutputNoise]]):
         task, local = ctxs[0].task, ctxs[0].local
         self.ctxs, self.components, self.model, self.device = ctxs, components, model, device
         self.task, self.pad, self.scope = task, pad, scope
@@ -183,7 +183,7 @@ class StepBatches:
             sig = _signature(*tree_flatten(x), False)
             if sig not in self.probed:
                 self.probed[sig] = noise_calls(self.model, x, norms)
-            noise = draw_noise(self.probed[sig], self.device, self.outputs[i] if self.outputs else ())
+            noise = draw_noise(self.probed[sig], self.device, self.outputs[i])
         if rng is not None and (batch is not None or self.drops):
             rng[i] = torch.get_rng_state()
         if ctx.cost is not None:

@@ -400,7 +400,7 @@ def train_together(
     loss_sum = torch.zeros(K, device=device, dtype=dtype)
     scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
 
-    batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope, outputs if outputs[0] else ())
+    batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope, outputs)
 
     finals: list[dict[str, torch.Tensor]] = [{}] * K  # by position in ``order``
     live = K  # clients still training: the first ``live`` of the stacks
