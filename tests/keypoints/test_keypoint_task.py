@@ -18,6 +18,7 @@ from fedsight.plugins import load_builtin
 from fedsight.recipe.raf import RAF, RAFParams
 from fedsight.tasks.keypoints import KeypointParams, KeypointTask, assign_rungs, joints_mse
 from fedsight.training import ClientContext
+from helpers import close
 
 load_builtin()
 
@@ -244,3 +245,58 @@ def test_a_federated_raf_run_reports_every_resolution(tmp_path):
             assert np.isfinite(final[f"{split}/{m}"]), f"{split}/{m}"
     part = json.loads((tmp_path / "run" / "partition.json").read_text())
     assert part["client_rungs"] == [0, 1, 2] and part["client_sizes"] == LADDER
+
+
+# -- RAF in vectorised training ------------------------------------------------------------------------------------
+
+
+def _raf_rounds(tmp_path, vectorize, model, raf):
+    """Two rounds of five clients at three rungs (two at the top, two in the middle, one at the bottom), 1 to 3
+    steps of a batch of 4 over 6-7 crops each (short batches), RAF + FedProx, SGD with momentum."""
+    from fedsight.api import build_simulation
+
+    raw = raw_config(tmp_path, model=model, engine={"vectorize": vectorize})
+    raw["data"]["num_train"] = 32
+    raw["partition"]["num_clients"] = 5
+    raw["server"]["clients_per_round"] = 5
+    raw["train"] = {"steps": None, "epochs": None, "steps_range": [1, 3], "batch_size": 4, "lr": 0.01,
+                    "momentum": 0.9, "weight_decay": 0.01}
+    # (not local_adam: the key projection's bias gets no gradient through the softmax but rounding, which Adam
+    # scales up to steps of the rate, in either engine differently)
+    raw["recipe"]["components"] = [{"name": "raf", **raf}] if raf is not None else []
+    raw["recipe"]["components"].append({"name": "fedprox", "mu": 0.01})
+    sim = build_simulation(validate(raw))
+    assert sim.task.rungs == [0, 1, 2, 0, 1]
+    rows = [sim.run_round(r)[0] for r in (1, 2)]
+    return sim, rows
+
+
+@pytest.mark.parametrize("model, raf", [
+    (MODEL, {}),  # ViTPose: LayerNorm, attention, the paper's default RAF
+    # SimpleBaseline: every rung's forward updates the BatchNorm statistics, in order
+    ({"name": "simplebaseline", "depth": 18, "width": 4, "deconv_filters": 8}, {"mode": "code", "teacher": "native"}),
+    (dict(MODEL, norm="group"), {"kd_weights": "all", "upsample": "nearest", "alpha": 0.5}),
+], ids=["vitpose", "simplebaseline-code", "vitpose-groupnorm"])
+def test_raf_trains_vectorised_as_sequentially(tmp_path, model, raf, monkeypatch):
+    """RAF's extra forwards of the lower rungs (``VectorStep.forward_term``) under vmap: each client's weights,
+    BatchNorm statistics (every rung's forward updates them, in order), objective and FLOPs as its sequential
+    training leaves them, with short batches padded and masked."""
+    import fedsight.training.vectorized as V
+
+    calls = []
+    monkeypatch.setattr(V, "_vmapped_step", lambda *a, _f=V._vmapped_step: calls.append(a[-2]) or _f(*a))
+    seq, seq_rows = _raf_rounds(tmp_path / "s", False, model, raf)
+    assert not calls
+    vec, vec_rows = _raf_rounds(tmp_path / "v", True, model, raf)
+    assert vec.runtime.vectorizes(5) and True in calls and False in calls  # padded steps and full ones
+    a, b = seq.global_model.state_dict(), vec.global_model.state_dict()
+    for k in a:
+        if a[k].is_floating_point():
+            close(b[k], a[k], atol=2e-6, rtol=1e-4)
+        else:
+            assert torch.equal(a[k], b[k]), k  # BatchNorm's batch counts: one a forward
+    for ra, rb in zip(seq_rows, vec_rows):
+        assert ra["train/loss"] == pytest.approx(rb["train/loss"], rel=1e-5)
+        assert ra["cost/flops"] == rb["cost/flops"] > 0
+
+

@@ -134,6 +134,7 @@ class DctDP(Component):
     """Algorithm 1 on one layer's output during local training (see the module docstring)."""
 
     name = "dct_dp"
+    noises_a_layer = True
 
     def __init__(self, params: DctDPParams | None = None):
         self.p = params or DctDPParams()

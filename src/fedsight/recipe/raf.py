@@ -30,14 +30,16 @@ The extra forward and backward passes are charged to the client's FLOPs in propo
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
 from ..registry import COMPONENTS, Params
-from ..training import ClientContext, Component
+from ..training import ClientContext, Component, VectorStep
 
 __all__ = ["RAF", "RAFParams", "resize"]
 
@@ -68,37 +70,60 @@ class RAF(Component):
     """Adds RAF's multi-resolution self-distillation (eq. 5, or the authors' code) to the local objective."""
 
     name = "raf"
+    reruns_the_model = True
 
     def __init__(self, params: RAFParams | None = None):
         self.p = params or RAFParams()
 
     def loss_term(self, ctx: ClientContext, outputs: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        task = ctx.task
-        rungs = task.rungs_below(ctx.client_id)
-        if not rungs:
-            return None
+        each = self.term(ctx.task, ctx.model, ctx.inputs, outputs, targets)
+        if each is not None:
+            self.count(ctx, ctx.inputs.shape[0])
+        return None if each is None else each.mean()
+
+    def term(self, task: Any, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, outputs: torch.Tensor,
+             targets: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Each example's added term (B,) for a batch ``x`` of native crops (their rung read off their size; None at
+        the lowest rung), the model's ``outputs`` on them and their ``targets``; ``forward``: the model (the client's
+        own weights). One formula for sequential and vectorised training; the batch's term is the mean (eq. 5's
+        MSEs are means over examples, joints and pixels, and every example has as many)."""
         from ..tasks.keypoints import joints_mse
 
-        p, x = self.p, ctx.inputs
         native = tuple(x.shape[-2:])
+        rungs = task.sizes_below(native)
+        if not rungs:
+            return None
+        p = self.p
         code = p.mode == "code"
         up = "nearest" if code else p.upsample
         teacher = outputs.detach()
         weight = targets["weight"]
-        total = outputs.new_zeros(())
+        total = outputs.new_zeros(outputs.shape[0])
         for size in rungs:
-            y = ctx.model(resize(x, size, p.downsample))
+            y = forward(resize(x, size, p.downsample))
             if code or p.kd_weights == "target":
                 scale = torch.tensor([size[1] / native[1], size[0] / native[0]], device=x.device)
                 hm, w = task.heatmap_targets((targets["joints"] + 0.5) * scale - 0.5, weight, size)
             kd_w = w if p.kd_weights == "target" else torch.ones_like(weight)
-            kd = joints_mse(resize(y, tuple(teacher.shape[-2:]), up), teacher, kd_w)
-            total = total + (joints_mse(y, hm, w) + kd if code else p.alpha * kd)
+            kd = joints_mse(resize(y, tuple(teacher.shape[-2:]), up), teacher, kd_w, each=True)
+            total = total + (joints_mse(y, hm, w, each=True) + kd if code else p.alpha * kd)
             if p.teacher == "adjacent":
                 teacher = y.detach()
-            if ctx.cost is not None:
-                ctx.flops += ctx.cost.train_step(x.shape[0], "all") * (size[0] * size[1]) / (native[0] * native[1])
         return total
+
+    def count(self, ctx: ClientContext, n: int) -> None:
+        """The extra forwards' and backwards' FLOPs of a step of ``n`` native crops, in proportion to each rung's
+        pixels."""
+        if ctx.cost is None:
+            return
+        native = ctx.task.native_size(ctx.client_id)
+        for size in ctx.task.rungs_below(ctx.client_id):
+            ctx.flops += ctx.cost.train_step(n, "all") * (size[0] * size[1]) / (native[0] * native[1])
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        task = ctx.task
+        return VectorStep(forward_term=lambda own, params, forward, x, outputs, targets: self.term(
+            task, forward, x, outputs, targets), count=functools.partial(self.count, ctx))
 
 
 @COMPONENTS.register("raf", params=RAFParams, requires=frozenset({"resolution_ladder"}),

@@ -151,18 +151,21 @@ def assign_rungs(params: KeypointParams, num_clients: int, seed: int) -> list[in
     return [int(v) for v in np_rng(seed, "resolution").integers(0, r, num_clients)]
 
 
-def joints_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def joints_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, each: bool = False) -> torch.Tensor:
     """``JointsMSELoss(use_target_weight=True)`` of SimpleBaseline/ViTPose: ``0.5 * mean((w (p - t))^2)`` over
-    batch, joints and heatmap pixels (``weight`` [B, J])."""
+    batch, joints and heatmap pixels (``weight`` [B, J]); ``each``: each example's (B,), over its joints and pixels
+    (the batch's value is their mean: every example has as many)."""
     if pred.shape != target.shape:
         raise ValueError(f"heatmaps {tuple(pred.shape)} and targets {tuple(target.shape)} differ in shape")
     w = weight.to(pred.dtype)[..., None, None]
-    return 0.5 * ((pred - target) * w).pow(2).mean()
+    se = ((pred - target) * w).pow(2)
+    return 0.5 * (se.flatten(1).mean(1) if each else se.mean())
 
 
 class KeypointTask(ClientExamples, Task):
     name = "keypoints"
     provides = PROVIDES
+    loss_is_example_mean = True  # a heatmap MSE over the same number of joints and pixels for every crop
 
     @classmethod
     def spec(cls, params: KeypointParams | None = None) -> TaskSpec:
@@ -207,6 +210,14 @@ class KeypointTask(ClientExamples, Task):
     def rungs_below(self, client: int) -> list[Size]:
         """The ladder's sizes strictly below ``client``'s native rung, highest first (RAF's x^(1..N-1))."""
         return self.ladder[self.rungs[client] + 1:]
+
+    def sizes_below(self, size: Size) -> list[Size]:
+        """The ladder's sizes strictly below the rung of input size ``size`` (``rungs_below`` of a client whose
+        native size it is), highest first."""
+        size = tuple(size)
+        if size not in self.ladder:
+            raise ValueError(f"input size {size} is no rung of the ladder {self.ladder}")
+        return self.ladder[self.ladder.index(size) + 1:]
 
     def data_description(self) -> dict[str, Any]:
         names = list(self.splits.train.class_names)
@@ -290,6 +301,9 @@ class KeypointTask(ClientExamples, Task):
 
     def loss(self, outputs: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
         return joints_mse(outputs, targets["heatmaps"], targets["weight"])
+
+    def example_losses(self, outputs: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        return joints_mse(outputs, targets["heatmaps"], targets["weight"], each=True)
 
     # -- evaluation -------------------------------------------------------------------------------
 

@@ -80,7 +80,17 @@ class VectorStep:
 
     ``output_noise``: an ``OutputNoise`` where the component acts on a module's output inside the forward with
     random numbers (``dct_dp``, whose own hook the component removes: the trainer applies the mechanism). The
-    step then runs under vmap (the fused forward calls no module)."""
+    step then runs under vmap (the fused forward calls no module).
+
+    ``forward_term(own, params, forward, inputs, outputs, targets)``: a term that runs the client's model again
+    (RAF's forwards of lower-resolution copies of the batch): ``forward(x)`` is the model with the client's current
+    weights in training mode on inputs ``x`` of the batch's examples (its BatchNorm layers normalise with the real
+    examples' statistics and update their running statistics, as another forward of the model would); it returns
+    each example's value (B,), or None, and the trainer adds their mean over the batch's real examples. The step
+    then runs under vmap; a component with one declares ``Component.reruns_the_model`` (a model drawing dropout
+    noise is then trained one client at a time). ``count(n)``: called once per local step of this client with its
+    number of real examples, before the step's own FLOPs are counted: what the component's sequential hooks add to
+    ``ctx.flops`` in that step (the extra forwards)."""
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     loss_term: Callable[..., torch.Tensor | None] | None = None
@@ -88,6 +98,8 @@ class VectorStep:
     example_terms: tuple[tuple[Callable[[Any, Any], torch.Tensor], str], ...] = ()
     adam: Any = None
     output_noise: OutputNoise | None = None
+    forward_term: Callable[..., torch.Tensor | None] | None = None
+    count: Callable[[int], None] | None = None
 
 
 class Component:
@@ -108,6 +120,12 @@ class Component:
     #: refuses it before the run). A hook that noises a layer's output can hand its mechanism to the trainer instead
     #: (``VectorStep.output_noise``, as ``dct_dp`` does) and leave this False
     hooks_the_model: bool = False
+    #: whether the component's step term runs the model again on other inputs (``VectorStep.forward_term``: RAF).
+    #: Vectorised training draws a model's dropout noise before the step for one forward only, so with such a
+    #: component a model with dropout trains one client at a time
+    reruns_the_model: bool = False
+    #: whether the component noises a layer's output in every forward (``VectorStep.output_noise``: ``dct_dp``)
+    noises_a_layer: bool = False
 
     # -- client side ---------------------------------------------------------------------------
     def client_start(self, ctx: ClientContext) -> None:

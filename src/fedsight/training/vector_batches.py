@@ -134,11 +134,12 @@ class StepBatches:
     step (``groups``). ``rng_states[i]``: torch's global CPU generator as client i's sequential training finds it
     after ``client_start`` (None: draw from the global generator as it is); ``pad``: clients whose batches differ
     only in their size share a group (padded); ``scope``: the backward's scope, for the FLOP count; ``outputs[i]``:
-    client i's mechanisms on module outputs (``OutputNoise``, in the order ``output_with_noise`` indexes them)."""
+    client i's mechanisms on module outputs (``OutputNoise``, in the order ``output_with_noise`` indexes them);
+    ``counts[i]``: client i's components' ``VectorStep.count`` functions."""
 
     def __init__(self, ctxs: Sequence[ClientContext], components: Sequence[Component], model: nn.Module,
                  device: torch.device, rng_states: Sequence[torch.Tensor] | None, pad: bool, scope: Any,
-                 outputs: Sequence[Sequence[OutputNoise]]):
+                 outputs: Sequence[Sequence[OutputNoise]], counts: Sequence[Sequence[Any]] = ()):
         task, local = ctxs[0].task, ctxs[0].local
         self.ctxs, self.components, self.model, self.device = ctxs, components, model, device
         self.task, self.pad, self.scope = task, pad, scope
@@ -158,6 +159,7 @@ class StepBatches:
         self.drops = bool(dropout_modules(model))
         self.outputs = outputs  # each client's mechanisms on module outputs
         self.noisy = self.drops or any(outputs)
+        self.counts = counts or [()] * len(ctxs)  # each client's ``VectorStep.count`` functions
         self.probed: dict[tuple, list] = {}  # noise calls by batch signature
 
     def _client(self, i: int, s: int, norms: NormState, gathered: tuple[Any, int] | None = None
@@ -186,8 +188,11 @@ class StepBatches:
             noise = draw_noise(self.probed[sig], self.device, self.outputs[i])
         if rng is not None and (batch is not None or self.drops):
             rng[i] = torch.get_rng_state()
+        n = len(self.positions[i][s])
+        for count in self.counts[i]:  # (what the components' sequential hooks count during the step, first)
+            count(n)
         if ctx.cost is not None:
-            ctx.flops += ctx.cost.train_step(len(self.positions[i][s]), self.scope)
+            ctx.flops += ctx.cost.train_step(n, self.scope)
         return batch, noise
 
     def groups(self, s: int, live: int, norms: NormState) -> Iterator[tuple[list[int], list[int], Any, dict[int, Any]]]:

@@ -88,7 +88,13 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
     if trainer is not SGD_TRAINER:
         proc = getattr(trainer, 'name', type(trainer).__name__)
         out.append(f"the local procedure {proc!r} trains one client at a time")
+    drops = [type(m).__name__ for m in dropout_modules(model)]
+    noisy = [c.name for c in components if c.noises_a_layer]
     for c in components:
+        if c.reruns_the_model and (drops or noisy):
+            out.append(f"component {c.name!r} runs the model again within a step, and "
+                       + (f"the model draws dropout noise ({drops[0]})" if drops else f"{noisy[0]!r} noises a layer")
+                       + " (drawn before the step for one forward)")
         if c.hooks_the_model:
             out.append(f"component {c.name!r} acts inside the forward through a module hook, one client at a time")
             continue
@@ -170,7 +176,7 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     tau, momentum, wd = local.temperature, local.momentum, local.step_weight_decay
     example_loss = functools.partial(_one_example, task.loss)
 
-    def objective(params, own, out, y, mask):
+    def objective(params, own, out, y, mask, x=None, forward=None):
         scaled = tempered(out, tau)
         loss = masked_mean(example_loss, scaled, y, mask) if masked else task.loss(scaled, y)
         for name, vs in hooks:
@@ -178,6 +184,10 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
                 term = vs.loss_term(own[name], params, out, y)
                 if term is not None:
                     loss = loss + term
+            if vs.forward_term is not None:
+                each = vs.forward_term(own[name], params, forward, x, out, y)
+                if each is not None:
+                    loss = loss + ((each * mask).sum() / mask.sum() if masked else each.mean())
             for fn, reduction in vs.example_terms:
                 if not masked:
                     loss = loss + fn(out, y)
@@ -221,7 +231,7 @@ def _stacked_losses(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     (real) examples, what ``objective`` computes. None otherwise."""
     task, tau = ctx.task, ctx.local.temperature
     if not getattr(task, "loss_is_example_mean", False) or any(
-            vs.loss_term is not None or vs.example_terms for _, vs in hooks):
+            vs.loss_term is not None or vs.example_terms or vs.forward_term is not None for _, vs in hooks):
         return None
     owner = lambda name: next((c for c in type(task).__mro__ if name in vars(c)), None)  # noqa: E731
     by = owner("example_losses")
@@ -244,11 +254,18 @@ def _vmapped_step(model: nn.Module, objective, update, norms: NormState, masked:
 
     def loss_of(params, rest, own, x, y, mask, noise):
         norms.updates.clear()
-        norms.mask = mask if masked else None
         norms.noise, norms.noise_at = noise, 0
-        out = functional_call(model, {**params, **rest}, (x,))
-        norms.mask, norms.noise = None, ()
-        loss = objective(params, own, out, y, mask)
+
+        def forward(inputs):  # (a forward term's model: the BatchNorm statistics go on from the forwards before)
+            norms.mask = mask if masked else None
+            try:
+                return functional_call(model, {**params, **rest, **norms.updates}, (inputs,))
+            finally:
+                norms.mask = None
+
+        out = forward(x)
+        norms.noise = ()
+        loss = objective(params, own, out, y, mask, x, forward)
         return loss, (loss.detach(), dict(norms.updates))
 
     def step(params, rest, opt, own, x, y, mask, noise, lr, bias):
@@ -380,7 +397,8 @@ def train_together(
     hooks = [(c.name, vs) for c, vs in zip(components, steps[0]) if vs is not None]
     # each client's mechanisms on module outputs (the first client's apply serves all): the step runs under vmap
     outputs = [[vs.output_noise for vs in client if vs is not None and vs.output_noise is not None] for client in steps]
-    plan = None if outputs[0] else fused_plan(model)
+    # ... or where a component's term runs the model again (``VectorStep.forward_term``)
+    plan = None if outputs[0] or any(vs.forward_term is not None for _, vs in hooks) else fused_plan(model)
     P = {k: starts[k] for k in trainable}
     rest = {k: v if k in per_client else v[0] for k, v in starts.items() if k not in P}
     rest_dims = {k: 0 if k in per_client else None for k in rest}
@@ -400,7 +418,8 @@ def train_together(
     loss_sum = torch.zeros(K, device=device, dtype=dtype)
     scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
 
-    batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope, outputs)
+    counts = [[vs.count for vs in client if vs is not None and vs.count is not None] for client in steps]
+    batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope, outputs, counts)
 
     finals: list[dict[str, torch.Tensor]] = [{}] * K  # by position in ``order``
     live = K  # clients still training: the first ``live`` of the stacks
