@@ -276,7 +276,9 @@ def _raf_rounds(tmp_path, vectorize, model, raf):
     # SimpleBaseline: every rung's forward updates the BatchNorm statistics, in order
     ({"name": "simplebaseline", "depth": 18, "width": 4, "deconv_filters": 8}, {"mode": "code", "teacher": "native"}),
     (dict(MODEL, norm="group"), {"kd_weights": "all", "upsample": "nearest", "alpha": 0.5}),
-], ids=["vitpose", "simplebaseline-code", "vitpose-groupnorm"])
+    # stochastic depth (without RAF, which runs the model again: refused below): each client's masks from its stream
+    (dict(MODEL, depth=3, drop_path=0.5), None),
+], ids=["vitpose", "simplebaseline-code", "vitpose-groupnorm", "vitpose-drop-path-no-raf"])
 def test_raf_trains_vectorised_as_sequentially(tmp_path, model, raf, monkeypatch):
     """RAF's extra forwards of the lower rungs (``VectorStep.forward_term``) under vmap: each client's weights,
     BatchNorm statistics (every rung's forward updates them, in order), objective and FLOPs as its sequential
@@ -300,3 +302,15 @@ def test_raf_trains_vectorised_as_sequentially(tmp_path, model, raf, monkeypatch
         assert ra["cost/flops"] == rb["cost/flops"] > 0
 
 
+
+def test_raf_with_a_model_drawing_dropout_noise_is_not_vectorised(tmp_path):
+    """Vectorised training draws a client's dropout (stochastic depth) masks before the step for one forward; RAF's
+    forwards of the lower rungs would draw more: ``true`` refuses the pair before the run, naming both."""
+    from fedsight.api import build_simulation
+    from fedsight.config import ConfigError
+
+    raw = raw_config(tmp_path, model=dict(MODEL, depth=2, drop_path=0.2), engine={"vectorize": True})
+    with pytest.raises(ConfigError, match="component 'raf' runs the model again .* dropout noise \\(DropPath\\)"):
+        build_simulation(validate(raw))
+    raw["recipe"]["components"] = [{"name": "local_adam"}]
+    assert build_simulation(validate(raw)).runtime.vectorizes(3)

@@ -367,7 +367,11 @@ class GlobalPosEmbed(nn.Module):
 
 
 class DropPath(nn.Module):
-    """Stochastic depth (per sample): zero the residual branch with probability p, scale survivors by 1/(1-p)."""
+    """Stochastic depth (per sample): zero the residual branch with probability p, scale survivors by 1/(1-p).
+    Vectorised training draws each client's masks as this forward does (``drops_examples``:
+    ``fedsight.training.vector_batches.dropout_modules``)."""
+
+    drops_examples = True
 
     def __init__(self, p: float):
         super().__init__()
@@ -377,8 +381,7 @@ class DropPath(nn.Module):
         if self.p == 0.0 or not self.training:
             return x
         keep = 1.0 - self.p
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-        return x * mask / keep
+        return x * x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep).div_(keep)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

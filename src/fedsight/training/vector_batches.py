@@ -54,11 +54,12 @@ class NormState:
         return self.noise[self.noise_at - 1]
 
 
-def dropout_with_noise(m: nn.Dropout, state: NormState, x: torch.Tensor) -> torch.Tensor:
-    """``m``'s forward with the noise drawn beforehand (``draw_noise``): ``x * noise``, as torch's dropout."""
+def dropout_with_noise(m: nn.Module, state: NormState, x: torch.Tensor) -> torch.Tensor:
+    """``m``'s forward with the noise drawn beforehand (``draw_noise``): ``x * noise``, as torch's dropout (or a
+    layer dropping whole examples, ``dropout_modules``: its mask over the first dimension)."""
     if not m.training or m.p == 0:
         return x
-    noise = state.next_noise("dropout", x, m.p)
+    noise = state.next_noise("examples" if getattr(m, "drops_examples", False) else "dropout", x, m.p)
     return x if noise is None else x * noise
 
 
@@ -79,7 +80,7 @@ def draw_noise(calls: Sequence[tuple[str, tuple[int, ...], torch.dtype, Any]], d
     of the global CPU generator: a deterministic function of (seed, round, client), without building masks on the
     CPU and copying them over. A module output's: ``outputs[index].draw`` (the client's own generator)."""
     gen = None
-    if device.type != "cpu" and any(kind == "dropout" for kind, *_ in calls):
+    if device.type != "cpu" and any(kind != "output" for kind, *_ in calls):
         gen = torch.Generator(device=device)
         gen.manual_seed(int(torch.randint(2**62, (1,))))
     out = []
@@ -87,14 +88,18 @@ def draw_noise(calls: Sequence[tuple[str, tuple[int, ...], torch.dtype, Any]], d
         if kind == "output":
             out.append(outputs[arg].draw(shape, dtype))
             continue
+        if kind == "examples":  # (a mask per example, broadcast over the rest)
+            shape = (shape[0], *(1,) * (len(shape) - 1))
         noise = torch.empty(shape, dtype=dtype, device=device)
         out.append(noise.zero_() if arg == 1 else noise.bernoulli_(1 - arg, generator=gen).div_(1 - arg))
     return out
 
 
-def dropout_modules(model: nn.Module) -> list[nn.Dropout]:
-    """The model's ``nn.Dropout`` layers that draw noise (p > 0)."""
-    return [m for m in model.modules() if type(m) is nn.Dropout and m.p > 0]
+def dropout_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's layers that draw dropout noise (p > 0): ``nn.Dropout``, and layers that declare
+    ``drops_examples`` (stochastic depth, ``fedsight.models.pose.DropPath``: ``x * mask`` with a mask over the first
+    dimension, drawn as ``x.new_empty((N, 1, ...)).bernoulli_(1 - p).div_(1 - p)``)."""
+    return [m for m in model.modules() if (type(m) is nn.Dropout or getattr(m, "drops_examples", False)) and m.p > 0]
 
 
 @torch.no_grad()
