@@ -26,6 +26,8 @@ upsampled by nearest neighbour, and ``alpha`` unused (the code reads ``KD_ALPHA`
 added here is ``sum_{i>=1} (L_gt^(i) + L_kd^(i))``, the sum over rungs the code accumulates.
 
 The extra forward and backward passes are charged to the client's FLOPs in proportion to each rung's pixels.
+The term is one per-example formula (``RAF.term``) for sequential training and for vectorised training, where the
+lower rungs' forwards of all the clients at one rung run in the step's one call (``VectorStep.forward_term``).
 """
 
 from __future__ import annotations
