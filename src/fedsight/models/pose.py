@@ -85,7 +85,7 @@ heatmap post-processing are data / evaluation choices and are not part of the mo
 (ViTPose-S on MPII is ``patch=16, dim=384, depth=12, heads=12, drop_path=0.3, deconv_filters=256``; the defaults
 are ``patch=16, dim=96, depth=4, heads=3, drop_path=0, deconv_filters=64``); (6) attention is computed by
 ``torch.nn.functional.scaled_dot_product_attention`` (the same softmax(q k^T / sqrt(d)) v; no attention dropout,
-as ViTPose's configs).
+as ViTPose's configs), under vmap (vectorised training) by matrix products (``attention``).
 """
 
 from __future__ import annotations
@@ -366,6 +366,14 @@ class GlobalPosEmbed(nn.Module):
         return self.conv(pos.to(self.conv.weight.dtype)[None])
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v by matrix products, what ``F.scaled_dot_product_attention`` computes. Under
+    ``torch.func.vmap`` (clients trained together, ``fedsight.training.vectorized``) this runs as batched matrix
+    products for all the clients, where torch's fused attention kernels without a batching rule (the CPU's, and the
+    backwards) would run client by client."""
+    return torch.softmax((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1), dim=-1) @ v
+
+
 class DropPath(nn.Module):
     """Stochastic depth (per sample): zero the residual branch with probability p, scale survivors by 1/(1-p).
     Vectorised training draws each client's masks as this forward does (``drops_examples``:
@@ -411,7 +419,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v)
+        if torch._C._functorch.is_functorch_wrapped_tensor(q):  # (vmapped clients: see ``attention``)
+            out = attention(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v)
         if self.lpe is not None:
             out = out + self.local_pos_embed(v, hw)
         return self.proj(out.transpose(1, 2).reshape(b, n, d))
