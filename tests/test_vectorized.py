@@ -43,6 +43,8 @@ CASES = {
     "watermark_frozen": {"train.freeze": ["backbone"], "model.norm": "batch", "recipe.sharing": "fedbn",
                          "recipe.components": [{"name": "watermark", "p": 0.2, "min_carriers": 50, "beta": 0.05,
                                                 "lam": 200.0, "verify_from": 3}]},
+    # OLL: each client's logits of the classes it does not hold masked (its own mask), those rows restored after
+    "oll": {"recipe.components": ["oll"], "model.norm": "batch", "train.momentum": 0.9, "train.weight_decay": 1e-3},
     "dropout": {"model.dropout": 0.5, "model.norm": "batch"},  # each client's masks from its own stream
     # ... on short last batches too (the noise of a client's real examples only, as its sequential training draws)
     "dropout_epochs": {"model.dropout": 0.5, "model.norm": "batch", "train.steps_range": None, "train.epochs": 1},
@@ -101,7 +103,7 @@ def _run(vectorize, _grouped=False, _flipped=False, _smoothed=False, **over):
 # the small CNN trains with the fused forward (``fedsight.training.fused``); these cases also under vmap(grad(...)),
 # which every model without a fused plan uses
 VMAP_CASES = ["fedavg", "adamw_scaffold", "local_adam_scaffold", "dropout", "silobn", "frozen_head", "grouped_epochs",
-              "dropout_epochs", "watermark_frozen"]
+              "dropout_epochs", "watermark_frozen", "oll"]
 
 
 @pytest.mark.parametrize("case, forward", [(c, "fused") for c in sorted(CASES)] + [(c, "vmap") for c in VMAP_CASES])

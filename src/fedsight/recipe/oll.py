@@ -27,7 +27,7 @@ from torch import nn
 
 from ..registry import COMPONENTS, NoParams
 from ..device import model_device
-from ..training import ClientContext, Component, EvalContext
+from ..training import ClientContext, Component, EvalContext, VectorStep
 from .fed3r import head_linear
 
 
@@ -61,6 +61,11 @@ class OLL(Component):
 
     def outputs(self, ctx: ClientContext, outputs: torch.Tensor) -> torch.Tensor:
         return mask_logits(outputs, ctx.scratch[self.name][0])
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        """The same mask, each client's own (``client_end`` restores the masked rows per client, as sequentially)."""
+        return VectorStep(tensors={"keep": ctx.scratch[self.name][0]},
+                          outputs=lambda own, outputs: mask_logits(outputs, own["keep"]))
 
     @torch.no_grad()
     def client_end(self, ctx: ClientContext, result) -> None:

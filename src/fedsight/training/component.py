@@ -82,6 +82,9 @@ class VectorStep:
     random numbers (``dct_dp``, whose own hook the component removes: the trainer applies the mechanism). The
     step then runs under vmap (the fused forward calls no module).
 
+    ``outputs(own, outputs)``: the model's outputs as ``Component.outputs`` transforms them (OLL's mask of the
+    classes a client does not hold), before the task loss and the other terms, in the components' order.
+
     ``forward_term(own, params, forward, inputs, outputs, targets)``: a term that runs the client's model again
     (RAF's forwards of lower-resolution copies of the batch): ``forward(x)`` is the model with the client's current
     weights in training mode on inputs ``x`` of the batch's examples (its BatchNorm layers normalise with the real
@@ -99,6 +102,7 @@ class VectorStep:
     adam: Any = None
     output_noise: OutputNoise | None = None
     forward_term: Callable[..., torch.Tensor | None] | None = None
+    outputs: Callable[[Any, Any], Any] | None = None
     count: Callable[[int], None] | None = None
 
 

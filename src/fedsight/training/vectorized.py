@@ -177,6 +177,9 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     example_loss = functools.partial(_one_example, task.loss)
 
     def objective(params, own, out, y, mask, x=None, forward=None):
+        for name, vs in hooks:
+            if vs.outputs is not None:
+                out = vs.outputs(own[name], out)
         scaled = tempered(out, tau)
         loss = masked_mean(example_loss, scaled, y, mask) if masked else task.loss(scaled, y)
         for name, vs in hooks:
@@ -231,7 +234,8 @@ def _stacked_losses(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     (real) examples, what ``objective`` computes. None otherwise."""
     task, tau = ctx.task, ctx.local.temperature
     if not getattr(task, "loss_is_example_mean", False) or any(
-            vs.loss_term is not None or vs.example_terms or vs.forward_term is not None for _, vs in hooks):
+            vs.loss_term is not None or vs.example_terms or vs.forward_term is not None or vs.outputs is not None
+            for _, vs in hooks):
         return None
     owner = lambda name: next((c for c in type(task).__mro__ if name in vars(c)), None)  # noqa: E731
     by = owner("example_losses")
