@@ -253,11 +253,14 @@ class ClientRuntime:
             if same_start:  # one copy of the start state, every client's row a view of it (stride 0)
                 stacks = {k: v.detach().clone().expand(len(started), *v.shape) for k, v in self._wstate.items()}
             ctxs, states, steps, rngs = zip(*started)
+            # the uploads' deltas computed as the clients leave the stacks, unless the work model must hold each
+            # client's trained weights, or a component moved a client's reference values (cluster aggregation: the
+            # upload is relative to the cluster's entries), from which make_result then takes each client's delta
+            rebased = any(ctx.global_params[k].data_ptr() != gstate[k].data_ptr() for ctx in ctxs for k in subtract)
+            deltas = None if model_read or rebased else subtract
             try:
-                # the uploads' deltas computed as the clients leave the stacks, unless the work model must hold
-                # each client's trained weights
                 trained = train_together(ctxs, {k: v[:len(ctxs)] for k, v in stacks.items()}, components, steps,
-                                         rngs, subtract=None if model_read else subtract)
+                                         rngs, subtract=deltas)
             except OUT_OF_MEMORY:
                 if len(ctxs) == 1:
                     raise
@@ -280,10 +283,10 @@ class ClientRuntime:
                             self._wstate[k].copy_(v)
                     yield ctx.client_id, make_result(ctx, components, loss, ctx.num_steps), state
                     continue
-                res = make_result(ctx, components, loss, ctx.num_steps, final, {k: final[k] for k in subtract})
+                res = make_result(ctx, components, loss, ctx.num_steps, final, {k: final[k] for k in deltas or {}})
                 # the upload holds the deltas and (copies of) the buffers train_together proved finite: keep need
                 # not read them again
-                if finite and not res.extras and set(res.delta) <= subtracted:
+                if finite and deltas and not res.extras and set(res.delta) <= subtracted:
                     self._sealed[ctx.client_id] = FiniteSeal.of(res)
                 yield ctx.client_id, res, state
 
