@@ -270,9 +270,12 @@ def test_frozen_models_normalise_with_running_or_batch_statistics() -> None:
 
 
 @pytest.mark.parametrize("components, over", [
+    (LADD, {}),  # the SWA teacher of each client's cluster, distillation to theta^0 (soft-target CE), cluster heads
+    ([{"name": "self_training", "teacher": "model", "fraction": 0.0, "kd_lambda": 0.5, "kd_form": "kl",
+       "entropy_lambda": 0.1, "reduction": "kept"}], {}),
     # cluster heads alone, on labels: each client's upload is relative to its cluster's head, not the global one
     ([{"name": "cluster_aggregation", "part": "head"}], {"task.labels": "train"}),
-], ids=["cluster-heads-supervised"])
+], ids=["ladd", "own-model-kl-entropy", "cluster-heads-supervised"])
 def test_the_adaptation_stage_trains_vectorised_as_sequentially(monkeypatch, components, over) -> None:
     """Self-training under vectorised training: the frozen teacher and theta^0 run per client before the step
     (``VectorStep.prepare``), the pseudo-label loss inside it; two adaptation rounds give each cluster's model, teacher
@@ -304,3 +307,12 @@ def test_the_adaptation_stage_trains_vectorised_as_sequentially(monkeypatch, com
     for k in fa:
         np.testing.assert_allclose(fb[k].double().numpy(), fa[k].double().numpy(), atol=2e-5, rtol=1e-4, err_msg=k)
 
+
+def test_pseudo_labels_from_the_student_by_rank_are_not_vectorised() -> None:
+    """teacher = "model" with 0 < fraction < 1 ranks the student's own pixels inside the step: ``true`` refuses it,
+    naming the setting."""
+    from fedsight.config import ConfigError
+
+    cfg = config([adapt(1, {"name": "self_training", "teacher": "model"})], **{"engine.vectorize": True})
+    with pytest.raises(ConfigError, match="self_training.*teacher = 'model' with 0 < fraction < 1"):
+        build_simulation(cfg)

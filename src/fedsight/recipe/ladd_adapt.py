@@ -29,7 +29,7 @@ from ..functional.self_training import (
 from ..models.base import swap_entries
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
-from ..training import ClientContext, Component, EvalContext, ServerContext
+from ..training import ClientContext, Component, EvalContext, ServerContext, VectorStep
 from ..tasks.segmentation import main_output, upsample
 from .ladd import CENTROIDS, GROUPS, HALF, THETA0, _entries, cluster_prefix
 
@@ -157,23 +157,53 @@ class SelfTraining(Component):
         ctx.scratch[self.name] = scratch
 
     def loss_term(self, ctx: ClientContext, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        p, scratch, x = self.params, ctx.scratch[self.name], ctx.inputs
-        size = targets.shape[-2:]
-        student = upsample(main_output(outputs), size)
+        return self.term(outputs, targets, self.prepare(ctx.scratch[self.name], ctx.inputs, targets))
+
+    def prepare(self, scratch: dict[str, Any], x: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the term needs of a batch ``x`` (label maps ``targets``, whose size the logits are upsampled to)
+        from the frozen models: the SWA teacher's pseudo-labels (``"labels"``; none when they come from the student
+        itself) and theta^0's upsampled logits (``"ref"``, with ``kd_lambda`` > 0)."""
+        p, size = self.params, targets.shape[-2:]
+        out = {}
         with torch.no_grad():
-            source = student if "teacher" not in scratch else upsample(main_output(scratch["teacher"](x)), size)
-            labels = pseudo_labels(source.detach(), p.threshold, p.fraction)
+            if "teacher" in scratch:
+                source = upsample(main_output(scratch["teacher"](x)), size)
+                out["labels"] = pseudo_labels(source, p.threshold, p.fraction)
+            if p.kd_lambda > 0:
+                out["ref"] = upsample(main_output(scratch["theta0"](x)), size)
+        return out
+
+    def term(self, outputs: Any, targets: torch.Tensor, prepared: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The self-training loss of the student's ``outputs`` on a batch with label maps ``targets`` (their size),
+        given ``prepare``'s values: one formula for sequential and vectorised training."""
+        p = self.params
+        student = upsample(main_output(outputs), targets.shape[-2:])
+        labels = prepared.get("labels")
+        if labels is None:  # pseudo-labels from the student's own prediction
+            labels = pseudo_labels(student.detach(), p.threshold, p.fraction)
         loss = pseudo_label_ce(student, labels, p.reduction)
         if p.entropy_lambda > 0:
             loss = loss + p.entropy_lambda * (normalized_entropy4(student) if p.entropy == "normalized4"
                                               else entropy(student))
         if p.kd_lambda > 0:
-            with torch.no_grad():
-                ref = upsample(main_output(scratch["theta0"](x)), size)
+            ref = prepared["ref"]
             kd = (soft_target_ce(student, ref, p.kd_alpha, labels != IGNORE) if p.kd_form == "soft_ce"
                   else kl_divergence(student, ref))
             loss = loss + p.kd_lambda * kd
         return loss
+
+    def vector_blocker(self) -> str | None:
+        p = self.params
+        if p.teacher == "model" and 0.0 < p.fraction < 1.0:
+            return ("teacher = 'model' with 0 < fraction < 1 draws its pseudo-labels from the student inside the step "
+                    "by a per-class ranking that vmap cannot run")
+        return None
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        """The frozen models run per client before the step (``VectorStep.prepare``), the loss in it."""
+        scratch = ctx.scratch[self.name]
+        return VectorStep(loss_term=lambda own, params, outputs, targets: self.term(outputs, *targets),
+                          prepare=lambda x, targets: self.prepare(scratch, x, targets))
 
     # -- state --------------------------------------------------------------------------------------
 

@@ -82,6 +82,12 @@ class VectorStep:
     random numbers (``dct_dp``, whose own hook the component removes: the trainer applies the mechanism). The
     step then runs under vmap (the fused forward calls no module).
 
+    ``prepare(inputs, targets)``: what the component's ``loss_term`` needs of the client's batch that the weights in
+    training do not change (a frozen teacher's pseudo-labels and logits: LADD's self-training), computed on the
+    client's real batch before the step, outside the vectorised call and without gradient, drawing no random
+    numbers: a tensor or a tuple of tensors whose first dimension is the batch's examples. The component's
+    ``loss_term`` then gets ``(targets, prepared)`` as its targets.
+
     ``outputs(own, outputs)``: the model's outputs as ``Component.outputs`` transforms them (OLL's mask of the
     classes a client does not hold), before the task loss and the other terms, in the components' order.
 
@@ -103,6 +109,7 @@ class VectorStep:
     output_noise: OutputNoise | None = None
     forward_term: Callable[..., torch.Tensor | None] | None = None
     outputs: Callable[[Any, Any], Any] | None = None
+    prepare: Callable[[Any, Any], Any] | None = None
     count: Callable[[int], None] | None = None
 
 
@@ -163,6 +170,11 @@ class Component:
 
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
         """Transform the upload or attach named extra tensors to ``result.extras``."""
+
+    def vector_blocker(self) -> str | None:
+        """Why this component, as configured, cannot train clients together although it has a ``vector_step`` (a
+        setting whose step is not a function vmap can run), or None."""
+        return None
 
     def vector_step(self, ctx: ClientContext) -> VectorStep | None:
         """This client's ``loss_term`` / ``after_backward`` as a ``VectorStep`` (called after ``client_start``), for

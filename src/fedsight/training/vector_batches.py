@@ -140,17 +140,20 @@ class StepBatches:
     after ``client_start`` (None: draw from the global generator as it is); ``pad``: clients whose batches differ
     only in their size share a group (padded); ``scope``: the backward's scope, for the FLOP count; ``outputs[i]``:
     client i's mechanisms on module outputs (``OutputNoise``, in the order ``output_with_noise`` indexes them);
-    ``counts[i]``: client i's components' ``VectorStep.count`` functions."""
+    ``counts[i]``: client i's components' ``VectorStep.count`` functions; ``prepares[i]``: their ``VectorStep.prepare``
+    functions, whose values go with the targets of each of client i's batches (``(targets, (prepared, ...))``)."""
 
     def __init__(self, ctxs: Sequence[ClientContext], components: Sequence[Component], model: nn.Module,
                  device: torch.device, rng_states: Sequence[torch.Tensor] | None, pad: bool, scope: Any,
-                 outputs: Sequence[Sequence[OutputNoise]], counts: Sequence[Sequence[Any]] = ()):
+                 outputs: Sequence[Sequence[OutputNoise]], counts: Sequence[Sequence[Any]] = (),
+                 prepares: Sequence[Sequence[Any]] = ()):
         task, local = ctxs[0].task, ctxs[0].local
         self.ctxs, self.components, self.model, self.device = ctxs, components, model, device
         self.task, self.pad, self.scope = task, pad, scope
         # a task serving batches from tensors in memory gives a step's batches in one gather when no component
         # transforms them: nothing then draws from the clients' random states but their dropout noise
-        self.gather = task.stacks_train_batches() and all(
+        self.prepares = prepares if any(prepares) else None  # each client's ``VectorStep.prepare`` functions
+        self.gather = task.stacks_train_batches() and self.prepares is None and all(
             type(c).transform_batch is Component.transform_batch for c in components)
         self.positions: list[list[Any]] = []
         self.iters: list[Iterator[Any]] = []
@@ -181,6 +184,9 @@ class StepBatches:
             x, y = to_device(next(self.iters[i]), self.device)
             for c in self.components:
                 x, y = c.transform_batch(ctx, x, y)
+            if self.prepares is not None:  # (a frozen teacher's pseudo-labels: the batch's targets go with them)
+                with torch.no_grad():
+                    y = (y, tuple(prepare(x, y) for prepare in self.prepares[i]))
             batch = (x, y)
         noise = []
         if self.noisy:

@@ -101,6 +101,8 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
         overrides = [h for h in STEP_HOOKS if getattr(type(c), h) is not getattr(Component, h)]
         if overrides and type(c).vector_step is Component.vector_step:
             out.append(f"component {c.name!r} changes the local step ({', '.join(overrides)}) and has no vector_step")
+        elif (why := c.vector_blocker()) is not None:
+            out.append(f"component {c.name!r}: {why}")
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and type(m) is not nn.Dropout:
             out.append(f"the model draws random numbers in training ({name or 'model'}: {type(m).__name__} "
@@ -175,8 +177,13 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     task, local = ctx.task, ctx.local
     tau, momentum, wd = local.temperature, local.momentum, local.step_weight_decay
     example_loss = functools.partial(_one_example, task.loss)
+    prepared = [name for name, vs in hooks if vs.prepare is not None]  # (their order in the batch: StepBatches)
 
     def objective(params, own, out, y, mask, x=None, forward=None):
+        extra = {}
+        if prepared:  # the batch's targets and what the components prepared of it
+            y, values = y
+            extra = dict(zip(prepared, values))
         for name, vs in hooks:
             if vs.outputs is not None:
                 out = vs.outputs(own[name], out)
@@ -184,7 +191,7 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
         loss = masked_mean(example_loss, scaled, y, mask) if masked else task.loss(scaled, y)
         for name, vs in hooks:
             if vs.loss_term is not None:
-                term = vs.loss_term(own[name], params, out, y)
+                term = vs.loss_term(own[name], params, out, (y, extra[name]) if name in extra else y)
                 if term is not None:
                     loss = loss + term
             if vs.forward_term is not None:
@@ -423,7 +430,8 @@ def train_together(
     scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
 
     counts = [[vs.count for vs in client if vs is not None and vs.count is not None] for client in steps]
-    batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope, outputs, counts)
+    prepares = [[vs.prepare for vs in client if vs is not None and vs.prepare is not None] for client in steps]
+    batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope, outputs, counts, prepares)
 
     finals: list[dict[str, torch.Tensor]] = [{}] * K  # by position in ``order``
     live = K  # clients still training: the first ``live`` of the stacks
