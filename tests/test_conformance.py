@@ -136,7 +136,8 @@ KEYPOINTS: dict[str, Any] = {
     "task": {"name": "keypoints", "ladder": [[32, 24], [16, 12]], "eval_sizes": [[32, 24]], "flip_test": False},
     "data": {"name": "builtin_pose", "num_train": 12, "num_test": 2, "image_size": [64, 48]},
     "partition": {"name": "iid", "num_clients": 6, "local_test_fraction": 0.0},
-    "model": {"name": "vitpose", "patch": 4, "dim": 8, "depth": 1, "heads": 1, "deconv_filters": 4},
+    # (two blocks: the second with stochastic depth, which draws random numbers in training)
+    "model": {"name": "vitpose", "patch": 4, "dim": 8, "depth": 2, "heads": 1, "deconv_filters": 4, "drop_path": 0.3},
     "train": {"steps": 1, "batch_size": 2, "lr": 0.05}, "server": {"rounds": 1, "clients_per_round": 5},
     "engine": {"threads": 1},
 }
@@ -170,9 +171,10 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "watermark": {"recipe.components": [{"name": "watermark", "p": 0.5, "min_carriers": 100}]},
 }
 
-#: LADD's parts run after a styles stage (the clusters) on a task with a labelled source set
+#: LADD's parts run after a styles stage (the clusters) on a task with a labelled source set, two rounds (in the
+#: second, the clusters' entries differ from the global ones)
 STYLES_FIRST = {"stages": [{"name": "styles", "rounds": 1, "recipe": {"components": ["client_styles"]}},
-                           {"name": "part", "rounds": 1}], "server.rounds": 2,
+                           {"name": "part", "rounds": 2}], "server.rounds": 3,
                 "task.source": {"name": "street", "towns": ["downtown"], "conditions": ["clear-day"],
                                 "cameras": ["car"], "per_domain": 4, "height": 32, "width": 48, "setting": "none"}}
 STAGED = {"source_pretrain": STYLES_FIRST, "self_training": STYLES_FIRST, "cluster_aggregation": STYLES_FIRST}
@@ -218,6 +220,52 @@ def test_every_part_runs_a_round_or_is_refused_at_config_time(task, slot, name):
     assert not [e for e in events if e["event"] in ("rejected_update", "round_skipped")], events
     primary = "test/" + sim.task.primary_metric
     assert math.isfinite(row[primary]) and row["clients/aggregated"] == AGGREGATED.get(name, 5)
+
+
+TRAINING_CASES = [c for c in CASES if c[1] in ("component", "sharing", "aggregator")]
+
+
+@pytest.mark.parametrize("task,slot,name", TRAINING_CASES, ids=[f"{t}-{s}-{n}" for t, s, n in TRAINING_CASES])
+def test_every_part_trains_vectorised_as_sequentially_or_says_why(task, slot, name, monkeypatch):
+    """Each part that shapes local training or reads the uploads, on every task, with the round's clients trained
+    together (``engine.vectorize = "auto"``, forced on this CPU): the global model, the run's facts and every
+    client's kept state are what sequential training leaves, or the stage says why it trained one client at a time
+    (a local procedure of its own, a component without a vectorised step)."""
+    import fedsight.api as A
+
+    try:
+        cfg = validate(part_config(task, slot, name))
+    except ConfigError:
+        return  # (refused at config time: the test above)
+    seq = build_simulation(cfg)
+    monkeypatch.setattr(A, "vectorize_mode", lambda setting, device: "auto")
+    vec = build_simulation(cfg)
+    monkeypatch.undo()
+    seq.run()
+    vec.run()
+    if vec.runtime.sequential_reasons:
+        assert any(f"'{name}'" in r for r in vec.runtime.sequential_reasons), vec.runtime.sequential_reasons
+        return
+    assert vec.runtime.vectorizes(5)
+    # (Adam divides by the root of its second moment: a parameter the loss does not reach, a convolution's bias
+    # before BatchNorm, gets steps of the rate from gradients of rounding noise, in either engine differently)
+    atol = cfg.train.lr if name == "local_adam" else 2e-4
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str, scale: float = 1.0) -> None:
+        assert a.keys() == b.keys(), what
+        for k in a:
+            if a[k].is_floating_point():
+                torch.testing.assert_close(b[k], a[k], atol=atol * scale, rtol=1e-3, msg=lambda m: f"{what} {k}: {m}")
+            else:
+                assert torch.equal(a[k], b[k]), f"{what} {k}"
+
+    same(seq.global_model.state_dict(), vec.global_model.state_dict(), "global model")
+    same(dict(seq.server.facts), dict(vec.server.facts), "fact")
+    assert seq.store.keys() == vec.store.keys()
+    for key in seq.store.keys():
+        assert seq.store.clients(key) == vec.store.clients(key), key
+        for c in seq.store.clients(key):  # (SCAFFOLD's c_i divides a model difference by K lr: K = 1 step here)
+            same(seq.store.get(key, c), vec.store.get(key, c), f"client {c}'s {key}", 1 / cfg.train.lr)
 
 
 #: pairs that must be refused: the capability machinery's reason to exist

@@ -82,6 +82,10 @@ class ClientStateStore:
     def clients(self, key: str) -> list[int]:
         return sorted(self._index.get(key, {}))
 
+    def keys(self) -> list[str]:
+        """The kinds of state held (``PERSONAL``, components' names), for any client."""
+        return sorted(self._index)
+
     def commit(self) -> None:
         """Delete versions superseded since the last commit (call after a checkpoint is written)."""
         for p in self._superseded:
