@@ -45,9 +45,11 @@ without ``.grad``.
 
 What cannot be vectorised (``blockers``) trains sequentially: a trainer other than the SGD loop's (Ditto's,
 Fed3R's statistics pass, ...), a component that changes the step without a ``VectorStep`` or through a module hook
-(``Component.hooks_the_model``; ``dct_dp`` hands its mechanism over instead: ``VectorStep.output_noise``), a model
-that draws random numbers in training other than through ``nn.Dropout`` (``Dropout2d``, ...), a norm layer with
-running statistics other than BatchNorm.
+(``Component.hooks_the_model``; ``dct_dp`` hands its mechanism over instead: ``VectorStep.output_noise``) or that
+says why it cannot as configured (``Component.vector_blocker``), a component that runs the model again within the
+step (``Component.reruns_the_model``: RAF) with a model drawing dropout noise or a noised layer, a model that draws
+random numbers in training other than through ``nn.Dropout`` or stochastic depth (``Dropout2d``, ...), a norm layer
+with running statistics other than BatchNorm.
 """
 
 from __future__ import annotations
@@ -169,8 +171,11 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     rate, or the stacked clients' rates (k,) when ``update`` runs on stacks without vmap).
     ``hooks``: each stepping component's name and first client's ``VectorStep`` (its functions serve every
     client), the first ``at`` of them before the Adam transform ``adam`` (``AdamDirection``, or None), the rest
-    after (``_adam_at``). ``masked``: the batch is padded and ``mask`` marks its real examples: the task loss is
-    the mean of the real examples' losses (``loss`` of each example alone, ``Task.loss_is_example_mean``). The
+    after (``_adam_at``). The objective's ``x`` and ``forward``: the step's inputs and the client's model as a
+    function, for ``VectorStep.forward_term``; where a component prepares values of the batch
+    (``VectorStep.prepare``), ``y`` is (targets, the prepared values in hook order). ``masked``: the batch is
+    padded and ``mask`` marks its real examples: the task loss is the mean of the real examples' losses (``loss`` of
+    each example alone, ``Task.loss_is_example_mean``). The
     optimizer state is SGD's momentum buffer (``"mom"``, starting at zero, which torch's first step equals) or
     Adam's moments (``"m"``, ``"v"``: ``fedsight.training.optim.AdamDirection``'s arithmetic, t = the step
     number); ``bias``: Adam's bias corrections."""
