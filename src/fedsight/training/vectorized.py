@@ -95,8 +95,8 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
     for c in components:
         if c.reruns_the_model and (drops or noisy):
             out.append(f"component {c.name!r} runs the model again within a step, and "
-                       + (f"the model draws dropout noise ({drops[0]})" if drops else f"{noisy[0]!r} noises a layer")
-                       + " (drawn before the step for one forward)")
+                       + (f"the model's dropout noise ({drops[0]})" if drops else f"the noise {noisy[0]!r} puts on a layer")
+                       + " is drawn before the step for one forward only")
         if c.hooks_the_model:
             out.append(f"component {c.name!r} acts inside the forward through a module hook, one client at a time")
             continue
