@@ -366,11 +366,13 @@ class GlobalPosEmbed(nn.Module):
         return self.conv(pos.to(self.conv.weight.dtype)[None])
 
 
+#: whether a tensor is one of torch.func's (vmap, grad) wrappers (a private torch function; absent: never)
+_under_functorch = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v by matrix products, what ``F.scaled_dot_product_attention`` computes. Under
-    ``torch.func.vmap`` (clients trained together, ``fedsight.training.vectorized``) this runs as batched matrix
-    products for all the clients, where torch's fused attention kernels without a batching rule (the CPU's, and the
-    backwards) would run client by client."""
+    """softmax(q k^T / sqrt(d)) v by matrix products: under vmap (vectorised training) batched products for all the
+    clients, where fused attention kernels without a batching rule (the CPU's, the backwards) run client by client."""
     return torch.softmax((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1), dim=-1) @ v
 
 
@@ -419,7 +421,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        if torch._C._functorch.is_functorch_wrapped_tensor(q):  # (vmapped clients: see ``attention``)
+        if _under_functorch(q):  # (vmapped clients: see ``attention``)
             out = attention(q, k, v)
         else:
             out = F.scaled_dot_product_attention(q, k, v)
