@@ -85,7 +85,7 @@ class VectorStep:
     ``prepare(inputs, targets)``: what the component's ``loss_term`` needs of the client's batch that the weights in
     training do not change (a frozen teacher's pseudo-labels and logits: LADD's self-training), computed on the
     client's real batch before the step, outside the vectorised call and without gradient, drawing no random
-    numbers: a tensor or a tuple of tensors whose first dimension is the batch's examples. The component's
+    numbers: a tensor or a tuple or dict of tensors whose first dimension is the batch's examples. The component's
     ``loss_term`` then gets ``(targets, prepared)`` as its targets.
 
     ``outputs(own, outputs)``: the model's outputs as ``Component.outputs`` transforms them (OLL's mask of the

@@ -145,15 +145,15 @@ class StepBatches:
 
     def __init__(self, ctxs: Sequence[ClientContext], components: Sequence[Component], model: nn.Module,
                  device: torch.device, rng_states: Sequence[torch.Tensor] | None, pad: bool, scope: Any,
-                 outputs: Sequence[Sequence[OutputNoise]], counts: Sequence[Sequence[Any]] = (),
-                 prepares: Sequence[Sequence[Any]] = ()):
+                 outputs: Sequence[Sequence[OutputNoise]], counts: Sequence[Sequence[Any]],
+                 prepares: Sequence[Sequence[Any]]):
         task, local = ctxs[0].task, ctxs[0].local
         self.ctxs, self.components, self.model, self.device = ctxs, components, model, device
         self.task, self.pad, self.scope = task, pad, scope
         # a task serving batches from tensors in memory gives a step's batches in one gather when no component
         # transforms them: nothing then draws from the clients' random states but their dropout noise
-        self.prepares = prepares if any(prepares) else None  # each client's ``VectorStep.prepare`` functions
-        self.gather = task.stacks_train_batches() and self.prepares is None and all(
+        self.prepares = prepares  # each client's ``VectorStep.prepare`` functions
+        self.gather = task.stacks_train_batches() and not any(prepares) and all(
             type(c).transform_batch is Component.transform_batch for c in components)
         self.positions: list[list[Any]] = []
         self.iters: list[Iterator[Any]] = []
@@ -167,7 +167,7 @@ class StepBatches:
         self.drops = bool(dropout_modules(model))
         self.outputs = outputs  # each client's mechanisms on module outputs
         self.noisy = self.drops or any(outputs)
-        self.counts = counts or [()] * len(ctxs)  # each client's ``VectorStep.count`` functions
+        self.counts = counts  # each client's ``VectorStep.count`` functions
         self.probed: dict[tuple, list] = {}  # noise calls by batch signature
 
     def _client(self, i: int, s: int, norms: NormState, gathered: tuple[Any, int] | None = None
@@ -184,7 +184,7 @@ class StepBatches:
             x, y = to_device(next(self.iters[i]), self.device)
             for c in self.components:
                 x, y = c.transform_batch(ctx, x, y)
-            if self.prepares is not None:  # (a frozen teacher's pseudo-labels: the batch's targets go with them)
+            if self.prepares[i]:  # (a frozen teacher's pseudo-labels: the batch's targets go with them)
                 with torch.no_grad():
                     y = (y, tuple(prepare(x, y) for prepare in self.prepares[i]))
             batch = (x, y)

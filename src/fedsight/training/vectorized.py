@@ -202,7 +202,7 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
             if vs.forward_term is not None:
                 each = vs.forward_term(own[name], params, forward, x, out, y)
                 if each is not None:
-                    loss = loss + ((each * mask).sum() / mask.sum() if masked else each.mean())
+                    loss = loss + (real_mean(each, mask) if masked else each.mean())
             for fn, reduction in vs.example_terms:
                 if not masked:
                     loss = loss + fn(out, y)
@@ -344,9 +344,14 @@ def _one_example(fn, out: Any, y: Any) -> torch.Tensor:
     return fn(tree_map(lambda t: t.unsqueeze(0), out), tree_map(lambda t: t.unsqueeze(0), y))
 
 
+def real_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of per-example ``values`` over the examples that ``mask`` marks real."""
+    return (values * mask).sum() / mask.sum()
+
+
 def masked_mean(per_example, out: Any, y: Any, mask: torch.Tensor) -> torch.Tensor:
     """The mean of ``per_example(out_j, y_j)`` over the examples j that ``mask`` marks real."""
-    return (vmap(per_example)(out, y) * mask).sum() / mask.sum()
+    return real_mean(vmap(per_example)(out, y), mask)
 
 
 def start_stacks(model: nn.Module, state: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
