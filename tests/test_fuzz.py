@@ -16,7 +16,11 @@ Inputs come from three sources:
   retyped tensor, checksums updated or not, status.json variants), then ``resume``, ``run``, ``report`` or
   ``evaluate``. Either the command repairs what the format documents (leftovers swept, a torn last line
   dropped, a checkpoint failing its checksum skipped) and then gives exactly the numbers of an
-  uninterrupted run, or it fails as above and leaves the damaged run as it was.
+  uninterrupted run, or it fails as above and leaves the damaged run as it was;
+* **files FedSight reads but did not write** (``fedsight.safe_read``): a FIFO, a folder, a nesting or digit
+  bomb, a byte that is not UTF-8, an id past int64 or a damaged ``.npz`` where a split file, split list, COCO
+  annotation, npz archive or TOML config is expected: the reader fails at once (under a timeout), in one line
+  naming the file (``test_hostile_*``).
 
 Commands run in this process through ``fedsight.cli.main`` (the console script's function; fast); a few run
 as real processes (``test_real_processes``). CI mode runs a small derandomized subset;
@@ -949,3 +953,207 @@ def test_found_bug_stays_fixed(name, world) -> None:
     """The bugs this suite found, each by its exact reproduction (the reason text says what it was)."""
     H.count("found bugs")
     KNOWN[name][0](world)
+
+
+# -- 6. files FedSight reads but did not write: special files, nesting and digit bombs, bytes that are not
+# UTF-8, numbers past int64, damaged archives (issue 44: one bounded reader, fedsight.safe_read) -------------
+# Each generator writes one hostile file where a dataset reader (or the config reader) expects its file and
+# returns (the file, a call that reads it, a word the one-line error must say). The reader must fail at once
+# (a FIFO must not block it: the call runs under a timeout that then releases the FIFO) with a one-line
+# ValueError naming the file: not a bare RecursionError, OverflowError or digit-limit ValueError, and not
+# "does not exist" for a file that is there.
+
+DEEP = 100_000  # nesting of the JSON bombs
+DIGITS = 5_000  # digits of the integer bombs (Python refuses more than 4,300 by default)
+
+
+def _coco_doc(image_id: int = 1) -> dict[str, Any]:
+    return {"images": [{"id": image_id, "file_name": "a.png", "width": 10, "height": 10}],
+            "annotations": [{"id": 1, "image_id": image_id, "category_id": 1, "keypoints": [5, 5, 2, 6, 6, 2],
+                             "bbox": [0, 0, 10, 10]}],
+            "categories": [{"id": 1, "name": "person", "keypoints": ["a", "b"], "skeleton": [[1, 2]]}]}
+
+
+def _split_doc() -> dict[str, Any]:
+    return {"users": ["u"], "num_samples": [1], "user_data": {"u": {"x": ["a.png"], "y": ["a_l.png"]}}}
+
+
+def _bomb_int(doc_text: str) -> str:
+    return doc_text.replace('"num_samples": [1]', '"num_samples": [\n' + "9" * DIGITS + "]", 1)
+
+
+def _split_reader(path: Path):
+    from fedsight.data.seg_datasets import read_leaf_split
+
+    return lambda: read_leaf_split(path)
+
+
+def _list_reader(path: Path):
+    from fedsight.data.seg_datasets import read_image_list
+
+    return lambda: read_image_list(path)
+
+
+def _coco_reader(path: Path):
+    from fedsight.data.keypoint_files import load_coco_split
+
+    (path.parent / "img").mkdir(exist_ok=True)
+    (path.parent / "img" / "a.png").write_bytes(b"not decoded here")
+    return lambda: load_coco_split(path, path.parent / "img")
+
+
+def _npz_reader(path: Path):
+    from fedsight.data import load_dataset
+
+    return lambda: load_dataset("npz", {"path": str(path)}, seed=0)
+
+
+def _npz_bytes(**members: bytes) -> bytes:
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for k, v in members.items():
+            z.writestr(f"{k}.npy", v)
+    return buf.getvalue()
+
+
+def _npy(arr) -> bytes:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(arr))
+    return buf.getvalue()
+
+
+def _good_npz_members() -> dict[str, bytes]:
+    import numpy as np
+
+    return {"train_images": _npy(np.zeros((4, 3, 3), np.uint8)), "train_labels": _npy(np.zeros(4, np.int64)),
+            "test_images": _npy(np.zeros((2, 3, 3), np.uint8)), "test_labels": _npy(np.zeros(2, np.int64))}
+
+
+def _bad_crc(data: bytes) -> bytes:
+    """A zip whose first member's data has one byte changed (its CRC no longer matches)."""
+    b = bytearray(data)
+    b[30 + len("train_images.npy") + 100] ^= 0xFF  # inside the first member's stored data (after its header)
+    return bytes(b)
+
+
+#: name -> (file name, what to write: bytes, or "fifo", reader factory, a word the error must contain)
+DATA_CASES: dict[str, tuple[str, Any, Any, str]] = {
+    "split file is a FIFO": ("split.json", "fifo", _split_reader, "FIFO"),
+    "split list is a FIFO": ("list.txt", "fifo", _list_reader, "FIFO"),
+    "COCO annotation file is a FIFO": ("ann.json", "fifo", _coco_reader, "FIFO"),
+    "npz is a FIFO": ("d.npz", "fifo", _npz_reader, "FIFO"),
+    "split file nested 100,000 deep": ("split.json", ("[" * DEEP + "]" * DEEP).encode(), _split_reader, "nested"),
+    "COCO annotation nested 100,000 deep": ("ann.json", ('{"images": ' + "[" * DEEP + "]" * DEEP + "}").encode(),
+                                             _coco_reader, "nested"),
+    "split file with a 5,000-digit integer": ("split.json", _bomb_int(json.dumps(_split_doc())).encode(),
+                                              _split_reader, "line 2"),
+    "COCO annotation with a 5,000-digit integer": ("ann.json", json.dumps(_coco_doc()).replace(
+        '"width": 10', '"width": ' + "9" * DIGITS, 1).encode(), _coco_reader, "digits"),
+    "split list with a latin-1 byte": ("list.txt", b"/images/a.png /labels/a.png\n/images/caf\xe9.png\n", _list_reader,
+                                       "line 2"),
+    "split file with a latin-1 byte": ("split.json", json.dumps(_split_doc()).replace("a.png", "caf\xe9.png").encode(
+        "latin-1"), _split_reader, "UTF-8"),
+    "COCO image id of 10**30": ("ann.json", json.dumps(_coco_doc(10**30)).encode(), _coco_reader, "64-bit"),
+    "npz that is not a zip": ("d.npz", b"PK\x03\x04" + b"\x00" * 64, _npz_reader, "npz"),
+    "npz truncated": ("d.npz", _npz_bytes(**_good_npz_members())[:300], _npz_reader, "npz"),
+    "npz with a bad CRC": ("d.npz", _bad_crc(_npz_bytes(**_good_npz_members())), _npz_reader, "train_images"),
+    "npz member that is not a .npy": ("d.npz", _npz_bytes(**{**_good_npz_members(), "train_images": b"garbage" * 9}),
+                                      _npz_reader, "train_images"),
+    "npz member with a damaged header": ("d.npz", _npz_bytes(**{**_good_npz_members(), "train_labels":
+                                         _npy([0, 0, 0, 0])[:10] + b"{'descr': 7}\n"}), _npz_reader, "train_labels"),
+    "npz without its arrays": ("d.npz", _npz_bytes(other=_npy([1, 2])), _npz_reader, "train_images"),
+}
+
+
+def _call_bounded(call, fifo: Path | None, timeout: float = 30.0) -> BaseException | None:
+    """Run ``call`` in a thread; a call still blocked after ``timeout`` fails the test (its FIFO is then
+    opened for writing and closed, which ends the blocked read)."""
+    import threading
+
+    box: dict[str, BaseException | None] = {"exc": None}
+
+    def target() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            box["exc"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        if fifo is not None:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        t.join(10)
+        pytest.fail(f"the reader blocked for {timeout:.0f} s on {fifo}")
+    return box["exc"]
+
+
+@pytest.mark.parametrize("name", list(DATA_CASES))
+def test_hostile_data_files_fail_at_once_in_one_line_naming_the_file(name, tmp_path) -> None:
+    H.count("data files")
+    fname, content, reader, word = DATA_CASES[name]
+    path = tmp_path / fname
+    if content == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    exc = _call_bounded(reader(path), path if content == "fifo" else None)
+    assert exc is not None, f"{name}: read without an error"
+    msg = str(exc)
+    assert isinstance(exc, ValueError) and not isinstance(exc, FileNotFoundError), \
+        f"{name}: {type(exc).__name__}: {msg[:300]}"
+    assert "\n" not in msg and str(path) in msg and word in msg, f"{name}: {msg[:300]}"
+    assert "Exceeds the limit" not in msg and "does not exist" not in msg, msg
+
+
+#: (config bytes or "fifo", a word the error must contain): the TOML config through `fedsight run`
+CONFIG_FILE_CASES: dict[str, tuple[Any, str]] = {
+    "config is a FIFO": ("fifo", "FIFO"),
+    "config with a 5,000-digit integer": (b"seed = " + b"9" * DIGITS + b"\n", "digits"),
+    "config is a folder": ("folder", "folder"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_FILE_CASES))
+def test_hostile_config_files_fail_at_once_in_one_line_naming_the_file(name, tmp_path) -> None:
+    """Through a real `fedsight run` process (a FIFO could block it: it runs under a timeout)."""
+    H.count("data files")
+    content, word = CONFIG_FILE_CASES[name]
+    path = tmp_path / "c.toml"
+    if content == "fifo":
+        os.mkfifo(path)
+    elif content == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    env = {k: v for k, v in os.environ.items() if k != "FEDSIGHT_DEBUG"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", "from fedsight.cli import main; main()", "run", "c.toml"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`fedsight run c.toml` blocked on {name}")
+    res = H.Result(["run", "c.toml"], proc.returncode, proc.stdout, proc.stderr)
+    problems = H.error_problems(res, codes=(2,))
+    first = (H.lines_of(res.err) or [""])[0]
+    assert not problems and "c.toml" in first and word in first, f"{problems}\n{res.show()}"
+
+
+def test_hostile_data_file_through_the_command_line(tmp_path) -> None:
+    """A damaged npz named by a config: `fedsight run` fails with one line naming it, and writes no run."""
+    H.count("data files")
+    bad = tmp_path / "d.npz"
+    bad.write_bytes(_npz_bytes(**{**_good_npz_members(), "train_images": b"garbage" * 9}))
+    (tmp_path / "c.toml").write_text(tomli_w.dumps(tiny(**{"data": {"name": "npz", "path": str(bad)}})))
+    res = H.cli(["run", "c.toml"], cwd=tmp_path)
+    assert not H.error_problems(res) and str(bad) in H.lines_of(res.err)[0], res.show()

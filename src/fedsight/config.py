@@ -13,17 +13,19 @@ A config file may also describe a sweep: ``[sweep] seeds = [0, 1, 2]`` and any n
 from __future__ import annotations
 
 import copy
+import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from . import registry as R
 from .errors import ConfigError
 from .config_messages import format_validation_error
 from .registry import Params
+from .rng import check_seed
 
 __all__ = ["ConfigError", "parse_override", "read_toml", "set_path", "validate"]  # sweeps and loading: fedsight.sweep
 
@@ -217,6 +219,8 @@ class EngineSection(Params):
     def _threads(cls, value: Any) -> Any:
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError("expected an integer >= 1 or \"auto\"")
+        if value != "auto" and value > (cpus := os.cpu_count() or 1):
+            raise ValueError(f"more threads than this machine's {cpus} CPUs (at most {cpus}, or \"auto\")")
         return value
 
     @field_validator("vectorize", mode="before")
@@ -232,6 +236,30 @@ class EngineSection(Params):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value.strip()):
             raise ValueError('expected "auto", "cpu", "cuda" or "cuda:N"')
         return value.strip()
+
+
+def _finite_speeds(sigma: float) -> float:
+    """server.speed_sigma: client speeds exp(sigma * z), z ~ N(0, 1), and steps / speed must stay finite and
+    nonzero in float64 (exp overflows past 709): sigma <= 20 does for any draw |z| < 35."""
+    if sigma > SPEED_SIGMA_MAX:
+        raise ValueError(f"at most {SPEED_SIGMA_MAX:g}: client speeds exp(sigma * z) must stay finite and nonzero "
+                         f"(a larger spread overflows float64)")
+    return sigma
+
+
+#: the largest server.speed_sigma (see _finite_speeds)
+SPEED_SIGMA_MAX = 20.0
+
+
+def _unique_stage_names(stages: list[StageSection]) -> list[StageSection]:
+    """stages: each stage's name is its own (``--set stages.NAME.key``, reports and checkpoints name stages)."""
+    first: dict[str, int] = {}
+    for i, st in enumerate(stages):
+        if st.name in first:
+            raise ValueError(f"stages[{first[st.name]}] and stages[{i}] are both named {st.name!r}; "
+                             "each stage needs a name of its own")
+        first[st.name] = i
+    return stages
 
 
 def _sections() -> dict[str, Any]:
@@ -260,13 +288,14 @@ def _sections() -> dict[str, Any]:
         # client failure (in-process; engine.loop.InProcessBackend.train documents the streams)
         min_clients=(int, Field(1, ge=1, description="fewer accepted updates: the round is not aggregated")),
         dropout=(float, Field(0.0, ge=0, lt=1, description="probability a sampled client drops out of a round")),
-        speed_sigma=(float, Field(0.0, ge=0, description="stragglers: client speeds ~ LogNormal(0, sigma)")),
+        speed_sigma=(Annotated[float, AfterValidator(_finite_speeds)],
+                     Field(0.0, ge=0, description="stragglers: client speeds ~ LogNormal(0, sigma); at most 20")),
         deadline=(float | None, Field(None, gt=0, description="updates over this many unit-speed steps are lost")),
     )
     return {
         "plugins": (list[str], Field(default_factory=list, description="modules imported before validation, "
                                      "which register models, datasets or recipe parts by name")),
-        "seed": (int, Field(0, ge=0)),
+        "seed": (Annotated[int, AfterValidator(check_seed)], Field(0, ge=0)),
         "run": (RunSection, Field(default_factory=RunSection)),
         "task": (spec_type(R.TASKS), Field("classification", validate_default=True)),
         "data": (spec_type(R.DATASETS), ...),
@@ -278,7 +307,7 @@ def _sections() -> dict[str, Any]:
         "eval": (EvalSection, Field(default_factory=EvalSection)),
         "engine": (EngineSection, Field(default_factory=EngineSection)),
         "init": (InitSection, Field(default_factory=InitSection)),
-        "stages": (list[StageSection], Field(default_factory=list)),
+        "stages": (Annotated[list[StageSection], AfterValidator(_unique_stage_names)], Field(default_factory=list)),
         "validation": (ValidationSection, Field(default_factory=ValidationSection)),
         "pretrain": (PretrainSection, Field(default_factory=PretrainSection)),
     }
@@ -331,19 +360,11 @@ def _ALL_REGISTRIES() -> list[R.Registry[Any]]:
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p}: config file not found")
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}); TOML files must be UTF-8") from None
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    try:
-        return tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, RecursionError) as exc:
-        raise ConfigError(f"{p}: invalid TOML: {'nested too deeply' if isinstance(exc, RecursionError) else exc}") from None
+    """A TOML config, read by ``fedsight.safe_read.read_toml`` (a regular file of bounded size, strict UTF-8,
+    nesting and digit limits): every failure is one ConfigError naming the file."""
+    from .safe_read import read_toml as bounded
+
+    return bounded(path)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -359,6 +380,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         parsed = value.strip()
+    except ValueError as exc:  # an integer past Python's digit limit
+        raise ConfigError(f"--set {key}: an integer of more than 4,300 digits") from None
     return key.split("."), parsed
 
 

@@ -22,6 +22,12 @@ class RunFileError(FedSightError, ValueError):
     do; nothing has been changed when it is raised."""
 
 
+class DataFileError(FedSightError, ValueError):
+    """A data, annotation or list file that cannot be read as what it should be (not a regular file, too
+    large, not UTF-8, not valid JSON, nested or numbered past the reader's limits, a damaged archive). The
+    message names the file (and the line or key where there is one); ``fedsight.safe_read`` raises it."""
+
+
 class ModelRefused(FedSightError):
     """A client refuses the global model it received (a failed integrity check such as a watermark
     verification): raised from a component's ``client_start``; the client trains nothing this round and the

@@ -10,6 +10,7 @@ reports every finished round to the parent through a queue. A run gives the same
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue as queue_mod
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -23,11 +24,16 @@ Message = tuple[str, int, int, dict[str, Any]]
 _MESSAGES: Any = None
 
 
-def _init(messages: Any) -> None:
-    """A worker's start: the queue to the parent, and SIGTERM stopping it as Ctrl-C does (its run is then
-    marked interrupted at its last recorded round)."""
+def _init(messages: Any, parent: int | None = None) -> None:
+    """A worker's start: the queue to the parent, SIGTERM stopping it as Ctrl-C does (its run is then
+    marked interrupted at its last recorded round), and the worker ending with its parent (a SIGKILLed
+    ``fedsight run --jobs N`` leaves no run going on unseen; each is resumable as after a kill)."""
     import signal
 
+    from .lifeline import die_with_parent
+
+    # the pool lives (and its workers start) in run_parallel's thread, which joins them before it returns
+    die_with_parent(parent, deathsig=True)
     global _MESSAGES
     _MESSAGES = messages
 
@@ -77,7 +83,6 @@ def run_parallel(config: Path, overrides: Sequence[str], only: Sequence[str], co
             results += [f.result() for f in done]
         _drain(messages, on_message)
     except BaseException:  # Ctrl-C or SIGTERM: every worker stops as a serial run would, its run marked interrupted
-        import os
         import signal
 
         pool.shutdown(wait=False, cancel_futures=True)

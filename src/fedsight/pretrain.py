@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from .device import model_device, to_device
@@ -80,6 +80,17 @@ class PretrainSection(Params):
         if len(set(value)) != len(value):
             raise ValueError(f"class {sorted(c for c in set(value) if value.count(c) > 1)} listed twice")
         return sorted(value)
+
+    @model_validator(mode="after")
+    def _used(self) -> "PretrainSection":
+        if self.source == "none":  # a value other than the default would silently do nothing (a dump's defaults pass)
+            unused = [k for k, f in type(self).model_fields.items()
+                      if k != "source" and getattr(self, k) != f.get_default(call_default_factory=True)]
+            if unused:
+                raise ValueError(f"pretrain.{unused[0]} = {json.dumps(getattr(self, unused[0]))} is set but "
+                                 'pretrain.source = "none" (nothing is pre-trained); set pretrain.source or remove '
+                                 f"pretrain.{unused[0]}")
+        return self
 
 
 # -- where the extractor lives ----------------------------------------------------------------------

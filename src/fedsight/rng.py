@@ -25,6 +25,21 @@ import torch
 PROCESS_STREAM = threading.RLock()
 
 
+#: the largest seed a config may give (``seed``, ``validation.seed``, ``sweep.seeds``): seeds are 64-bit signed
+#: integers, TOML's integer range (a run's ``config.toml`` must hold its seed) and within numpy's and torch's
+#: generators (``derive_seed`` hashes the seed, ``torch.manual_seed`` takes at most 2**64 - 1)
+SEED_MAX = 2**63 - 1
+
+
+def check_seed(value: int, key: str | None = None) -> int:
+    """``value`` if it is a seed in ``0..SEED_MAX``; else a ValueError saying the range and why (prefixed with
+    ``key = value: `` when ``key`` is given; a config field's message gets its key from the validator)."""
+    if not 0 <= value <= SEED_MAX:
+        where = f"{key} = {value}: " if key else ""
+        raise ValueError(f"{where}out of range: seeds are 64-bit signed integers, 0 to {SEED_MAX} (2**63 - 1)")
+    return value
+
+
 def _key_text(key: object) -> str:
     if isinstance(key, (bool, np.bool_)):
         raise TypeError("stream keys are ints or strings, not bools")

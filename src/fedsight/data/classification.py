@@ -9,7 +9,6 @@ int64 ``[N]``. Where a loader has to cut a test set out of the training data it 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -19,6 +18,7 @@ from pydantic import Field
 from fedsight.data.base import ArrayDataset, DatasetSplits, LoaderSpec, StoredDataset
 from fedsight.data.images import check_image_header, scan_image_folder
 from fedsight.registry import DATASETS, Params
+from fedsight.safe_read import NpzArrays, exists, read_npz
 
 # --------------------------------------------------------------------------------------------- helpers
 
@@ -180,7 +180,7 @@ class NpzParams(Params):
     image_size: int | None = Field(None, ge=1, description="optional bilinear resize to image_size x image_size")
 
 
-def _npz_images(data: np.lib.npyio.NpzFile, key: str, path: str) -> np.ndarray:
+def _npz_images(data: NpzArrays, key: str, path: str) -> np.ndarray:
     if key not in data.files:
         raise ValueError(f"{path!r} has no key {key!r} (keys: {', '.join(sorted(data.files))})")
     images = data[key]
@@ -196,7 +196,7 @@ def _npz_images(data: np.lib.npyio.NpzFile, key: str, path: str) -> np.ndarray:
     return images
 
 
-def _npz_labels(data: np.lib.npyio.NpzFile, key: str, path: str, n: int) -> np.ndarray:
+def _npz_labels(data: NpzArrays, key: str, path: str, n: int) -> np.ndarray:
     if key not in data.files:
         raise ValueError(f"{path!r} has no key {key!r} (keys: {', '.join(sorted(data.files))})")
     labels = data[key]
@@ -227,25 +227,16 @@ def load_npz(params: NpzParams, *, seed: int) -> DatasetSplits:
     """A MedMNIST-layout ``.npz``: uint8 images ``[N, H, W]`` / ``[N, H, W, 3]``, labels ``[N]`` / ``[N, 1]``."""
     del seed
     path = params.path
-    if not Path(path).is_file():
+    if not exists(path):
         raise FileNotFoundError(f"npz file {path!r} does not exist")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic not in (b"PK\x03\x04", b"PK\x05\x06", b"\x93NUM"):  # zip archive (npz) or .npy
-        raise ValueError(f"npz file {path!r} is not a NumPy .npz archive (wrong file or corrupt)")
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        raise ValueError(f"cannot read npz file {path!r}: {e}") from e
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path!r} is a single .npy array, not an .npz archive with named arrays")
-    with data:
-        parts = ["train", "val", "test"] if params.include_val_in_train else ["train", "test"]
-        images: dict[str, np.ndarray] = {}
-        labels: dict[str, np.ndarray] = {}
-        for part in parts:
-            images[part] = _npz_images(data, f"{part}_images", path)
-            labels[part] = _npz_labels(data, f"{part}_labels", path, len(images[part]))
+    parts = ["train", "val", "test"] if params.include_val_in_train else ["train", "test"]
+    # read now, bounded: a regular file, a damaged archive or array named with the file (fedsight.safe_read)
+    data = read_npz(path, "npz file", [f"{part}_{what}" for part in parts for what in ("images", "labels")])
+    images: dict[str, np.ndarray] = {}
+    labels: dict[str, np.ndarray] = {}
+    for part in parts:
+        images[part] = _npz_images(data, f"{part}_images", path)
+        labels[part] = _npz_labels(data, f"{part}_labels", path, len(images[part]))
     shapes = {part: im.shape[1:] for part, im in images.items()}
     if len(set(shapes.values())) != 1 and params.image_size is None:
         raise ValueError(f"{path!r}: image shapes differ between splits: {shapes}; set image_size to resize them")

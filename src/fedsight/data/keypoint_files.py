@@ -22,7 +22,6 @@ the ``valid`` split) and ``root/images/``, read as HRNet's ``lib/dataset/mpii.py
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from fedsight.data.keypoint_sets import (
     _stack,
     skeleton_from_names,
 )
+from fedsight.safe_read import exists, read_json
 
 __all__ = ["load_coco_split", "load_mpii_split"]
 
@@ -45,15 +45,14 @@ __all__ = ["load_coco_split", "load_mpii_split"]
 
 
 def _read_json(path: Path, what: str):
-    if not path.is_file():
+    if not exists(path):
         raise FileNotFoundError(f"{path}: annotation file not found ({what})")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
+    # bounded: a regular file, its size, strict UTF-8, nesting and digit limits (fedsight.safe_read)
+    return read_json(path, f"{what} annotation file")
+
+
+#: the range of an image id (stored as int64)
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def _numbers(v, n: int | None) -> bool:
@@ -112,9 +111,11 @@ def load_coco_split(json_path: Path, image_dir: Path, padding: float = 1.25, min
         for key in ("id", "file_name", "width", "height"):
             if key not in im:
                 raise ValueError(f"image {im.get('id', f'entry {k}')} in {json_path}: missing field '{key}'")
-        if not (isinstance(im["id"], int) and isinstance(im["file_name"], str)
+        if not (isinstance(im["id"], int) and not isinstance(im["id"], bool) and _INT64[0] <= im["id"] <= _INT64[1]
+                and isinstance(im["file_name"], str)
                 and _is_number(im["width"]) and _is_number(im["height"]) and im["width"] > 0 and im["height"] > 0):
-            raise ValueError(f"image {im['id']} in {json_path}: id must be an int, file_name a string, width and height positive numbers")
+            raise ValueError(f"image {im['id']} in {json_path}: id must be an int (64-bit), file_name a string, width and "
+                             "height positive numbers")
         if im["id"] in images:
             raise ValueError(f"image {im['id']} in {json_path}: id repeated")
         images[im["id"]] = (im["file_name"], int(im["width"]), int(im["height"]))

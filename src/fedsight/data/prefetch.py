@@ -9,7 +9,9 @@ for it; at most the ``workers`` items already running finish, so nothing runs on
 Threads suit PIL decoding (it releases the GIL while inflating and resizing) and torch compute in the consumer
 (it releases the GIL too). Processes use the ``"spawn"`` (or ``"forkserver"``) start method, never ``"fork"``,
 which can deadlock a process that has already started torch's thread pools; ``fn`` must then be picklable (a
-module-level function or a ``functools.partial`` of one) and results travel back pickled.
+module-level function or a ``functools.partial`` of one) and results travel back pickled. Worker processes
+end with the process that started them, even when it is SIGKILLed (``fedsight.lifeline``): the pool starts
+all of them at once, from the thread that first maps.
 
 :class:`LRUCache` is the thread-safe cache of decoded images behind ``FileImageStore(cache_bytes=...)``:
 least recently used entries are evicted once the total ``nbytes`` would exceed the bound.
@@ -22,6 +24,7 @@ import concurrent.futures as cf
 import functools
 import hashlib
 import multiprocessing
+import os
 import pickle
 import threading
 import weakref
@@ -65,7 +68,10 @@ _WORKER_FNS: collections.OrderedDict[bytes, Callable[[Any], Any]] = collections.
 _WORKER_FNS_MAX = 8
 
 
-def _worker_init(threads: int) -> None:
+def _worker_init(threads: int, parent: int | None = None, deathsig: bool = False) -> None:
+    from ..lifeline import die_with_parent
+
+    die_with_parent(parent, deathsig)  # a SIGKILLed consumer leaves no orphaned worker
     torch.set_num_threads(threads)
 
 
@@ -294,12 +300,21 @@ class Prefetcher:
                 if self.backend == "thread":
                     pool: cf.Executor = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="fedsight-prefetch")
                 else:
+                    # workers die with this process (fedsight.lifeline); they are all started here, now,
+                    # so that the parent-death signal is tied to this thread, and only if it is the main one
+                    eager = hasattr(cf.ProcessPoolExecutor, "_launch_processes")
+                    main = threading.current_thread() is threading.main_thread()
+                    spawn = self.mp_context == "spawn"
+                    parent = os.getpid() if spawn else None  # forkserver: the (single-threaded) server forks
+                    deathsig = not spawn or (main and eager)
                     pool = cf.ProcessPoolExecutor(
                         self.workers,
                         mp_context=multiprocessing.get_context(self.mp_context),
                         initializer=_worker_init,
-                        initargs=(self.worker_threads,),
+                        initargs=(self.worker_threads, parent, deathsig),
                     )
+                    if eager:  # CPython >= 3.9 would start them on demand, from whichever thread submits
+                        pool._launch_processes()  # type: ignore[attr-defined]
                 self._pool = pool
                 # shuts the pool down (without waiting) if the prefetcher is garbage-collected or at exit
                 self._finalizer = weakref.finalize(self, _shutdown, pool, False)

@@ -19,7 +19,6 @@ sorted domains that only a test set has (e.g. Cityscapes' validation cities, IDD
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from pydantic import Field
 
 from fedsight.data.segmentation import FileLabelStore, SegmentationData, SegmentationSet, lut_from_map
 from fedsight.registry import DATASETS, Params
+from fedsight.safe_read import exists, read_json, read_text_lines
 
 # ------------------------------------------------------------------------------------------- class maps
 
@@ -81,13 +81,9 @@ def read_leaf_split(
     missing file, ``ValueError`` otherwise) name the split file, the user and the offending file.
     """
     path = os.fspath(path)
-    if not Path(path).is_file():
+    if not exists(path):
         raise FileNotFoundError(f"split file {path!r} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read split file {path!r}: {type(e).__name__}: {e}") from e
+    data = read_json(path, "split file")  # bounded: regular file, size, UTF-8, nesting, digits (fedsight.safe_read)
     if not (isinstance(data, dict) and isinstance(data.get("users"), list) and isinstance(data.get("user_data"), dict)):
         raise ValueError(f"split file {path!r} is not a LEAF split (expected keys 'users', 'num_samples', 'user_data')")
     users, user_data, counts = data["users"], data["user_data"], data.get("num_samples")
@@ -140,7 +136,7 @@ def _read_split_ref(
 ) -> tuple[list[str], list[list[tuple[str, str]]]]:
     """``read_leaf_split`` of ``"path"`` (every user) or ``"path#user"`` (that user only)."""
     path, user = ref, None
-    if not Path(ref).is_file() and "#" in ref:
+    if not exists(ref) and "#" in ref:
         path, user = ref.rsplit("#", 1)
     if user is None:
         return read_leaf_split(path, x_root, y_root)
@@ -399,18 +395,18 @@ def read_image_list(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
     """``(image, label)`` relative paths of a list with lines ``/images/X.png /labels/X.png`` (a line with
     only the image means ``labels/<same name>``; blank lines and ``#`` comments are skipped)."""
     path = os.fspath(path)
-    if not Path(path).is_file():
+    if not exists(path):
         raise FileNotFoundError(f"split list {path!r} does not exist")
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            fields = line.split()
-            if not fields or fields[0].startswith("#"):
-                continue
-            if len(fields) > 2:
-                raise ValueError(f"split list {path!r} line {n}: expected 'image [label]', got {line.strip()!r}")
-            x = _rel(fields[0])
-            pairs.append((x, _rel(fields[1]) if len(fields) == 2 else f"labels/{Path(x).name}"))
+    # bounded: a regular file, its size, strict UTF-8 naming the line (fedsight.safe_read)
+    for n, line in enumerate(read_text_lines(path, "split list"), 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) > 2:
+            raise ValueError(f"split list {path!r} line {n}: expected 'image [label]', got {line.strip()!r}")
+        x = _rel(fields[0])
+        pairs.append((x, _rel(fields[1]) if len(fields) == 2 else f"labels/{Path(x).name}"))
     if not pairs:
         raise ValueError(f"split list {path!r} lists no images")
     return pairs

@@ -47,15 +47,16 @@ Every split is a deterministic function of (dataset, section, seed).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from ..errors import ConfigError
 from ..registry import DATASETS, Params
-from ..rng import np_rng
+from ..rng import check_seed, np_rng
 from .partition import largest_remainder
 
 
@@ -78,7 +79,8 @@ class ValidationSection(Params):
         None, description='dataset: a dataset spec, e.g. {name = "npz", path = "other.npz"}'
     )
     split: Literal["train", "test"] = Field("train", description="dataset: which split of it becomes V")
-    seed: int | None = Field(None, ge=0, description="seed of the carve / imbalance draw (default: the run seed)")
+    seed: Annotated[int, AfterValidator(check_seed)] | None = Field(
+        None, ge=0, description="seed of the carve / imbalance draw (default: the run seed)")
 
     @field_validator("dataset", mode="before")
     @classmethod
@@ -103,6 +105,13 @@ class ValidationSection(Params):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ValidationSection":
+        if self.source == "none":  # a value other than the default would silently do nothing (a dump's defaults pass)
+            unused = [k for k, f in type(self).model_fields.items()
+                      if k != "source" and getattr(self, k) != f.get_default(call_default_factory=True)]
+            if unused:
+                raise ValueError(f"validation.{unused[0]} = {json.dumps(getattr(self, unused[0]))} is set but "
+                                 'validation.source = "none" (no validation set); set validation.source or remove '
+                                 f"validation.{unused[0]}")
         if self.source == "dataset" and self.dataset is None:
             raise ValueError('validation.source = "dataset" needs validation.dataset (a dataset table)')
         if self.source != "dataset" and self.dataset is not None:

@@ -93,7 +93,11 @@ def render_domains(p: StreetParams) -> tuple[np.ndarray, np.ndarray]:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(min(p.workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as ex:
+        from ..lifeline import die_with_parent
+
+        # the workers end with this process even if it is SIGKILLed; they start in this thread, which waits for them
+        with ProcessPoolExecutor(min(p.workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=die_with_parent, initargs=(os.getpid(), True)) as ex:
             out = list(ex.map(_render_domain, jobs))
     else:
         out = [_render_domain(j) for j in jobs]
