@@ -1,6 +1,6 @@
 """Shared machinery of the fuzz suite (``test_fuzz.py``) and the kill test (``test_kill.py``).
 
-* ``SLOW``: ``FEDSIGHT_FUZZ_SLOW=1`` selects the long mode (>= 500 fuzz cases, >= 20 kill moments); the default
+* ``SLOW``: ``FEDSIGHT_SLOW=1`` (the suite's slow flag; ``FEDSIGHT_FUZZ_SLOW=1`` as before) selects the long mode (>= 500 fuzz cases, >= 20 kill moments); the default
   (CI) mode is a small, derandomized subset.
 * ``cli(args)``: the ``fedsight`` entry point (``fedsight.cli.main``) run in this process with ``sys.argv``
   set, stdout/stderr captured; ``error_problems(result)`` lists how a failure's output breaks the error
@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-SLOW = os.environ.get("FEDSIGHT_FUZZ_SLOW", "") not in ("", "0")
+SLOW = any(os.environ.get(flag, "") not in ("", "0") for flag in ("FEDSIGHT_SLOW", "FEDSIGHT_FUZZ_SLOW"))
 
 #: test name -> cases executed in this session (printed by conftest's terminal summary)
 COUNTS: Counter[str] = Counter()

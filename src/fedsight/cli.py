@@ -137,22 +137,28 @@ def run(
     variant: Annotated[Optional[list[str]], typer.Option(help="Run only this variant of the config (repeatable).")] = None,
     jobs: Annotated[int, typer.Option(min=1, help="Run this many of the sweep's runs at once, each in its own process "
                                                "with its engine.threads (auto: 1).")] = 1,
+    smoke: Annotated[bool, typer.Option(help="A smoke test of every variant: first seed, at most 2 rounds a stage, 2 local "
+                                             "steps a round, one evaluation, into OUTPUT_DIR/smoke.")] = False,
 ) -> None:
     """Run a config: every variant x grid point x seed, each into its own run directory, then a comparison table.
 
-    Re-running the same config resumes unfinished runs and skips finished ones. --set wins over the
-    config's variants; setting a key the sweep's grid varies (or seed next to sweep.seeds) is an error.
+    Re-running the same config resumes unfinished runs and skips finished ones. --set reaches every variant,
+    grid point, seed and stage (stages.NAME.key=value sets one stage's key); an override that cannot reach every
+    run (a key the grid varies, seed next to sweep.seeds, a key a stage sets itself, server.rounds of a staged
+    run) is an error saying what to write instead.
     """
     from . import sweep as S
     from .reporting import report
 
+    if smoke and stop_after is not None:
+        _fail("--smoke with --stop-after: a smoke run is already at most 2 rounds a stage; pass one of them")
     try:
-        specs = S.load(config, set_ or [], variant or [])
+        specs = S.load(config, set_ or [], variant or [], smoke=smoke)
     except ConfigError as exc:
         _fail(str(exc))
     dirs = []
     if jobs > 1 and len(specs) > 1:
-        dirs = _run_jobs(config, set_ or [], variant or [], specs, jobs, overwrite, stop_after)
+        dirs = _run_jobs(config, set_ or [], variant or [], specs, jobs, overwrite, stop_after, smoke)
     for spec in specs if not dirs else []:
         label = _spec_label(spec)
         try:
@@ -170,12 +176,14 @@ def run(
     group = Path(os.path.commonpath([d.parent for d in dirs]))  # the sweep's folder
     table = report(dirs, group)
     console.print(table.to_rich())
+    if (paired := table.comparison_rich()) is not None:
+        console.print(paired)
     _say(f"runs: {', '.join(str(d) for d in dirs)}")
     _say(f"report: {group / 'report.md'}  curves: {group / 'curves.png'}")
 
 
 def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
-              stop_after: int | None) -> list[Path]:
+              stop_after: int | None, smoke: bool) -> list[Path]:
     """``run --jobs``: the sweep's runs in ``jobs`` processes (``fedsight.parallel``), with a bar per run (or,
     off a terminal, a line per round); the run directories, or exit 1 naming every run that failed."""
     from .api import progress_keys
@@ -196,7 +204,7 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
                 _log_line(labels[i], r, specs[i].config.server.rounds, row, keys, start)
 
         results = run_parallel(config, sets, variants, len(specs), jobs, overwrite=overwrite, stop_after=stop_after,
-                               on_message=on_message)
+                               smoke=smoke, on_message=on_message)
     failed = [(labels[i], err) for i, status, err in results if status == "failed"]
     for i, status, _ in results:
         if status == "skipped":

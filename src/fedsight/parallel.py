@@ -44,13 +44,13 @@ def _init(messages: Any, parent: int | None = None) -> None:
 
 
 def _worker(config: str, overrides: Sequence[str], only: Sequence[str], index: int, overwrite: bool,
-            stop_after: int | None) -> tuple[int, str, str | None]:
+            stop_after: int | None, smoke: bool) -> tuple[int, str, str | None]:
     """Run sweep member ``index``; (index, status, error message or None)."""
     from .api import execute
     from .errors import FedSightError
     from .sweep import load
 
-    spec = load(config, overrides, only)[index]
+    spec = load(config, overrides, only, smoke)[index]
 
     def on_round(r: int, row: dict[str, Any]) -> None:
         _MESSAGES.put(("round", index, r, {k: v for k, v in row.items() if isinstance(v, (int, float, str))}))
@@ -65,16 +65,16 @@ def _worker(config: str, overrides: Sequence[str], only: Sequence[str], index: i
 
 
 def run_parallel(config: Path, overrides: Sequence[str], only: Sequence[str], count: int, jobs: int, *,
-                 overwrite: bool = False, stop_after: int | None = None,
+                 overwrite: bool = False, stop_after: int | None = None, smoke: bool = False,
                  on_message: Callable[[Message], None] | None = None) -> list[tuple[int, str, str | None]]:
     """Run the ``count`` members of a sweep in ``jobs`` processes; one (index, status, error) per member, in
     index order. ``on_message`` hears every finished round of every member."""
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     pool = ProcessPoolExecutor(max_workers=max(1, min(jobs, count)), mp_context=ctx, initializer=_init,
-                               initargs=(messages,))
+                               initargs=(messages, os.getpid()))
     try:
-        pending = {pool.submit(_worker, str(config), list(overrides), list(only), i, overwrite, stop_after)
+        pending = {pool.submit(_worker, str(config), list(overrides), list(only), i, overwrite, stop_after, smoke)
                    for i in range(count)}
         results = []
         while pending:

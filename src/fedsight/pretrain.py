@@ -59,7 +59,8 @@ class PretrainSection(Params):
     classes: list[int] | None = Field(
         None, description="take the server's split only from these class indices (class-disjoint transfer)"
     )
-    epochs: int = Field(10, ge=1, description="pre-training passes over the server's split")
+    epochs: int = Field(10, ge=1, description="pre-training passes over the server's split",
+                        json_schema_extra={"smoke": 1})
     batch_size: int = Field(64, ge=1)
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)

@@ -67,21 +67,24 @@ def _raw_config(config: ConfigLike) -> tuple[dict[str, Any], str]:
 
 
 def run(config: ConfigLike, *, variants: list[str] | tuple[str, ...] = (), overwrite: bool = False,
-        stop_after: int | None = None, **overrides: Any) -> RunResult | list[RunResult]:
+        stop_after: int | None = None, smoke: bool = False, **overrides: Any) -> RunResult | list[RunResult]:
     """Run ``config`` (a TOML file's path, or the same tables as a dict) and return its ``RunResult``, or a list
     of them when the config is a sweep (variants x grid points x seeds, in ``fedsight run``'s order).
 
     ``overrides`` set config keys as ``--set`` does, the command line's precedence included: dots in a key are
     spelt ``__`` (``server__rounds=5``) or passed as ``**{"server.rounds": 5}``; values are Python values.
-    ``variants``: only these ``[[variants]]``. An existing run directory of the same config resumes (or, when
+    ``variants``: only these ``[[variants]]``. ``smoke``: a smoke test of every variant, as ``fedsight run --smoke``
+    (``fedsight.sweep.expand``). An existing run directory of the same config resumes (or, when
     complete, is read back); one of a different config is an error unless ``overwrite``. Errors in the config
     are ``fedsight.ConfigError`` with the CLI's one-line messages; nothing is written before it is checked."""
     from .api import execute
     from .sweep import expand
 
+    if smoke and stop_after is not None:
+        raise ConfigError("smoke with stop_after: a smoke run is already at most 2 rounds a stage; pass one of them")
     raw, source = _raw_config(config)
     sets = [(key.replace("__", ".").split("."), value) for key, value in overrides.items()]
-    specs = expand(raw, source, only=tuple(variants), typed=sets)
+    specs = expand(raw, source, only=tuple(variants), typed=sets, smoke=smoke)
     results = []
     for spec in specs:
         out = execute(spec.config, spec.run_dir, overwrite=overwrite, stop_after=stop_after)

@@ -135,8 +135,9 @@ def load_mpii(params: MPIIParams, *, seed: int = 0) -> KeypointSplits:
 
 
 class BuiltinPoseParams(Params):
-    num_train: int = Field(600, ge=1, description="training images (persons_per_image instances each)")
-    num_test: int = Field(150, ge=1, description="test images")
+    num_train: int = Field(600, ge=1, description="training images (persons_per_image instances each)",
+                           json_schema_extra={"smoke": 96})
+    num_test: int = Field(150, ge=1, description="test images", json_schema_extra={"smoke": 24})
     image_size: tuple[int, int] = Field((256, 192), description="[H, W] of the generated images (a portrait canvas, like top-down crops)")
     persons_per_image: int = Field(1, ge=1, le=3, description="figures per image, 1..3")
     occlusion: float = Field(0.3, ge=0, le=1, description="probability that a person gets an occluder in front of one of its joints")

@@ -49,7 +49,7 @@ class StreetParams(Params):
         ["clear-day", "clear-dusk", "rain-day"], description="weather-time conditions (IDDA: ClearNoon, ClearSunset, "
         "HardRainNoon)")
     cameras: list[Literal["car", "bus"]] = Field(["car", "bus"], description="camera mounts")
-    per_domain: int = Field(20, ge=2, description="scenes per domain (IDDA: 60)")
+    per_domain: int = Field(20, ge=2, description="scenes per domain (IDDA: 60)", json_schema_extra={"smoke": 4})
     test_fraction: float = Field(0.2, gt=0, lt=1, description="share of a seen domain's scenes in the seen test set")
     setting: Literal["country", "rainy", "bus", "none"] = Field(
         "country", description="unseen test domains: the rural town, rainy conditions, the bus camera, or none")

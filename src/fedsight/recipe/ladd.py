@@ -191,8 +191,10 @@ FACT_REPORTS[GROUPS] = report_style_clusters
 
 
 class SourcePretrainParams(Params):
-    steps: int = Field(1500, ge=1, description="SGD steps on the source set in all (the authors: 15000 on GTA5)")
-    steps_per_round: int = Field(100, ge=1, description="steps per server-only round (each round is evaluated)")
+    steps: int = Field(1500, ge=1, description="SGD steps on the source set in all (the authors: 15000 on GTA5)",
+                       json_schema_extra={"smoke": 2})
+    steps_per_round: int = Field(100, ge=1, description="steps per server-only round (each round is evaluated)",
+                                 json_schema_extra={"smoke": 2})
     batch_size: int = Field(8, ge=1)
     lr: float = Field(5e-3, gt=0, description="initial rate of the poly schedule over ``steps`` (power 0.9)")
     momentum: float = Field(0.9, ge=0, lt=1)
