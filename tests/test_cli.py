@@ -31,6 +31,9 @@ def test_run_sweep_then_rerun_skips_then_report(tmp_path, monkeypatch):
             d = tmp_path / "runs" / "tiny" / v / f"seed{s}"
             assert json.loads((d / "status.json").read_text())["state"] == "complete"
     assert (tmp_path / "runs/tiny/report.md").is_file() and (tmp_path / "runs/tiny/curves.png").is_file()
+    sweep_md = (tmp_path / "runs/tiny/report.md").read_text()  # the sweep compares each variant with the first
+    assert "## Compared with the baseline (fedavg)" in sweep_md and "| 95% CI | verdict |" in sweep_md
+    assert "| test/acc ↑ | fedyogi | fedavg | final | 2 |" in sweep_md
     again = runner.invoke(app, ["run", str(cfg)])
     assert again.exit_code == 0 and again.output.count("already complete") == 4
     rep = runner.invoke(app, ["report", "runs/tiny", "--out", "cmp"])

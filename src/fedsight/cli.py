@@ -286,21 +286,33 @@ def report(
     metric: Annotated[Optional[list[str]], typer.Option(help="Metrics to tabulate (default: all eval metrics).")] = None,
     csv: Annotated[Optional[Path], typer.Option(help="Also write every metric of every run and round to this CSV "
                                                      "file (one row per run and round).")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="The group every other is compared with: a row's run name, "
+                                                         "or a sweep variant's name (compared at each grid point). "
+                                                         "Default: the first.")] = None,
+    select: Annotated[str, typer.Option(help="Which evaluation stands for a run: final (its last), best (its best "
+                                             "round, selected on the test set for test metrics) or last:N (the "
+                                             "mean of its last N).")] = "final",
 ) -> None:
-    """Compare runs: overlaid curves and a table of final/best values, mean +- std over runs that differ only by
-    seed (the best per metric in bold within each grid point)."""
+    """Compare runs: overlaid curves, a table of final/best values, mean +- std over runs that differ only by seed
+    (the best per metric in bold within each grid point), and every run against the baseline: the per-seed
+    paired difference of each metric with a direction, its mean, 95% CI (Student t), n and a verdict (better,
+    worse, within noise)."""
     from .reporting import report as make_report
     from .reporting import write_csv
 
     runs = _find_runs(paths)
     _refuse_inside_run(csv)
     try:
-        table = make_report(runs, out, metrics=metric) if metric else make_report(runs, out)
+        table = make_report(runs, out, metrics=metric or None, baseline=baseline, select=select)
         if csv is not None:
             write_csv(runs, csv)
+    except ConfigError as exc:  # a bad --baseline or --select: nothing written
+        _fail(str(exc))
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 1)
     console.print(table.to_rich())
+    if (paired := table.comparison_rich()) is not None:
+        console.print(paired)
     _say(f"wrote {out / 'report.md'} and {out / 'curves.png'}" + (f" and {csv}" if csv is not None else ""))
 
 

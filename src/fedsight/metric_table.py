@@ -25,6 +25,18 @@ ENGINE_METRICS = (
     MetricSpec("dp/*", None, "differential-privacy bookkeeping"),
 )
 
+#: what a run spends rather than achieves, per round or cumulative: communication (bytes), compute (FLOPs,
+#: passes, seconds) and privacy loss (epsilon). Lower is cheaper, but no round of them is a result to select: the
+#: "best" of a running total is its first round. Reports show their final value (or the protocol's mean of the
+#: last evaluations) and never a best. Patterns as in ``MetricSpec.matches`` (``*`` spans ``/`` too).
+BUDGET_METRICS = ("cost/*", "time/*", "*epsilon*", "*bytes*", "*flops*",
+                  "fedvg/server_passes", "fedvg/server_examples", "fedvg/score_s")
+
+
+def is_budget(key: str) -> bool:
+    """Whether ``key`` is a budget metric (``BUDGET_METRICS``): bytes, FLOPs, seconds or privacy loss."""
+    return any(MetricSpec(pattern, False).matches(key) for pattern in BUDGET_METRICS)
+
 
 def metric_directions(cfg: Any) -> tuple[dict[str, bool | None], str]:
     """Every metric key (or ``prefix/*`` family) a run of ``cfg`` logs, with whether higher is better,

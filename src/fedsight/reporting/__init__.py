@@ -24,7 +24,13 @@ Conventions used throughout:
   direction leave it without one. The default comparison puts the runs' primary metric first.
 - "final" is the value at the last round where the metric was logged in that run; "best" is the max
   (or min, for lower-is-better metrics) over all logged rounds, and absent for a metric with no
-  direction, which is never bold in a comparison either.
+  direction, which is never bold in a comparison either, and for a budget metric (bytes, FLOPs, seconds,
+  privacy epsilon: ``fedsight.metric_table.is_budget``), whose "best" would be its first round.
+- A comparison picks one value per run by a selection protocol (``selection``): final (default), best (the
+  best round, selected on the split it is measured on: "selected on the test set" for test metrics) or
+  last:N (the mean of the last N evaluations). Every group but the baseline (default the first; a sweep
+  variant's name compares at each grid point) is compared with it on every metric with a direction: the
+  per-seed paired differences, their mean, 95% Student-t CI and a verdict (``paired``).
 - Runs whose configs are equal apart from top-level "seed", "run" and "engine" and whose seeds differ form one
   group of replicates (several seeds of one experiment); tables show mean ± sample std (ddof=1) over the runs
   of a group. Runs of one config that share a seed (the same run in-process and on Flower, or run twice) are
@@ -35,7 +41,8 @@ Conventions used throughout:
   never show matplotlib's offset text: a power-of-ten multiplier goes into the axis label.
 
 Modules: ``runs_view`` (loading runs, series, directions, grouping), ``fmt`` (formatting), ``plots``
-(curves), ``summary`` (``summary.md``), ``compare`` (comparison tables and reports), ``export`` (every
+(curves), ``summary`` (``summary.md``), ``compare`` (comparison tables and reports), ``selection`` (the
+protocols), ``paired`` (paired differences and their confidence intervals), ``export`` (every
 metric as CSV), ``client_weights`` and ``partition`` (who was trusted, and the data each client holds).
 """
 
@@ -43,21 +50,27 @@ from __future__ import annotations
 
 from ..runs import read_config, read_metrics
 from .client_weights import client_weight_matrix, plot_client_weights
-from .compare import ComparisonRow, ComparisonTable, compare, plot_comparison, report
+from .compare import ComparisonRow, ComparisonTable, PairedComparison, compare, plot_comparison, report
 from .export import write_csv
+from .paired import PairedDifference, paired_difference
 from .partition import plot_partition_heatmap, read_partition
 from .plots import mean_curve, plot_run
 from .runs_view import RunGroup, group_runs
+from .selection import Selection
 from .summary import write_summary
 
 __all__ = [
     "ComparisonRow",
     "ComparisonTable",
+    "PairedComparison",
+    "PairedDifference",
     "RunGroup",
+    "Selection",
     "client_weight_matrix",
     "compare",
     "group_runs",
     "mean_curve",
+    "paired_difference",
     "plot_client_weights",
     "plot_comparison",
     "plot_partition_heatmap",

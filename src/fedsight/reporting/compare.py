@@ -1,5 +1,6 @@
-"""Cross-run comparison: groups of runs on final and best metric values (``compare``), their overlaid
-curves (``plot_comparison``) and both in a markdown report (``report``)."""
+"""Cross-run comparison: groups of runs on final and best metric values (``compare``), each group against a
+baseline paired by seed with a 95% confidence interval (``PairedComparison``), their overlaid curves
+(``plot_comparison``) and all of it in a markdown report (``report``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from .fmt import _decimals, _fmt_mean_std, _md_escape, _metric_label
+from .paired import CONFIDENCE, PairedDifference, paired_difference
 from .plots import CURVES_FILE, _plot_groups
 from .runs_view import (
     RunGroup,
     StrPath,
+    _best_direction,
     _display_order,
     _group,
     _is_eval,
@@ -25,6 +29,7 @@ from .runs_view import (
     _Run,
     _shared_direction,
 )
+from .selection import Selection
 
 
 def _default_metrics(runs: Sequence[_Run]) -> list[str]:
@@ -51,12 +56,13 @@ def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
 
 @dataclass(frozen=True)
 class ComparisonRow:
-    """One (group, metric) cell pair of a comparison: mean and sample std (None below 2 runs) of each
-    run's final and best value. ``higher_is_better`` is the metric's direction that the compared runs'
-    ``run.json`` agree on (None: no direction, or they disagree; then there is no best). ``n_runs``
-    counts the runs that logged the metric (0, and no values, for a group that never logged it);
-    ``rounds`` holds each run's last round (all runs of the group); ``grid_point`` is the group's sweep
-    grid point (``RunGroup.grid_point``), the set of rows whose best final is bold."""
+    """One (group, metric) row of a comparison: mean and sample std (None below 2 runs) of each run's
+    final, best and selected value (the table's ``Selection``: final, best or the mean of the last N
+    evaluations). ``higher_is_better`` is the metric's direction that the compared runs' ``run.json`` agree
+    on (None: no direction, or they disagree; then there is no best, nor for a budget metric: bytes, FLOPs,
+    seconds, epsilon). ``n_runs`` counts the runs that logged the metric (0, and no values, for a group that
+    never logged it); ``rounds`` holds each run's last round (all runs of the group); ``grid_point`` is the
+    group's sweep grid point (``RunGroup.grid_point``), the set of rows whose best selected value is bold."""
 
     group: str
     metric: str
@@ -69,31 +75,52 @@ class ComparisonRow:
     best_mean: float | None
     best_std: float | None
     grid_point: str | None = None
+    selected_mean: float | None = None
+    selected_std: float | None = None
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """One group against its ``baseline`` group on one metric with a direction: the per-seed paired
+    difference (group minus baseline) of the values ``selection`` (in words) picked, its mean, 95% CI and
+    verdict (``PairedDifference``)."""
+
+    group: str
+    baseline: str
+    metric: str
+    higher_is_better: bool
+    selection: str
+    stats: PairedDifference
 
 
 @dataclass(frozen=True)
 class ComparisonTable:
-    """Final and best values per group and metric, as mean ± std over the runs of each group."""
+    """Final and best values per group and metric, as mean ± std over the runs of each group, and every group
+    against the baseline, paired by seed (``comparisons``), on the values ``selection`` picks."""
 
     groups: tuple[RunGroup, ...]
     metrics: tuple[str, ...]
     rows: tuple[ComparisonRow, ...]
+    selection: Selection = Selection()
+    #: the name the baselines were chosen by (a group's label, or a variant's name at each grid point)
+    baseline: str | None = None
+    comparisons: tuple[PairedComparison, ...] = ()
 
     def _leaders(self) -> set[tuple[str, str]]:
-        """(group, metric) of the group with the best mean final per metric with a direction, among the
-        rows of one sweep grid point (rows without one form one set): >= 2 candidates, no ties."""
+        """(group, metric) of the group with the best mean selected value per metric with a direction, among
+        the rows of one sweep grid point (rows without one form one set): >= 2 candidates, no ties."""
         out = set()
         for m in self.metrics:
             by_point: dict[str | None, list[ComparisonRow]] = {}
             for r in self.rows:
-                if (r.metric == m and r.higher_is_better is not None and r.final_mean is not None
-                        and not math.isnan(r.final_mean)):
+                if (r.metric == m and r.higher_is_better is not None and r.selected_mean is not None
+                        and not math.isnan(r.selected_mean)):
                     by_point.setdefault(r.grid_point, []).append(r)
             for cands in by_point.values():
                 if len(cands) >= 2:
                     sign = 1.0 if cands[0].higher_is_better else -1.0
-                    top = max(sign * r.final_mean for r in cands)  # type: ignore[operator]
-                    winners = [r for r in cands if sign * r.final_mean == top]  # type: ignore[operator]
+                    top = max(sign * r.selected_mean for r in cands)  # type: ignore[operator]
+                    winners = [r for r in cands if sign * r.selected_mean == top]  # type: ignore[operator]
                     if len(winners) == 1:  # no bold on ties
                         out.add((winners[0].group, m))
         return out
@@ -105,11 +132,15 @@ class ComparisonTable:
         text = f"Values are mean ± std over {n} {unit}"
         if len(ns) > 1:
             text += " (N per group in column n)"
-        bold = ("Bold: best final per metric among the runs of one grid point ([...] in the run name)"
-                if any(g.grid_point is not None for g in self.groups) else "Bold: best final per metric")
+        sel = self.selection
+        what = {"best": "top best (final where there is no best)"}.get(sel.kind, f"best {sel.column}")
+        bold = (f"Bold: {what} per metric among the runs of one grid point ([...] in the run name)"
+                if any(g.grid_point is not None for g in self.groups) else f"Bold: {what} per metric")
+        last = (f"; last {sel.n} = mean of each run's last {sel.n} evaluations" if sel.kind == "last" else "")
         return (text + "; std is the sample std (ddof=1), omitted for a single run. Final = each run's "
-                "last logged round; best = max (↑) or min (↓) over rounds, none for a metric without "
-                f"a direction; — = not logged by the group. {bold}.")
+                "last logged round; best = max (↑) or min (↓) over rounds, selected on the split it is "
+                "measured on (the test set for test/* and local/*), none for a metric without a direction or "
+                f"a budget metric (bytes, FLOPs, seconds, epsilon){last}; — = not logged by the group. {bold}.")
 
     def group_lines(self) -> list[str]:
         """One line per group: its label, seeds and backends (``run.json``), and the rule that formed
@@ -134,11 +165,26 @@ class ComparisonTable:
                      f"their own: {', '.join(split)}")
         return text + "."
 
-    def _cells(self, r: ComparisonRow) -> tuple[str, str]:
-        """Formatted (final, best), with decimals shared by all rows of the metric."""
-        same = [x for x in self.rows if x.metric == r.metric]
-        d = _decimals([x.final_mean for x in same] + [x.best_mean for x in same])
-        return _fmt_mean_std(r.final_mean, r.final_std, d), _fmt_mean_std(r.best_mean, r.best_std, d)
+    def _decimals(self, metric: str) -> int:
+        """Decimals shared by every number of ``metric`` (its rows' means and its paired differences)."""
+        same = [x for x in self.rows if x.metric == metric]
+        return _decimals([x.final_mean for x in same] + [x.best_mean for x in same] + [x.selected_mean for x in same])
+
+    def _headers(self) -> list[str]:
+        """The value columns: final, best, and "last N" under ``--select last:N``."""
+        return ["final", "best"] + ([self.selection.column] if self.selection.kind == "last" else [])
+
+    def _cells(self, r: ComparisonRow, lead: set[tuple[str, str]], bold: tuple[str, str]) -> list[str]:
+        """Formatted value cells (``_headers``), decimals shared by all rows of the metric; the selected value
+        of a leader wrapped in ``bold`` (its best, or its final where the metric has no best)."""
+        d = self._decimals(r.metric)
+        cells = [_fmt_mean_std(r.final_mean, r.final_std, d), _fmt_mean_std(r.best_mean, r.best_std, d)]
+        if self.selection.kind == "last":
+            cells.append(_fmt_mean_std(r.selected_mean, r.selected_std, d))
+        if (r.group, r.metric) in lead:
+            i = {"final": 0, "best": 1 if r.best_mean is not None else 0}.get(self.selection.kind, 2)
+            cells[i] = f"{bold[0]}{cells[i]}{bold[1]}"
+        return cells
 
     @staticmethod
     def _rounds_text(rounds: tuple[int, ...]) -> str:
@@ -148,15 +194,14 @@ class ComparisonTable:
     def to_markdown(self) -> str:
         """A markdown table (one row per metric and group) preceded by a "mean ± std over N seeds" line."""
         lead = self._leaders()
+        heads = self._headers()
         lines = [self._seeds_line(), "",
-                 "| metric | run | n | rounds | final | best |",
-                 "|---|---|---:|---:|---:|---:|"]
+                 f"| metric | run | n | rounds | {' | '.join(heads)} |",
+                 "|---|---|---:|---:|" + "---:|" * len(heads)]
         for r in self.rows:
-            final, best = self._cells(r)
-            if (r.group, r.metric) in lead:
-                final = f"**{final}**"
+            cells = self._cells(r, lead, ("**", "**"))
             lines.append(f"| {_md_escape(_metric_label(r.metric, r.higher_is_better))} | {_md_escape(r.group)} | "
-                         f"{r.n_runs} | {self._rounds_text(r.rounds)} | {final} | {best} |")
+                         f"{r.n_runs} | {self._rounds_text(r.rounds)} | {' | '.join(cells)} |")
         return "\n".join(lines) + "\n"
 
     def to_rich(self) -> Any:
@@ -171,21 +216,150 @@ class ComparisonTable:
         table.add_column("run", overflow="fold")
         table.add_column("n", justify="right")
         table.add_column("rounds", justify="right")
-        table.add_column("final", justify="right", no_wrap=True)
-        table.add_column("best", justify="right", no_wrap=True)
+        for head in self._headers():
+            table.add_column(head, justify="right", no_wrap=True)
         for i, r in enumerate(self.rows):
             first_of_metric = i == 0 or self.rows[i - 1].metric != r.metric
             last_of_metric = i + 1 == len(self.rows) or self.rows[i + 1].metric != r.metric
-            final, best = self._cells(r)
-            if (r.group, r.metric) in lead:
-                final = f"[bold]{final}[/bold]"
             label = _metric_label(r.metric, r.higher_is_better) if first_of_metric else ""
-            table.add_row(label, escape(r.group), str(r.n_runs), self._rounds_text(r.rounds), final, best,
-                          end_section=last_of_metric)
+            table.add_row(label, escape(r.group), str(r.n_runs), self._rounds_text(r.rounds),
+                          *self._cells(r, lead, ("[bold]", "[/bold]")), end_section=last_of_metric)
+        return table
+
+    # -- paired comparisons with the baseline ---------------------------------------------------------
+
+    def comparison_note(self, selection_column: bool = True) -> str:
+        """What the comparison table holds, in one paragraph; without ``selection_column`` it also says which
+        values each metric's rows compare (what that column would say)."""
+        pct = f"{CONFIDENCE:.0%}"
+        values = f"Values compared (--select {self.selection}): "
+        if selection_column:
+            values += "column selection."
+        else:
+            by_label: dict[str, list[str]] = {}
+            for c in self.comparisons:
+                metrics = by_label.setdefault(c.selection, [])
+                if c.metric not in metrics:
+                    metrics.append(c.metric)
+            values += "; ".join(f"{label} ({', '.join(ms)})" for label, ms in by_label.items()) + "."
+        return (f"Each row: the run minus the baseline, paired by seed (only the seeds both have; n pairs). {values} "
+                f"Δ = mean of the per-seed differences; {pct} CI = Student t interval of that mean (n − 1 degrees "
+                "of freedom). Verdict: better / worse when the interval excludes 0 (in the metric's direction), "
+                "within noise when it holds 0; no interval below 2 pairs.")
+
+    def _comparison_cells(self, c: PairedComparison) -> tuple[str, str, str]:
+        """(Δ, 95% CI, verdict) of one comparison, with the decimals of its metric's table rows."""
+        d, st = self._decimals(c.metric), c.stats
+        delta = "—" if st.mean is None else f"{st.mean:+.{d}f}"
+        if st.ci is not None:
+            ci = f"[{st.ci[0]:+.{d}f}, {st.ci[1]:+.{d}f}]"
+        else:
+            ci = {0: "n/a (no common seed)", 1: "n/a (1 seed)"}.get(st.n, "n/a")
+        return delta, ci, st.verdict
+
+    def comparison_markdown(self) -> str:
+        """The paired comparisons as a markdown table (empty when there are none)."""
+        if not self.comparisons:
+            return ""
+        pct = f"{CONFIDENCE:.0%}"
+        lines = [self.comparison_note(), "",
+                 f"| metric | run | baseline | selection | n | Δ | {pct} CI | verdict |",
+                 "|---|---|---|---|---:|---:|---|---|"]
+        for c in self.comparisons:
+            delta, ci, verdict = self._comparison_cells(c)
+            lines.append(f"| {_md_escape(_metric_label(c.metric, c.higher_is_better))} | {_md_escape(c.group)} | "
+                         f"{_md_escape(c.baseline)} | {c.selection} | {c.stats.n} | {delta} | {ci} | {verdict} |")
+        return "\n".join(lines) + "\n"
+
+    def comparison_rich(self) -> Any:
+        """The paired comparisons as a ``rich.table.Table`` (one section per metric); None when there are none.
+        Which values are compared is said in the caption; the baseline is a column only where rows differ in
+        it, else in the title."""
+        if not self.comparisons:
+            return None
+        from rich.markup import escape
+        from rich.table import Table
+
+        rows = self.comparisons
+        bases = list(dict.fromkeys(c.baseline for c in rows))
+        title = f"Compared with the baseline {bases[0]}" if len(bases) == 1 else "Compared with the baselines"
+        table = Table(title=escape(title), caption=escape(self.comparison_note(selection_column=False)),
+                      caption_justify="left")
+        table.add_column("metric", style="cyan", overflow="fold")
+        table.add_column("run", overflow="fold")
+        if len(bases) > 1:
+            table.add_column("baseline", overflow="fold")
+        table.add_column("n", justify="right")
+        table.add_column("Δ", justify="right", no_wrap=True)
+        table.add_column(f"{CONFIDENCE:.0%} CI", justify="right", no_wrap=True)
+        table.add_column("verdict", no_wrap=True)
+        for i, c in enumerate(rows):
+            first = i == 0 or rows[i - 1].metric != c.metric
+            last = i + 1 == len(rows) or rows[i + 1].metric != c.metric
+            cells = [_metric_label(c.metric, c.higher_is_better) if first else "", escape(c.group)]
+            cells += [escape(c.baseline)] if len(bases) > 1 else []
+            table.add_row(*cells, str(c.stats.n), *self._comparison_cells(c), end_section=last)
         return table
 
 
-def _compare_runs(runs: Sequence[_Run], metrics: list[str] | None) -> tuple[ComparisonTable, list[list[_Run]]]:
+def _variant_name(g: RunGroup) -> str:
+    """A group's label without its grid point: the sweep variant it belongs to (``fedavg`` of
+    ``fedavg[alpha=0.1]``)."""
+    return g.label.replace(f"[{g.grid_point}]", "", 1) if g.grid_point is not None else g.label
+
+
+def _baselines(groups: Sequence[RunGroup], name: str | None) -> tuple[str, dict[str | None, RunGroup] | RunGroup]:
+    """(the name, the baseline): the group labelled ``name``, else the groups of the variant ``name`` keyed by
+    grid point (each group is compared with its grid point's); ``name`` None: the first group's variant (or
+    label). A ``ConfigError`` naming ``--baseline`` and the groups when ``name`` names none."""
+    if name is None:
+        name = _variant_name(groups[0])
+    for g in groups:
+        if g.label == name:
+            return name, g
+    by_point: dict[str | None, RunGroup] = {}
+    for g in groups:
+        if g.grid_point is not None and _variant_name(g) == name:
+            by_point.setdefault(g.grid_point, g)
+    if not by_point:
+        variants = list(dict.fromkeys(_variant_name(g) for g in groups if g.grid_point is not None))
+        also = f" (or a variant, compared at each grid point: {', '.join(variants)})" if variants else ""
+        raise ConfigError(f"--baseline {name}: no such group; the groups are {', '.join(g.label for g in groups)}"
+                          + also)
+    return name, by_point
+
+
+def _by_seed(runs: Sequence[_Run], metric: str, higher: bool, selection: Selection) -> dict[int, float]:
+    """Seed -> selected value of ``metric``, for the runs that have a seed and logged it."""
+    return {r.seed: selection.value(r.series[metric], metric, higher) for r in runs
+            if r.seed is not None and metric in r.series}
+
+
+def _paired(grouped: Sequence[tuple[RunGroup, list[_Run]]], metrics: Sequence[str], directions: dict[str, bool | None],
+            selection: Selection, baseline: dict[str | None, RunGroup] | RunGroup) -> list[PairedComparison]:
+    """Every group but its baseline against the baseline, on every metric with a direction."""
+    members = {id(g): runs for g, runs in grouped}
+    out = []
+    for m in metrics:
+        higher = directions[m]
+        if higher is None:
+            continue
+        for g, runs in grouped:
+            base = baseline if isinstance(baseline, RunGroup) else baseline.get(g.grid_point)
+            if base is None or base is g:
+                continue
+            theirs = members[id(base)]
+            if not any(m in r.series for r in runs) or not any(m in r.series for r in theirs):
+                continue  # a metric of another task: nothing to compare
+            stats = paired_difference(_by_seed(runs, m, higher, selection), _by_seed(theirs, m, higher, selection),
+                                      higher)
+            out.append(PairedComparison(g.label, base.label, m, higher, selection.label(m, higher), stats))
+    return out
+
+
+def _compare_runs(runs: Sequence[_Run], metrics: list[str] | None, baseline: str | None = None,
+                  select: str | Selection = "final") -> tuple[ComparisonTable, list[list[_Run]]]:
+    selection = select if isinstance(select, Selection) else Selection.parse(select)
     grouped = _group(runs)
     if metrics is None:
         metrics = _default_metrics(runs)
@@ -193,21 +367,29 @@ def _compare_runs(runs: Sequence[_Run], metrics: list[str] | None) -> tuple[Comp
         absent = [m for m in metrics if not any(m in r.series for r in runs)]
         if absent:
             raise ValueError(f"metric(s) not logged by any run: {', '.join(absent)}")
-    rows = []
+    selection.check(runs, metrics)
+    name, base = _baselines([g for g, _ in grouped], baseline)
+    rows, directions = [], {}
     for m in metrics:
-        higher = _shared_direction(runs, m)  # one direction per metric across all groups
+        higher = directions[m] = _shared_direction(runs, m)  # one direction per metric across all groups
+        best = _best_direction(m, higher)
         for group, members in grouped:
             have = [r for r in members if m in r.series]
             fm, fs = _mean_std([r.series[m].final()[0] for r in have])
-            bm, bs = (None, None) if higher is None else _mean_std([r.series[m].best(higher)[0] for r in have])
+            bm, bs = (None, None) if best is None else _mean_std([r.series[m].best(best)[0] for r in have])
+            sm, ss = _mean_std([selection.value(r.series[m], m, higher) for r in have])
             rows.append(ComparisonRow(group.label, m, higher, len(have), tuple(r.n_rounds for r in members),
-                                      group.seeds, fm, fs, bm, bs, group.grid_point))
-    table = ComparisonTable(tuple(g for g, _ in grouped), tuple(metrics), tuple(rows))
+                                      group.seeds, fm, fs, bm, bs, group.grid_point, sm, ss))
+    comparisons = _paired(grouped, metrics, directions, selection, base)
+    table = ComparisonTable(tuple(g for g, _ in grouped), tuple(metrics), tuple(rows), selection, name,
+                            tuple(comparisons))
     return table, [members for _, members in grouped]
 
 
-def compare(run_dirs: Iterable[StrPath], metrics: list[str] | None = None) -> ComparisonTable:
-    """Compare groups of runs (see ``group_runs``) on final and best metric values.
+def compare(run_dirs: Iterable[StrPath], metrics: list[str] | None = None, *, baseline: str | None = None,
+            select: str = "final") -> ComparisonTable:
+    """Compare groups of runs (see ``group_runs``) on final and best metric values, and each group with a
+    baseline group, paired by seed.
 
     ``metrics`` defaults to the evaluation metrics (``test/*``, ``val/*``, ``local/*``) logged by any run
     (a group that never logged one shows "—" for it), the runs' primary metric first (the first run's, if
@@ -217,13 +399,24 @@ def compare(run_dirs: Iterable[StrPath], metrics: list[str] | None = None) -> Co
 
     - final: each run's value at its own last round where the metric was logged, so a run that was
       interrupted early or evaluates every k rounds still contributes its last evaluation;
-    - best: each run's max (higher-is-better) or min (lower-is-better) over its logged rounds.
+    - best: each run's max (higher-is-better) or min (lower-is-better) over its logged rounds; none for a
+      budget metric (bytes, FLOPs, seconds, epsilon: ``fedsight.metric_table.is_budget``);
+    - with ``select="last:N"``, the mean of each run's last N evaluations.
 
     Directions come from each run's ``run.json``; a metric with no direction there, or one the runs
-    disagree on, has no best and is never bold. The best final per metric is bold among the groups of
-    one sweep grid point (``name[alpha=0.1]``), the groups without a grid point forming one set.
+    disagree on, has no best, is never bold and is not compared with the baseline. The best selected value
+    per metric is bold among the groups of one sweep grid point (``name[alpha=0.1]``), the groups without a
+    grid point forming one set.
+
+    ``select`` (``fedsight.reporting.selection``): "final" (default), "best" (the best round, selected on
+    the split the metric is measured on) or "last:N". ``baseline``: a group's label, or a sweep variant's name
+    (each grid point's groups are then compared with that variant's group at the same grid point); default
+    the first group's variant. ``comparisons`` holds, for every other group and every metric with a direction,
+    the per-seed differences of the selected values, their mean, 95% Student-t CI and verdict
+    (``fedsight.reporting.paired``). A baseline naming no group, an unknown protocol, or ``last:N`` with a run
+    that has fewer than N evaluations of a compared metric raise ``fedsight.ConfigError`` naming the option.
     """
-    return _compare_runs(_load_all(run_dirs), metrics)[0]
+    return _compare_runs(_load_all(run_dirs), metrics, baseline, select)[0]
 
 
 #: more default metrics than this: the curves show the primary metric at each split (the table keeps them all)
@@ -258,13 +451,19 @@ def plot_comparison(run_dirs: Iterable[StrPath], path: StrPath, metrics: list[st
     return _plot_table(table, members, Path(path), chosen=metrics is not None)
 
 
-def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None) -> ComparisonTable:
-    """Write ``out_dir/report.md`` (comparison table, what was grouped and why, curves link) and
-    ``out_dir/curves.png`` for the given runs; return the table. ``metrics`` defaults as in ``compare``."""
+def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None, *,
+           baseline: str | None = None, select: str = "final") -> ComparisonTable:
+    """Write ``out_dir/report.md`` (comparison table, each group against the baseline with its 95% CI, what was
+    grouped and why, curves link) and ``out_dir/curves.png`` for the given runs; return the table.
+    ``metrics``, ``baseline`` and ``select`` as in ``compare``; nothing is written when they are wrong."""
     out = Path(out_dir)
-    table, members = _compare_runs(_load_all(run_dirs), metrics)
+    table, members = _compare_runs(_load_all(run_dirs), metrics, baseline, select)
     _plot_table(table, members, out / CURVES_FILE, chosen=metrics is not None)
-    lines = ["# FedSight comparison", "", table.to_markdown(), "## Groups", "", table.grouping_note(), ""]
+    lines = ["# FedSight comparison", "", table.to_markdown()]
+    if table.comparisons:
+        lines += [f"## Compared with the baseline ({_md_escape(table.baseline or '')})", "",
+                  table.comparison_markdown()]
+    lines += ["## Groups", "", table.grouping_note(), ""]
     for g, text in zip(table.groups, table.group_lines()):
         dirs = ", ".join(f"`{d}`" for d in g.run_dirs)
         lines.append(f"- **{_md_escape(g.label)}**{_md_escape(text[len(g.label):])} — {dirs}")

@@ -212,6 +212,15 @@ def _display_order(keys: Iterable[str]) -> list[str]:
 # -- several runs -----------------------------------------------------------------------------------
 
 
+def _best_direction(key: str, higher_is_better: bool | None) -> bool | None:
+    """The direction to take ``key``'s best value in: None (no best) for a metric without a direction and for
+    a budget metric (bytes, FLOPs, seconds, epsilon: ``fedsight.metric_table.is_budget``), whose "best" would
+    be its first round; else ``higher_is_better``."""
+    from ..metric_table import is_budget
+
+    return None if higher_is_better is None or is_budget(key) else higher_is_better
+
+
 def _shared_direction(runs: Sequence[_Run], key: str) -> bool | None:
     """The direction of ``key`` that the runs which logged it (all runs if none did) agree on; None when
     they disagree or none gives it one."""

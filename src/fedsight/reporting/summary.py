@@ -13,7 +13,7 @@ from .client_weights import CLIENT_WEIGHTS_FILE
 from .fmt import _fmt, _fmt_duration, _md_escape, _metric_label
 from .partition import read_partition
 from .plots import CURVES_FILE, plot_run
-from .runs_view import StrPath, _display_order, _Run
+from .runs_view import StrPath, _best_direction, _display_order, _Run
 
 SUMMARY_FILE = "summary.md"
 
@@ -203,7 +203,8 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
     clients per round, recipe: whichever exist), a table of the final and best value of every metric
     with the rounds where they occurred, the total time (sum of ``time/round_s``), and a link to
     ``plots/curves.png``. "Best" is the max or min over rounds as the run's ``run.json`` directs; a
-    metric with no direction has none ("—"). With ``plot=True`` (default) the curves are (re)drawn first
+    metric with no direction has none ("—"), nor has a budget metric (bytes, FLOPs, seconds, privacy
+    epsilon: ``fedsight.metric_table.is_budget``). With ``plot=True`` (default) the curves are (re)drawn first
     so the link is never stale.
     """
     run = _Run.load(run_dir)
@@ -240,11 +241,12 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
             s = series[k]
             higher = run.direction(k)
             fv, fr = s.final()
-            bv, br = s.best(higher)
+            bv, br = s.best(_best_direction(k, higher))
             lines.append(f"| {_md_escape(_metric_label(k, higher))} | {_fmt(fv)} | {fr} | {_fmt(bv)} | "
                          f"{'—' if br is None else br} |")
         lines += ["", "Final = value at the last round where the metric was logged; "
-                  "↑ higher is better, ↓ lower is better; no arrow: no direction, so no best.", ""]
+                  "↑ higher is better, ↓ lower is better; no arrow: no direction, so no best; budget "
+                  "metrics (bytes, FLOPs, seconds, privacy epsilon) have no best either.", ""]
     else:
         lines += ["No metrics recorded.", ""]
     lines += _events_section(run.records)
