@@ -293,3 +293,28 @@ def test_last_n_counts_each_runs_evaluations_of_each_metric(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match="--baseline x: no such group; the groups are base, short"):
         report([*ok, short], tmp_path / "rep", baseline="x")
     assert not (tmp_path / "rep").exists()
+
+
+def test_report_md_says_which_commit_command_and_machine_produced_its_numbers(tmp_path: Path) -> None:
+    """The provenance section lists each distinct commit, command and CPU of the runs' sessions, with counts."""
+    from fedsight.reporting import report
+
+    dirs = method(tmp_path, "a", {0: 0.9, 1: 0.8}, lr=0.1) + method(tmp_path, "b", {0: 0.7, 1: 0.6}, lr=0.2)
+    machines = [{"cpu": "AMD EPYC 7B13", "cpu_capability": "AVX2", "blas": "mkl"},
+                {"cpu": "Intel Xeon", "cpu_capability": "AVX512", "blas": "mkl"}]
+    for i, d in enumerate(dirs):
+        meta = json.loads((d / "run.json").read_text())
+        meta["sessions"] = [{"backend": "in-process", "command": ["fedsight", "run", "c.toml", "--set", "x=1 2"],
+                             "git": {"fedsight": {"commit": "0123456789abcdef", "dirty": i == 3}},
+                             "torch": "2.13.0+cpu", "python": "3.11.7", "device": "cpu", "threads": 1,
+                             "machine": machines[i % 2]}]
+        (d / "run.json").write_text(json.dumps(meta))
+    report(dirs, tmp_path / "out")
+    text = (tmp_path / "out" / "report.md").read_text()
+    prov = text[text.index("## Provenance"):]
+    assert "From the `run.json` of the 4 runs" in prov
+    assert "  - `0123456789ab` (3 runs)" in prov and "  - `0123456789ab (with uncommitted changes)` (1 run)" in prov
+    assert "- command: `fedsight run c.toml --set 'x=1 2'`" in prov
+    assert "  - `AMD EPYC 7B13 (cpu_capability AVX2, blas mkl)` (2 runs)" in prov
+    assert "  - `Intel Xeon (cpu_capability AVX512, blas mkl)` (2 runs)" in prov
+    assert "- device, threads: `cpu, 1 thread`" in prov

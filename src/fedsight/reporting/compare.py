@@ -5,6 +5,7 @@ baseline paired by seed with a 95% confidence interval (``PairedComparison``), t
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -451,13 +452,62 @@ def plot_comparison(run_dirs: Iterable[StrPath], path: StrPath, metrics: list[st
     return _plot_table(table, members, Path(path), chosen=metrics is not None)
 
 
+#: what a report's provenance lists of each run's sessions (``run.json``), in this order
+PROVENANCE = (
+    ("FedSight commit", lambda s: _commit(s.get("git", {}).get("fedsight"))),
+    ("command", lambda s: shlex.join(s["command"]) if isinstance(s.get("command"), list) else None),
+    ("torch / Python", lambda s: f"torch {s.get('torch')}, Python {s.get('python')}" if s.get("torch") else None),
+    ("device, threads", lambda s: f"{s.get('device')}, {s.get('threads')} thread{'s' if s.get('threads') != 1 else ''}"
+     if s.get("device") else None),
+    ("CPU", lambda s: _cpu(s.get("machine"))),
+)
+
+
+def _commit(git: Any) -> str | None:
+    if not isinstance(git, dict) or not isinstance(git.get("commit"), str):
+        return None
+    return git["commit"][:12] + (" (with uncommitted changes)" if git.get("dirty") else "")
+
+
+def _cpu(machine: Any) -> str | None:
+    if not isinstance(machine, dict) or not machine.get("cpu"):
+        return None
+    build = ", ".join(f"{k} {machine[k]}" for k in ("cpu_capability", "blas") if machine.get(k))
+    return f"{machine['cpu']}" + (f" ({build})" if build else "")
+
+
+def provenance_lines(runs: Iterable[_Run]) -> list[str]:
+    """``report.md``'s provenance: each distinct value of ``PROVENANCE`` over every session of every run (a
+    resumed run has several), with how many runs it produced, so a table says which code, command and machine
+    its numbers came from."""
+    runs = list(runs)
+    lines = ["## Provenance", "", f"From the `run.json` of the {len(runs)} runs (every session of each):", ""]
+    for label, get in PROVENANCE:
+        seen: dict[str, set[Path]] = {}
+        for run in runs:
+            for session in run.sessions:
+                value = get(session)
+                if value:
+                    seen.setdefault(value, set()).add(run.path)
+        if not seen:
+            continue
+        if len(seen) == 1:
+            lines.append(f"- {label}: `{next(iter(seen))}`")
+        else:
+            lines.append(f"- {label}:")
+            lines += [f"  - `{value}` ({len(paths)} run{'s' if len(paths) != 1 else ''})"
+                      for value, paths in sorted(seen.items(), key=lambda kv: -len(kv[1]))]
+    return lines + [""]
+
+
 def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None, *,
            baseline: str | None = None, select: str = "final") -> ComparisonTable:
     """Write ``out_dir/report.md`` (comparison table, each group against the baseline with its 95% CI, what was
     grouped and why, curves link) and ``out_dir/curves.png`` for the given runs; return the table.
     ``metrics``, ``baseline`` and ``select`` as in ``compare``; nothing is written when they are wrong."""
     out = Path(out_dir)
-    table, members = _compare_runs(_load_all(run_dirs), metrics, baseline, select)
+    runs = _load_all(run_dirs)
+    table, members = _compare_runs(runs, metrics, baseline, select)
     _plot_table(table, members, out / CURVES_FILE, chosen=metrics is not None)
     lines = ["# FedSight comparison", "", table.to_markdown()]
     if table.comparisons:
@@ -468,5 +518,6 @@ def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | N
         dirs = ", ".join(f"`{d}`" for d in g.run_dirs)
         lines.append(f"- **{_md_escape(g.label)}**{_md_escape(text[len(g.label):])} — {dirs}")
     lines += ["", "## Curves", "", f"![comparison curves]({CURVES_FILE})", ""]
+    lines += provenance_lines(runs)
     (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
     return table

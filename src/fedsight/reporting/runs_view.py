@@ -17,6 +17,7 @@ import numpy as np
 
 from ..metrics import MetricSpec, direction
 from ..runs import read_config, read_metrics, read_run_meta
+from ..safe_read import MAX_JSON_BYTES, read_json
 
 StrPath = str | os.PathLike[str]
 
@@ -119,6 +120,8 @@ class _Run:
     primary: str | None = None
     #: where its clients trained, from ``run.json`` (see ``_backends``)
     backend: str | None = None
+    #: ``run.json``'s sessions: what produced the run (command, commit, versions, machine), one per start
+    sessions: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def load(cls, run_dir: StrPath) -> _Run:
@@ -126,7 +129,8 @@ class _Run:
         records = read_metrics(run_dir)
         meta = read_run_meta(run_dir)
         specs, primary = _directions(meta, config)
-        return cls(Path(run_dir), config, records, specs, primary, _backends(meta))
+        sessions = tuple(x for x in (meta or {}).get("sessions", []) if isinstance(x, dict))
+        return cls(Path(run_dir), config, records, specs, primary, _backends(meta), sessions)
 
     def direction(self, key: str) -> bool | None:
         """True if higher values of ``key`` are better, False if lower, None if it has no direction."""
@@ -258,7 +262,7 @@ def _flower_treatment(run_dir: Path) -> dict[str, Any]:
     """The options of a Flower run that change its results and live in ``flower.json``, not in the config:
     the central-DP settings (a DP run and a plain run of one config are not replicates)."""
     try:
-        options = json.loads((run_dir / "flower.json").read_text(encoding="utf-8")).get("options", {})
+        options = read_json(run_dir / "flower.json", "", MAX_JSON_BYTES).get("options", {})
     except (OSError, ValueError, AttributeError):
         return {}
     if not isinstance(options, dict) or not options.get("dp_noise_multiplier"):
