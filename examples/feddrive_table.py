@@ -4,7 +4,9 @@ rule ("standard" for SiloBN/FedBN: statistics recomputed on the test data), and 
 domain" (every seen-test image with the statistics of its domain's training clients), obtained by
 re-evaluating each run's final checkpoint (``fedsight evaluate RUN --set recipe.sharing.test_stats=domain``;
 nothing is retrained, the result is appended to the run's ``evaluations.jsonl`` and reused on later calls).
-Values are the final round's, mean ± sample std over the variant's complete runs (seeds; n in the last column).
+Values are the final round's, mean ± sample std over the variant's complete runs (seeds; n in the last column);
+then each heterogeneous method against heterogeneous FedAvg, paired by seed, with its 95% CI and verdict; then the
+commit, command and machine of the runs.
 
     python examples/feddrive_table.py runs/feddrive
 """
@@ -62,6 +64,33 @@ def cell(values: list[float]) -> str:
     return f"{statistics.mean(v):.1f} ± {statistics.stdev(v):.1f}" if len(v) > 1 else f"{v[0]:.1f}"
 
 
+def seeds_of(runs: list[Path], value) -> dict[int, float]:
+    """seed -> ``value(run)`` of each run (the seed from its config.json)."""
+    return {int(json.loads((r / "config.json").read_text()).get("seed", 0)): value(r) for r in runs}
+
+
+def ci_cell(method: dict[int, float], base: dict[int, float], digits: int = 1, higher: bool = True) -> str:
+    """method - base paired by seed (``fedsight.reporting.paired_difference``): the mean difference, its 95% CI
+    and the verdict ("better" / "worse" when the interval excludes 0, "within noise" otherwise), n pairs."""
+    from fedsight.reporting import paired_difference
+
+    d = paired_difference(method, base, higher)
+    if d.mean is None:
+        return "- (no common seed)"
+    if d.ci is None:
+        return f"{d.mean:+.{digits}f} (n={d.n}, no interval)"
+    return f"{d.mean:+.{digits}f} [{d.ci[0]:+.{digits}f}, {d.ci[1]:+.{digits}f}] {d.verdict} (n={d.n})"
+
+
+def print_provenance(runs: list[Path]) -> None:
+    """The commit, command and machine of the runs behind the tables (``fedsight.reporting.provenance``)."""
+    from fedsight.reporting import provenance
+
+    if runs:
+        print()
+        print(provenance(runs))
+
+
 def main(root: Path) -> None:
     print("| distribution | method | style | unseen | seen | seen (by domain) | seeds |")
     print("|---|---|---|---:|---:|---:|---:|")
@@ -75,6 +104,19 @@ def main(root: Path) -> None:
             domain = cell([by_domain(r)["test/miou"] for r in runs])
         print(f"| {dist} | {method} | {style or '-'} | {cell([x['test_unseen/miou'] for x in last])} | "
               f"{cell([x['test/miou'] for x in last])} | {domain or '-'} | {len(runs)} |")
+    base = complete_runs(root, "het_fedavg")
+    print("\nEach heterogeneous row minus heterogeneous FedAvg, paired by seed: mean difference in mIoU points, its 95% "
+          "CI (Student t) and verdict.\n")
+    print("| method | style | unseen | seen |")
+    print("|---|---|---:|---:|")
+    for variant, dist, method, style in ROWS:
+        runs = complete_runs(root, variant)
+        if dist != "Heterogeneous" or variant == "het_fedavg" or not runs or not base:
+            continue
+        cells = [ci_cell(seeds_of(runs, lambda r: 100 * final(r)[k]), seeds_of(base, lambda r: 100 * final(r)[k]))
+                 for k in ("test_unseen/miou", "test/miou")]
+        print(f"| {method} | {style or '-'} | {' | '.join(cells)} |")
+    print_provenance([r for variant, *_ in ROWS for r in complete_runs(root, variant)])
 
 
 if __name__ == "__main__":

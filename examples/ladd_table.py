@@ -3,7 +3,8 @@ ablation (Table 5.13): which parts are on (FDA pre-training, self-training, dist
 teacher, cluster aggregation) and the test mIoU of the final round, mean ± sample std over the complete runs.
 The two source-only rows are the test mIoU at the end of the source stage (nothing adapted yet) of the runs
 without and with FDA pre-training; then which parameters are cluster-specific (Table 5.18); then FedAvg +
-self-training against LADD (cls) after 60 and after 300 adaptation rounds (the ``*_long`` variants).
+self-training against LADD (cls) after 60 and after 300 adaptation rounds (the ``*_long`` variants); then every
+adapted row against FedAvg + self-training, paired by seed with its 95% CI and verdict, and the runs' provenance.
 
     python examples/ladd_table.py runs/ladd
 """
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from feddrive_table import cell, complete_runs, final
+from feddrive_table import cell, ci_cell, complete_runs, final, print_provenance, seeds_of
 
 YES, NO = "✓", "✗"
 ROWS = [  # (label flags FDA ST KD SWAt Cluster, variant, which round: "source" end of source stage or final)
@@ -60,6 +61,20 @@ def main(root: Path) -> None:
         if all(groups):
             cells = " | ".join(cell([final(r)["test/miou"] for r in runs]) for runs in groups)
             print(f"| {rounds} | {cells} | {' / '.join(str(len(runs)) for runs in groups)} |")
+    base = complete_runs(root, "fedavg_st")
+    print("\nEach adapted row minus FedAvg + self-training (FDA, final round), paired by seed: mIoU points, 95% CI "
+          "(Student t), verdict.\n")
+    print("| FDA | ST | KD | SWAt | cluster aggr. | difference |")
+    print("|:-:|:-:|:-:|:-:|:-:|---:|")
+    for flags, variant, when in ROWS:
+        runs = complete_runs(root, variant)
+        if when == "final" and variant != "fedavg_st" and runs and base:
+            diff = ci_cell(seeds_of(runs, lambda r: 100 * final(r)["test/miou"]),
+                           seeds_of(base, lambda r: 100 * final(r)["test/miou"]))
+            print(f"| {' | '.join(flags)} | {diff} |")
+    print_provenance(sorted({r for _, v, _ in ROWS for r in complete_runs(root, v)}
+                            | {r for _, v in PARTS for r in complete_runs(root, v)}
+                            | {r for _, *vs in LENGTHS for v in vs for r in complete_runs(root, v)}))
 
 
 if __name__ == "__main__":

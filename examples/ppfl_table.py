@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from feddrive_table import complete_runs
+from feddrive_table import ci_cell, complete_runs, print_provenance
 
 CONDITIONS = [("clean", "clean"), ("ft", "+FT"), ("prune", "+Prune"), ("noise", "+Noise")]
 PRUNE_FRACTION = 0.7
@@ -123,10 +123,12 @@ def by_seed(runs: list[Path]) -> dict[int, Path]:
 
 
 def drops(base: list[Path], runs: list[Path], split: str) -> str:
-    """PSNR(FedAvg) - PSNR(variant) over the seeds both have (paired), mean ± std."""
-    b, v = by_seed(base), by_seed(runs)
+    """PSNR(FedAvg) - PSNR(variant) over the seeds both have (paired): mean, 95% CI and verdict (``ci_cell``;
+    "better" here means a larger drop)."""
     key = f"{split}/psnr_y"
-    return fmt([last(b[s], key)[key] - last(v[s], key)[key] for s in sorted(b.keys() & v.keys())], 2)
+    b = {s: last(r, key)[key] for s, r in by_seed(base).items()}
+    v = {s: last(r, key)[key] for s, r in by_seed(runs).items()}
+    return ci_cell(b, v, 2)
 
 
 def header(cols: list[str], right: int) -> None:
@@ -167,7 +169,8 @@ def table_ii(root: Path, scale_list: list[str]) -> bool:
     if splits is None:
         return False
     print("**Table II**: FedAvg vs FedAvg + DP-SGD (PPFL-RDSN), + watermark, and FedAvg then DP fine-tuning, final "
-          "round; ε is the largest over the clients at δ; PSNR drop = FedAvg - variant, paired by seed.")
+          "round; ε is the largest over the clients at δ; PSNR drop = FedAvg - variant, paired by seed: mean [95% CI] "
+          "and whether the interval excludes 0 ('better': FedAvg higher).")
     print()
     cols = [*[f"{n} {m}" for _, n in splits for m in ("PSNR", "SSIM")], "ε", "δ",
             *[f"{n} PSNR drop" for _, n in splits], "seeds"]
@@ -369,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         shown.append(table_iii(args.root, scale_list, args.ft_steps))
     if not any(shown):
         print(f"ppfl_table: no complete run under {args.root}/<variant>/scale=<s>/", file=sys.stderr)
+    print_provenance(sorted(r for v in sorted({p.name for p in args.root.iterdir() if p.is_dir()}) for sc in scale_list
+                            for r in runs_of(args.root, v, sc)))
     return 0
 
 

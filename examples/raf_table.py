@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from feddrive_table import complete_runs
+from feddrive_table import ci_cell, complete_runs, print_provenance
 from ppfl_table import by_seed, config, fmt, header, last, load_model
 
 SETTINGS = [("", "3 clients: high / mid / low"), ("onehigh_", "1 high + n low")]
@@ -49,7 +49,8 @@ def table_ii(root: Path) -> bool:
         cols = sizes(first)
         ladder = {"x".join(str(v) for v in s) for s in config(first)["task"].get("ladder", [])}
         print(f"\n**Table II ({title})**: PCKh@0.5 (%) of the global model by inference resolution "
-              "(* = not a training resolution), final round; gain = with RAF - without, paired by seed.\n")
+              "(* = not a training resolution), final round; gain = with RAF - without, paired by seed: mean [95% CI] "
+              "and verdict.\n")
         header(["method"] + [s + ("" if s in ladder else " *") for _, s in cols] + ["seeds"], len(cols) + 1)
         for variant, label, base in present:
             runs = complete_runs(root, variant)
@@ -58,8 +59,8 @@ def table_ii(root: Path) -> bool:
             if base is not None and complete_runs(root, prefix + base):
                 b, v = by_seed(complete_runs(root, prefix + base)), by_seed(runs)
                 pairs = sorted(b.keys() & v.keys())
-                gains = [fmt([last(v[s], f"{sp}/pckh")[f"{sp}/pckh"] - last(b[s], f"{sp}/pckh")[f"{sp}/pckh"]
-                              for s in pairs], 1) for sp, _ in cols]
+                gains = [ci_cell({s: last(r, f"{sp}/pckh")[f"{sp}/pckh"] for s, r in v.items()},
+                                 {s: last(r, f"{sp}/pckh")[f"{sp}/pckh"] for s, r in b.items()}, 1) for sp, _ in cols]
                 print("| gain of RAF | " + " | ".join(gains) + f" | {len(pairs)} |")
         shown = True
     return shown
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if not shown:
         print(f"error: no complete run of examples/raf.toml under {args.root}", file=sys.stderr)
         return 1
+    print_provenance(sorted(r for d in args.root.iterdir() if d.is_dir() for r in complete_runs(args.root, d.name)))
     return 0
 
 

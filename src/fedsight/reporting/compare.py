@@ -500,6 +500,12 @@ def provenance_lines(runs: Iterable[_Run]) -> list[str]:
     return lines + [""]
 
 
+def provenance(run_dirs: Iterable[StrPath]) -> str:
+    """The provenance section (``provenance_lines``) of these run directories, as Markdown: what the table
+    scripts (``examples/*_table.py``) print under their tables."""
+    return "\n".join(provenance_lines(_load_all(run_dirs)))
+
+
 def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None, *,
            baseline: str | None = None, select: str = "final") -> ComparisonTable:
     """Write ``out_dir/report.md`` (comparison table, each group against the baseline with its 95% CI, what was
