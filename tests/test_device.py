@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from fedsight.api import build_simulation, execute, load_run_config
 from fedsight.config import ConfigError, validate
-from fedsight.device import resolve_device
+from fedsight.device import cpu_info, resolve_device
 
 from helpers import tiny
 
@@ -215,3 +215,54 @@ def test_on_disk_images_with_pinned_batches_on_the_gpu(tmp_path):
     cpu["engine"]["device"] = "cpu"
     execute(validate(cpu), tmp_path / "img_cpu")
     models_close(tmp_path / "img", tmp_path / "img_cpu", atol=1e-3)
+
+
+_RUN = """
+import json, sys
+from fedsight.api import execute
+from fedsight.config import validate
+execute(validate(json.loads(sys.argv[1])), sys.argv[2])
+"""
+
+#: the fields of ``run.json``'s ``machine`` (``fedsight.device.machine``)
+MACHINE = {"cpu", "arch", "cpu_flags", "logical_cpus", "cpu_capability", "blas", "lapack", "mkldnn", "onednn", "mkl",
+           "parallel_backend", "interop_threads"}
+
+
+def test_run_json_records_the_cpu_and_torch_kernels_and_a_lowered_capability(tmp_path):
+    """Each session records the machine's CPU (model, vector extensions) and torch's CPU kernels (the capability
+    its kernels dispatch to, BLAS/LAPACK, oneDNN): what decides how its floats round. A run in a process with
+    ``ATEN_CPU_CAPABILITY=default`` (torch's scalar kernels, as a CPU without AVX would run) records that."""
+    raw = tiny(**{"server.rounds": 1, "eval.local": False})
+    execute(validate(raw), tmp_path / "here")
+    m = json.loads((tmp_path / "here" / "run.json").read_text())["sessions"][0]["machine"]
+    assert set(m) >= MACHINE, set(m) ^ MACHINE
+    assert m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert m["mkldnn"] == torch.backends.mkldnn.is_available() and m["blas"] and m["interop_threads"] >= 1
+    assert m["cpu"] and m["logical_cpus"] == os.cpu_count()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+        flags = set(next((ln.split(":", 1)[1].split() for ln in first.splitlines()
+                          if ln.split(":")[0].strip() in ("flags", "Features")), []))
+        assert set(m["cpu_flags"]) <= flags and ("avx2" in flags) == ("avx2" in m["cpu_flags"])
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    out = subprocess.run([sys.executable, "-c", _RUN, json.dumps(raw), str(tmp_path / "scalar")], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lowered = json.loads((tmp_path / "scalar" / "run.json").read_text())["sessions"][0]["machine"]
+    assert lowered["cpu_capability"] == "DEFAULT" and lowered["env"]["ATEN_CPU_CAPABILITY"] == "default"
+    assert {k: v for k, v in lowered.items() if k not in ("cpu_capability", "env")} == {
+        k: v for k, v in m.items() if k not in ("cpu_capability", "env")}
+
+
+def test_cpu_info_keeps_the_model_and_the_vector_extensions():
+    epyc = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
+            "flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 sha_ni\n\n"
+            "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu\n")
+    assert cpu_info(epyc)["cpu"] == "AMD EPYC 7B13"
+    assert cpu_info(epyc)["cpu_flags"] == ["avx", "avx2", "f16c", "fma", "sse4_2"]
+    xeon = "model name\t: Intel Xeon\nflags\t\t: avx2 avx512f avx512_vnni amx_tile amx_bf16 sse2\n"
+    assert cpu_info(xeon)["cpu_flags"] == ["amx_bf16", "amx_tile", "avx2", "avx512_vnni", "avx512f"]
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve\n"
+    assert cpu_info(arm)["cpu_flags"] == ["asimd", "sve"] and cpu_info(arm)["cpu"]  # (platform.processor() or the arch)

@@ -27,6 +27,11 @@ the same GPU model, driver and torch build, at some speed cost; operations witho
 kernel then raise. Without it, CUDA results vary in the last bits between runs (atomics in reductions,
 cuDNN algorithm choice), and a resumed run equals an uninterrupted one only to float tolerance. Results
 never match bit for bit across devices (CPU vs GPU) or GPU models.
+
+**Machine** (``run.json``'s ``machine``, each session): on the CPU too, bit-identical means the same CPU kernels,
+so each session records the CPU model and its vector extensions, the capability torch's kernels dispatch to
+(``ATEN_CPU_CAPABILITY=avx2`` or ``default`` lowers it, as oneDNN's ``ONEDNN_MAX_CPU_ISA`` and MKL's
+``MKL_ENABLE_INSTRUCTIONS`` lower theirs: another CPU's kernels on this one), BLAS/LAPACK, MKL and oneDNN.
 """
 
 from __future__ import annotations
@@ -136,9 +141,75 @@ def configure_determinism(deterministic: bool, device: torch.device) -> None:
 
 
 def describe(device: torch.device) -> dict[str, Any]:
-    """What ``run.json`` records about where a session ran."""
+    """What ``run.json`` records about where a session ran (``machine``: the CPU and torch's CPU kernels)."""
     out: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
                            "cuda": torch.version.cuda}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
+    out["machine"] = machine()
     return out
+
+
+#: the CPU flags that decide which kernels torch, MKL and oneDNN run (``avx512*`` and ``amx*`` by prefix; ARM's
+#: ``asimd``/``sve``)
+CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "asimd", "sve", "sve2")
+CPU_FLAG_PREFIXES = ("avx512", "amx", "avx_vnni")
+#: environment variables that change which kernels run or how many threads they use (recorded when set)
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+              "MKL_CBWR", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
+    """The CPU's model name and its vector extensions among ``CPU_FLAGS`` (sorted), from ``/proc/cpuinfo`` (or
+    the text ``cpuinfo``); elsewhere ``platform.processor()`` and no flags."""
+    import platform
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():  # (the first processor's block: every core of a machine is one model)
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name") or fields.get("Model") or platform.processor() or platform.machine()
+    flags = (fields.get("flags") or fields.get("Features") or "").split()
+    keep = sorted({f for f in flags if f in CPU_FLAGS or f.startswith(CPU_FLAG_PREFIXES)})
+    return {"cpu": model, "arch": platform.machine(), "cpu_flags": keep, "logical_cpus": os.cpu_count()}
+
+
+def torch_build() -> dict[str, Any]:
+    """torch's CPU kernels: the capability its vectorised kernels dispatch to (``ATEN_CPU_CAPABILITY`` lowers
+    it), BLAS and LAPACK, oneDNN (MKL-DNN) and MKL versions and the parallel backend (``torch.__config__``)."""
+    import re
+
+    shown = torch.__config__.show()
+    parallel = torch.__config__.parallel_info()
+    settings = dict(re.findall(r"(\w+)=([^,\s]*)", shown.split("Build settings:", 1)[-1]))
+    onednn = re.search(r"MKL-DNN v([\w.]+)", shown)
+    mkl = re.search(r"Math Kernel Library Version ([\w.]+)", shown)
+    backend = re.search(r"ATen parallel backend: (.+)", parallel)
+    out: dict[str, Any] = {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "blas": settings.get("BLAS_INFO"), "lapack": settings.get("LAPACK_INFO"),
+        "mkldnn": torch.backends.mkldnn.is_available(), "onednn": onednn.group(1) if onednn else None,
+        "mkl": mkl.group(1) if mkl else None,
+        "parallel_backend": backend.group(1).strip() if backend else None,
+        "interop_threads": torch.get_num_interop_threads(),
+    }
+    env = {k: os.environ[k] for k in KERNEL_ENV if os.environ.get(k)}
+    if env:
+        out["env"] = env
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """``run.json``'s ``machine``: the CPU (``cpu_info``) and torch's CPU kernels (``torch_build``), which decide
+    how a float result rounds: another CPU model, capability or library version gives other last bits."""
+    return {**cpu_info(), **torch_build()}
