@@ -294,15 +294,17 @@ def wm_params(root: Path, scale: str, seed: int) -> dict[str, Any] | None:
 def attack_run(root: Path, run: Path, scale: str, ft_steps: int, tasks: Tasks) -> dict[str, Any]:
     """{condition: {"psnr": {split: dB}, "wm": Verification or None}} of one run's final model."""
     from fedsight.api import load_run_config
-    from fedsight.recipe.ppfl import verify
+    from fedsight.recipe.ppfl import run_watermark_secret, verify
 
     cfg = load_run_config(run)
     task = tasks.get(run, cfg)
     params = wm_params(root, scale, cfg.seed)
+    # the clients' drawn key of a watermarked run under [privacy] noise = "secret" (none: key_file or the seed's)
+    secret = run_watermark_secret(root / "fedavg_dp_wm" / f"scale={scale}" / f"seed{cfg.seed}")
     result = {}
     for cond, model in attacked(load_model(run, cfg, task), task, run, cfg, ft_steps).items():
         psnr = {split: task.evaluate(model, split)["psnr_y"] for split in task.test_splits}
-        result[cond] = {"psnr": psnr, "wm": verify(model, params, seed=cfg.seed) if params is not None else None}
+        result[cond] = {"psnr": psnr, "wm": verify(model, params, seed=cfg.seed, secret=secret) if params is not None else None}
     return result
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 import platform
 import sys
@@ -26,8 +27,9 @@ from .metric_table import metric_directions
 from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
 from .provenance import provenance
-from .errors import RunFileError
+from .errors import FedSightError, RunFileError
 from .rng import PROCESS_STREAM
+from .secret import privacy_note, server_side
 from .runs import (CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, INTERRUPTED, Replacement, RunDir, RunLock,
                    atomic_write_text, last_values, read_run_meta)
 from .state import ClientStateStore
@@ -182,7 +184,7 @@ def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | N
     store = ClientStateStore(Path(run_dir) / "client_state") if run_dir is not None else None
     sim = Simulation(task, None, None, build_schedule(cfg, task), cfg.seed, store, build_stages(cfg, task),
                      cost=cost, device=device, vectorize=vectorize_mode(cfg.engine.vectorize, device),
-                     max_clients_per_batch=cfg.engine.max_clients_per_batch)
+                     max_clients_per_batch=cfg.engine.max_clients_per_batch, noise=cfg.privacy.noise)
     check_model(cfg, sim.global_model)
     initial_weights(cfg, sim.global_model, task, device)
     return sim
@@ -193,7 +195,8 @@ def build_server(cfg: Any, task: Task | None = None) -> Server:
     device = engine_device(cfg)
     task = task or build_task(cfg)
     task.to(device)
-    server = Server(task, build_stages(cfg, task), build_schedule(cfg, task), cfg.seed, device=device)
+    with server_side():  # the server holds none of the clients' secrets (their watermark key file)
+        server = Server(task, build_stages(cfg, task), build_schedule(cfg, task), cfg.seed, device=device)
     check_model(cfg, server.global_model)
     initial_weights(cfg, server.global_model, task, device)
     return server
@@ -253,7 +256,8 @@ OnRound = Callable[[int, dict[str, Any]], None]
 
 
 def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True,
-                  backend: str = "in-process", vectorize: bool | str | None = None) -> None:
+                  backend: str = "in-process", vectorize: bool | str | None = None,
+                  privacy_noise: str | None = None) -> None:
     """Write a run's config (first session only), its partition description (``partition``: the task's
     partition is the clients' data) and its ``run.json`` (``backend``: where the clients train; a run that
     trained on Flower never resumes in-process)."""
@@ -267,6 +271,8 @@ def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, parti
     session = {**session_info(device), "backend": backend}
     if vectorize is not None:  # the in-process engine's mode on this session's device (``vectorize_mode``)
         session["vectorize"] = vectorize
+    if privacy_noise is not None:  # where the DP noise and keys came from (``fedsight.secret.privacy_note``)
+        session["privacy_noise"] = privacy_noise
     run.write_run_meta(metrics, primary, session,
                        model_io=dataclasses.asdict(task.model_io))
 
@@ -306,12 +312,16 @@ def execute(
     locked throughout (``RunLock``): a second process on it fails at once. Runs in one process take turns
     (``rng.PROCESS_STREAM``): a thread calling this while another thread's run is under way waits for it.
     """
-    with RunLock(run_dir), PROCESS_STREAM:
-        return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round)
+    with PROCESS_STREAM:
+        sim = None
+        if not os.path.lexists(run_dir):  # a new run: data loaded and everything built before the lock file is
+            sim = build_simulation(cfg, run_dir=Path(run_dir))  # made, so a kill meanwhile leaves nothing behind
+        with RunLock(run_dir):
+            return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round, sim)
 
 
 def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: int | None,
-             on_round: OnRound | None) -> Outcome:
+             on_round: OnRound | None, sim: Simulation | None = None) -> Outcome:
     res = experiment(resolved(cfg))
     if run.exists() and not overwrite:
         old = experiment(run.read_config())
@@ -331,13 +341,17 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
         raise RunFileError(f"{run.path} is a Flower run: it cannot continue in-process (its client state lives on "
                            "the nodes, and central DP's noise would be dropped); run it again with `fedsight flower "
                            "... --overwrite`")
-    # load data and build everything first: bad input must fail before a run directory is written
-    sim = build_simulation(cfg, run_dir=run.path)
+    # load data and build everything first: bad input must fail before a run directory is written (a new run's
+    # simulation is built before its lock is taken: ``execute``)
+    if sim is None:
+        sim = build_simulation(cfg, run_dir=run.path)
     status = run.read_status() if resume else {}
     if status.get("state") == "complete" and status["round"] >= cfg.server.rounds:
         rows = [r for r in run.read_metrics() if "event" not in r] if run.metrics_path.is_file() else []
         if _finished(run, rows, cfg):
-            run.sweep_leftovers()  # a kill while its plots or summary were written
+            for note in _swept(run):  # a kill while its plots or summary were written
+                run.append_metrics({"event": "run_repaired", "round": rows[-1]["round"], "stage": rows[-1].get("stage"),
+                                    "note": note})
             return Outcome(run.path, "skipped", rows[-1])
     # --overwrite: the old run is set aside now and deleted once the new one has recorded a round
     replaced = Replacement(run.path) if overwrite and not resume else None
@@ -372,14 +386,14 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
                                f"({'; '.join(notes) or 'none left'}); nothing was changed: pass --overwrite to start "
                                "the run over")
         notes += run.truncate_metrics(sim.round)
-    run.sweep_leftovers()  # also for a new run in a folder a killed run left before its config was written
-    start_run_dir(run, cfg, sim.task, sim.server.device, vectorize=sim.runtime.vectorize)
-    if resume:
-        for note in notes:
-            run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
-    else:
+    notes += _swept(run)  # also for a new run in a folder a killed run left before its config was written
+    start_run_dir(run, cfg, sim.task, sim.server.device, vectorize=sim.runtime.vectorize,
+                  privacy_noise=privacy_note(sim.stages, cfg.privacy.noise))
+    if not resume:
         for path in (run.metrics_path, run.weights_path, run.path / CLIENT_METRICS_FILE):
             path.unlink(missing_ok=True)
+    for note in notes:  # a run_repaired event for each repair and each swept leftover (README)
+        run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
     last: dict[str, Any] = {}
 
     def _on_round(r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
@@ -394,17 +408,37 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
     try:
         sim.run(on_round=_on_round, stop_after=stop_after)
         state = "complete" if sim.round >= cfg.server.rounds else "stopped"
-        save_weights(sim.global_model, run.path / "model.safetensors")
-        run.write_status(state, sim.round, cfg.server.rounds)
-        if state == "complete":
-            finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context,
-                   facts=sim.server.facts, events=run.events)
+        try:
+            save_weights(sim.global_model, run.path / "model.safetensors")
+            run.write_status(state, sim.round, cfg.server.rounds)
+            if state == "complete":
+                finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context,
+                       facts=sim.server.facts, events=run.events)
+        except Exception as exc:  # a full disk, a file-size limit: the status says what failed, and the run resumes
+            _record_failure(run, sim.round, cfg.server.rounds, exc)
+            raise
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI: the last completed round is checkpointed
         run.write_status(INTERRUPTED, sim.round, cfg.server.rounds)
         raise
     finally:
         run.close_events()
     return Outcome(run.path, state, last or None)
+
+
+def _swept(run: RunDir) -> list[str]:
+    """``sweep_leftovers`` of ``run``, each as the note of a ``run_repaired`` event."""
+    return [f"{name}: a leftover of an interrupted write was removed" for name in run.sweep_leftovers()]
+
+
+def _record_failure(run: RunDir, r: int, rounds: int, exc: BaseException) -> None:
+    """After the last round, writing the final model, the status, the plots or the summary failed: the status
+    goes back to "running" (``fedsight resume`` or the same ``run`` again redoes what is missing) and says what
+    failed (``failed``: one line). A status that cannot be written either leaves the one before."""
+    what = str(exc) if isinstance(exc, FedSightError) else f"{type(exc).__name__}: {exc}"
+    try:
+        run.write_status("running", r, rounds, failed=" ".join(f"finishing the run: {what}".split()))
+    except Exception:  # noqa: BLE001 - the first failure is the one reported
+        pass
 
 
 def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None,

@@ -164,6 +164,16 @@ class EvalSection(Params):
     local: bool = Field(True, description="evaluate on every client's local test set (WMA, worst 10%)")
 
 
+class PrivacySection(Params):
+    """Where the randomness that protects a party comes from (``fedsight.secret``)."""
+
+    noise: Literal["simulated", "secret"] = Field(
+        "simulated", description='"simulated": DP noise and the watermark key derive from the run seed (reproducible '
+        'research; anyone with the config can regenerate them, and run.json and summary.md say so); "secret": each '
+        "party draws a secret from the OS CSPRNG and keeps it in its private state (client_state/secret); a Flower "
+        "run is always secret")
+
+
 class InitSection(Params):
     """Start the global model from a safetensors file instead of the seeded initialisation."""
 
@@ -306,6 +316,7 @@ def _sections() -> dict[str, Any]:
         "recipe": (recipe, Field(default_factory=recipe)),
         "eval": (EvalSection, Field(default_factory=EvalSection)),
         "engine": (EngineSection, Field(default_factory=EngineSection)),
+        "privacy": (PrivacySection, Field(default_factory=PrivacySection)),
         "init": (InitSection, Field(default_factory=InitSection)),
         "stages": (Annotated[list[StageSection], AfterValidator(_unique_stage_names)], Field(default_factory=list)),
         "validation": (ValidationSection, Field(default_factory=ValidationSection)),

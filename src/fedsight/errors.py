@@ -6,6 +6,8 @@ line per problem); anything else reaching an entry point is a bug.
 
 from __future__ import annotations
 
+import errno
+
 
 class FedSightError(Exception):
     """Base of FedSight's expected failures."""
@@ -26,6 +28,26 @@ class DataFileError(FedSightError, ValueError):
     """A data, annotation or list file that cannot be read as what it should be (not a regular file, too
     large, not UTF-8, not valid JSON, nested or numbered past the reader's limits, a damaged archive). The
     message names the file (and the line or key where there is one); ``fedsight.safe_read`` raises it."""
+
+
+class OutputPathError(FedSightError, ValueError):
+    """A path a command was asked to write that FedSight refuses (``fedsight.safe_write``): inside a run
+    directory the command does not own, a device, FIFO, socket or folder where a file goes, a symbolic link, or
+    an existing file without ``--force``. The message names the path and why; nothing has been written."""
+
+
+class WriteError(FedSightError, OSError):
+    """A write that failed (a full disk, a file-size limit, no permission): an ``OSError`` with the ``errno``
+    of the failure and ``filename``, the file being written, which its message names. What was being replaced
+    is unchanged (writes go to a temporary file first)."""
+
+    HINTS = {errno.ENOSPC: "the disk is full", errno.EFBIG: "past the file-size limit, ulimit -f",
+             errno.EDQUOT: "over the disk quota"}
+
+    def __str__(self) -> str:
+        hint = self.HINTS.get(self.errno or 0)
+        why = self.strerror or "failed"
+        return f"{self.filename}: cannot write it: {why}" + (f" ({hint})" if hint and hint not in why else "")
 
 
 class ModelRefused(FedSightError):

@@ -13,6 +13,15 @@ versions superseded in round r are deleted (``commit``); on resume, every versio
 checked (present, same SHA-256) before versions newer than the checkpoint are deleted (``load_state_dict``), so a
 damaged or missing file stops the resume before anything changes. Without a run directory (tests, benchmarks)
 the store keeps tensors in memory.
+
+The store also keeps its clients' secrets (``secret``; ``fedsight.secret``): 32 bytes each from the OS CSPRNG,
+
+    RUN_DIR/client_state/secret/<name>.key
+
+written once when first needed and never versioned or rewritten. The checkpoint holds their names only (the
+clients that drew one, ``secret_clients``), never their bytes; a resumed run checks that each named file is there
+and whole before anything changes and reads it back, so its noise is the uninterrupted run's. ``one_client``: the store of a
+single client (a Flower node's), which cannot hold a secret shared by several clients (``shared_secret``).
 """
 
 from __future__ import annotations
@@ -30,9 +39,16 @@ from .runs import atomic_write_bytes
 PERSONAL = "personal"
 
 
+#: the store's folder of secrets (``ClientStateStore.secret``); no component's state key may take it
+SECRET_DIR = "secret"
+
+
 class ClientStateStore:
-    def __init__(self, root: str | Path | None = None):
+    def __init__(self, root: str | Path | None = None, *, one_client: bool = False):
         self.root = Path(root) if root is not None else None
+        self.one_client = one_client
+        self._secrets: dict[str, bytes] = {}  # without a folder: the secrets themselves
+        self._secret_names: set[str] = set()  # with a folder: the names drawn or read (checkpointed)
         self._index: dict[str, dict[int, int]] = {}  # key -> client -> round of the current version
         self._sha: dict[tuple[str, int], bytes] = {}  # (key, client) -> SHA-256 of the current version's file
         self._mem: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
@@ -66,7 +82,7 @@ class ClientStateStore:
         return data
 
     def put(self, key: str, client: int, round: int, tensors: dict[str, torch.Tensor]) -> None:
-        if "/" in key or not key:
+        if "/" in key or not key or key == SECRET_DIR:
             raise ValueError(f"invalid client-state key {key!r}")
         old = self._index.setdefault(key, {}).get(client)
         if self.root is None:
@@ -81,6 +97,21 @@ class ClientStateStore:
 
     def clients(self, key: str) -> list[int]:
         return sorted(self._index.get(key, {}))
+
+    def secret(self, name: str) -> bytes:
+        """The secret ``name`` (``client-0000003``, ``watermark``): read back from ``secret/<name>.key`` under the
+        store's folder, or drawn from the OS CSPRNG the first time and written there (in memory without a folder)."""
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"invalid secret name {name!r}")
+        from .secret import draw_secret, keep_secret
+
+        if self.root is not None:  # read from its file each time: memory does not grow with the clients
+            data = keep_secret(self.root / SECRET_DIR / f"{name}.key", must_exist=name in self._secret_names)
+            self._secret_names.add(name)
+            return data
+        if name not in self._secrets:
+            self._secrets[name] = draw_secret()
+        return self._secrets[name]
 
     def keys(self) -> list[str]:
         """The kinds of state held (``PERSONAL``, components' names), for any client."""
@@ -107,9 +138,13 @@ class ClientStateStore:
                                                   dtype=torch.uint8).reshape(len(clients), 32)
             if self.root is None:
                 out[key]["memory"] = {str(c): self._mem[(key, c)] for c in clients}
+        if self.root is not None and self._secret_names:  # names only: the bytes stay in their files
+            out[SECRET_DIR] = {"names": sorted(self._secret_names)}
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        names = [str(n) for n in (state.pop(SECRET_DIR, None) or {}).get("names", [])]
         self._index = {
             key: dict(zip(v["clients"].tolist(), v["rounds"].tolist(), strict=True)) for key, v in state.items()
         }
@@ -126,6 +161,11 @@ class ClientStateStore:
         for k, idx in self._index.items():
             for c, r in idx.items():
                 self._read(k, c, r)
+        from .secret import check_secret
+
+        for name in names:  # a secret the run drew must be there: a new draw would silently change the noise
+            check_secret(self.root / SECRET_DIR / f"{name}.key")
+        self._secret_names = set(names)
         # versions written after the checkpoint (a killed round) are orphans: remove them
         for key_dir in self.root.glob("*") if self.root.is_dir() else []:
             idx = self._index.get(key_dir.name, {})

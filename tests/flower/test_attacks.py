@@ -333,3 +333,82 @@ def test_flower_options_are_validated_before_anything_starts(tmp_path, args, msg
     res = CliRunner().invoke(app, ["flower", "local", str(cfg), "--run-dir", str(tmp_path / "r"), *args])
     assert res.exit_code != 0 and msg in res.output, res.output
     assert not (tmp_path / "r").exists()
+
+
+# -- secrets stay with the party they protect (issue 43, item 1) --------------------------------------------------
+
+DP_CFG = {**CFG, "server.rounds": 2, "recipe.weighting": "uniform"}
+
+
+def _recover_mean_from_the_seed(dp, seed: int, deltas: list[dict]) -> float:
+    """The attack of issue 43: a participant holding the config regenerates the server's noise from the seed
+    (a probe mechanism fed updates it knows) and subtracts it from the release. Returns the error of its estimate
+    of the true (unclipped, all norms < C) mean update, in max-abs."""
+    from fedsight.flower.dp import CentralDP
+
+    m = len(deltas)
+    released = dp.aggregate([ClientResult(k, 1, d) for k, d in enumerate(deltas)], torch.ones(m))
+    known = [{k: torch.full_like(v, 1e-3) for k, v in deltas[0].items()} for _ in range(m)]
+    probe = CentralDP(dp.global_params, noise_multiplier=dp.noise_multiplier, clipping_norm=dp.clipping_norm,
+                      num_sampled=m, population=dp.accountant.population, delta=dp.accountant.delta, seed=seed)
+    noise = {k: v - 1e-3 for k, v in probe.aggregate([ClientResult(k, 1, d) for k, d in enumerate(known)],
+                                                     torch.ones(m)).items()}
+    true = {k: sum(d[k] for d in deltas) / m for k in deltas[0]}
+    return max(float((released[k] - noise[k] - true[k]).abs().max()) for k in true)
+
+
+def test_central_dp_noise_cannot_be_regenerated_from_the_config() -> None:
+    """The ServerApp's mechanism (``install_central_dp``) draws its noise from the server's own secret: the
+    seed's holder recovers the true mean from a seed-derived release (error ~1e-7), and nothing from the real one
+    (error of the order of the noise, z C / m)."""
+    from fedsight.api import build_server
+    from fedsight.flower.dp import CentralDP, install_central_dp
+
+    from flower_direct import set_identity
+
+    set_identity()  # (Flower's wrapper builds messages)
+    cfg = validate(tiny(**DP_CFG))
+    server = build_server(cfg)
+    dp = install_central_dp(server, noise_multiplier=1.0, clipping_norm=1.0, delta=None)
+    assert dp.secret is not None and len(dp.secret) == 32
+    g = torch.Generator().manual_seed(3)
+    deltas = [{k: torch.randn(v.shape, generator=g) * 1e-4 for k, v in dp.global_params().items()} for _ in range(3)]
+    std = 1.0 * 1.0 / 3
+    assert _recover_mean_from_the_seed(dp, cfg.seed, deltas) > std  # max over many coordinates of N(0, std^2)
+    simulated = CentralDP(dp.global_params, noise_multiplier=1.0, clipping_norm=1.0, num_sampled=3, population=3,
+                          delta=1e-5, seed=cfg.seed)  # the old seed-derived stream: the attack works
+    assert _recover_mean_from_the_seed(simulated, cfg.seed, deltas) < 1e-5
+
+
+def test_local_dp_noise_on_nodes_is_each_nodes_secret(tmp_path) -> None:
+    """DP-SGD on Flower nodes: the config says nothing about noise (in-process that means simulated), yet every
+    node draws its own secret into its state folder, so two runs of one config and seed differ, and the server's
+    run directory holds none of the nodes' secrets."""
+    dp = {"name": "dp_sgd", "noise_multiplier": 1.0, "sampling": "shuffle"}
+    cfg = validate(tiny(**{**CFG, "server.rounds": 1, "model.norm": "group", "recipe.components": [dp]}))
+    assert cfg.privacy.noise == "simulated"
+    for name in ("a", "b"):
+        run_direct(cfg, tmp_path / name, tmp_path / f"nodes-{name}")
+    a, b = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("a", "b"))
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+    secrets = sorted((tmp_path / "nodes-a").rglob("secret/*.key"))
+    assert [p.name for p in secrets] == [f"client-{c:07d}.key" for c in range(3)]
+    served = [p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()]
+    for key in secrets:
+        s = key.read_bytes()
+        assert not any(s in data or s.hex().encode() in data for data in served)
+    session = json.loads((tmp_path / "a" / "run.json").read_text())["sessions"][0]
+    assert session["privacy_noise"].startswith("secret:")
+
+
+def test_a_watermark_without_a_key_file_is_refused_on_flower(tmp_path) -> None:
+    from fedsight.config import ConfigError
+    from fedsight.flower.server_app import preflight
+
+    wm = {"name": "watermark", "p": 0.2, "min_carriers": 20}
+    for extra in ({}, {"key": "ab" * 16}):
+        cfg = validate(tiny(**{**CFG, "recipe.components": [{**wm, **extra}]}))
+        with pytest.raises(ConfigError, match="watermark on Flower needs key_file"):
+            preflight(cfg, {}, tmp_path / "r")
+    preflight(validate(tiny(**{**CFG, "recipe.components": [{**wm, "key_file": str(tmp_path / "absent.key")}]})),
+              {}, tmp_path / "r")  # the server never reads the clients' key file

@@ -97,8 +97,12 @@ class ClientRuntime:
         model: nn.Module | None = None,
         vectorize: bool | str = False,
         max_clients_per_batch: int | None = None,
+        noise: str = "simulated",
     ):
-        """``model``: the work model, built and adapted by the caller (the in-process engine builds the
+        """``noise``: ``[privacy] noise`` (``fedsight.secret``): "simulated" noise streams from the seed, or "secret"
+        ones from each client's secret in ``store`` (a Flower node always passes "secret").
+
+        ``model``: the work model, built and adapted by the caller (the in-process engine builds the
         global and the work model from one seeded stream); without one, the runtime builds it from the
         stream (seed, "init"). ``cost``: the model's per-example forward FLOPs if already known (a
         Flower node reuses the server's measurement instead of counting again). ``vectorize``: train a
@@ -106,6 +110,9 @@ class ClientRuntime:
         cannot is a ``ConfigError`` here) or False; at most ``max_clients_per_batch`` at once."""
         self.task, self.stages, self.seed, self.store = task, list(stages), seed, store
         self.vectorize, self.max_clients_per_batch = vectorize, max_clients_per_batch
+        if noise not in ("simulated", "secret"):
+            raise ValueError(f"noise = {noise!r}: expected 'simulated' or 'secret'")
+        self.noise = noise
         #: what the runtime reports for the round's events (``run_many`` narrowing its width); the backend drains it
         self.events: list[dict[str, Any]] = []
         #: uploads of ``run_many`` whose tensors were proven finite as they were computed, by client, until ``keep``
@@ -183,7 +190,7 @@ class ClientRuntime:
             {k: gstate[k].detach() for k in lay.shared_params}, lay.shared_buffers, state,
             {name: to_device(dict(t), self.device) for name, t in (broadcast or {}).items()},
             frozen=set(lay.frozen), global_state=dict(gstate), personal_keys=lay.personal_keys, cost=self.cost,
-            prepare=load,
+            prepare=load, noise=self.noise,
         )
         return ctx, state
 

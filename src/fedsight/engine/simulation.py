@@ -46,10 +46,12 @@ class Simulation:
         *,
         vectorize: bool | str = False,
         max_clients_per_batch: int | None = None,
+        noise: str = "simulated",
     ):
         """``stages``: the run's phases (default: one stage of ``recipe`` and ``local`` over every round);
         ``cost``: the model's per-example forward FLOPs if already known; ``vectorize``,
-        ``max_clients_per_batch``: train each round's clients together (``ClientRuntime``)."""
+        ``max_clients_per_batch``: train each round's clients together (``ClientRuntime``); ``noise``: ``[privacy]
+        noise``, where the clients' noise comes from (``fedsight.secret``)."""
         store = store if store is not None else ClientStateStore()
         stages = stages or [Stage("federated", schedule.rounds, recipe, local)]
         task.to(torch.device(device))
@@ -58,7 +60,8 @@ class Simulation:
         global_model, work_model = build_models(task, stages, seed, 2)
         self.server = Server(task, stages, schedule, seed, store, device, model=global_model)
         self.runtime = ClientRuntime(task, stages, seed, store, device, cost, eval_batch_size=schedule.eval_batch_size,
-                                     model=work_model, vectorize=vectorize, max_clients_per_batch=max_clients_per_batch)
+                                     model=work_model, vectorize=vectorize, max_clients_per_batch=max_clients_per_batch,
+                                     noise=noise)
         self.backend = InProcessBackend(self.server, self.runtime)
 
     # -- the parts, as attributes -----------------------------------------------------------------

@@ -78,8 +78,9 @@ def _runtime(config_text: str, node_items: tuple, state_dir: Path, class_names: 
         keep_freed_memory(cfg.engine.heap_keep_mb)
     task = build_node_task(cfg, node_config, list(class_names) if class_names else None).to(device)
     model_cost = ModelCost(forward=float(cost[0]), head=float(cost[1])) if cost else None
-    return ClientRuntime(task, build_stages(cfg, task), cfg.seed, ClientStateStore(state_dir), device, model_cost,
-                         eval_batch_size=cfg.eval.batch_size)
+    # a deployment's noise and keys are always secret: the node's own, in its state folder (fedsight.secret)
+    return ClientRuntime(task, build_stages(cfg, task), cfg.seed, ClientStateStore(state_dir, one_client=True), device,
+                         model_cost, eval_batch_size=cfg.eval.batch_size, noise="secret")
 
 
 def node_runtime(context: Context, config: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> tuple[ClientRuntime, int]:

@@ -51,15 +51,22 @@ the recipe's aggregator, so the recipe must average uniformly (``recipe.weightin
 mechanism does not cover (shared BatchNorm statistics, components' extra tensors such as SCAFFOLD's
 control variates).
 
-The noise is drawn by Flower from NumPy's global generator; ``CentralDP`` seeds it per round from the
-FedSight stream (seed, "dp-noise", round) and restores the generator afterwards, so a DP run is
-reproducible for a given seed.
+The noise is drawn by Flower from NumPy's global generator; ``CentralDP`` sets its whole state per release from
+the server's secret (``fedsight.secret``: 32 bytes from the OS CSPRNG drawn when the mechanism is installed, the
+generator's 624 words from SHAKE-256 of the secret and ("dp-noise", release)) and restores the generator
+afterwards. The secret is kept only in the server's private run files (``RUN_DIR/private/central_dp.key``, mode
+0600; ``keep_secret``), never in the config, the run config, a message, a log or a report: a participant holding
+all of them cannot regenerate the noise, and two runs of one seed release different noise. ``secret = None``
+(tests only) keeps the old seed-derived stream (seed, "dp-noise", release), which anyone with the seed can
+regenerate.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -71,6 +78,8 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, 
 from ..errors import ConfigError
 from ..records import ClientResult
 from ..rng import derive_seed
+from ..runs import atomic_write_bytes
+from ..secret import SERVER_PRIVATE_DIR, draw_secret, secret_numpy_state
 from .records import record_to_tensors, tensors_to_record
 
 
@@ -214,8 +223,10 @@ class CentralDP:
         seed: int,
         accountant: str = "rdp",
         sampling: str = "none",
+        secret: bytes | None = None,
     ):
         self.global_params, self.seed, self.num_sampled = global_params, seed, num_sampled
+        self.secret = secret  # the server's noise secret (None: the seed-derived stream, for tests)
         self.noise_multiplier, self.clipping_norm = float(noise_multiplier), float(clipping_norm)
         self.accountant = Accountant(accountant, sampling, noise_multiplier=self.noise_multiplier,
                                      num_sampled=num_sampled, population=population, delta=delta)
@@ -246,7 +257,10 @@ class CentralDP:
         keys = list(current)
         py_state, np_state = random.getstate(), np.random.get_state()
         try:
-            np.random.seed(derive_seed(self.seed, "dp-noise", r) % (2**32))
+            if self.secret is not None:
+                np.random.set_state(secret_numpy_state(self.secret, "dp-noise", r))
+            else:
+                np.random.seed(derive_seed(self.seed, "dp-noise", r) % (2**32))
             instructions = list(
                 self.strategy.configure_train(r, tensors_to_record(current), ConfigRecord(), _ReleaseGrid(len(results)))
             )
@@ -273,6 +287,17 @@ class CentralDP:
     def describe(self) -> dict[str, Any]:
         """The mechanism and how its epsilon is accounted (``Accountant.describe``)."""
         return {"clipping_norm": self.clipping_norm, **self.accountant.describe()}
+
+    def keep_secret(self, run_dir: Any) -> Path | None:
+        """Write the server's noise secret to ``run_dir/private/central_dp.key`` (mode 0600): the server's private
+        run files, the only place it is kept. Returns the path (None without a secret)."""
+        if self.secret is None:
+            return None
+        path = Path(run_dir) / SERVER_PRIVATE_DIR / "central_dp.key"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+        atomic_write_bytes(path, self.secret)  # (a temporary file of mode 0600, renamed)
+        return path
 
     def state_dict(self) -> dict:
         return {"releases": self.releases}
@@ -355,6 +380,7 @@ def install_central_dp(sim: Any, *, noise_multiplier: float, clipping_norm: floa
         seed=sim.seed,
         accountant=accountant,
         sampling=sampling,
+        secret=draw_secret(),  # the server's own: regenerable by no participant
     )
     for st in sim.stages:
         st.recipe.aggregator = dp

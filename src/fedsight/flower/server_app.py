@@ -175,6 +175,12 @@ class ServerOptions:
         from ..engine.plan import clients_per_round
 
         n = int(cfg.partition.num_clients)
+        for _, _, c in stage_configs(cfg) or [("", 0, cfg)]:
+            for comp in c.recipe.components:
+                if comp.name == "watermark" and comp.key_file is None:
+                    raise ConfigError(
+                        "watermark on Flower needs key_file (the same key file on every node, `fedsight etlc keygen -o "
+                        "FILE`): a key in the config is read by the server, and nodes cannot draw a key they share")
         if self.min_clients > n:
             raise ConfigError(f"run config min-clients = {self.min_clients} exceeds the federation's {n} clients "
                               "(partition.num_clients)")
@@ -224,7 +230,9 @@ def preflight(cfg: Any, options: Mapping[str, Any] | None, run_dir: str | Path) 
         from ..engine.server import Server
         from ..rng import PROCESS_STREAM
 
-        with PROCESS_STREAM, torch.random.fork_rng(devices=[]):  # building seeds torch's generator; the caller's stays
+        from ..secret import server_side
+
+        with PROCESS_STREAM, torch.random.fork_rng(devices=[]), server_side():  # (the caller's generator stays)
             task = build_task(cfg)
             server = Server(task, build_stages(cfg, task), build_schedule(cfg, task), cfg.seed)
         opts.install(server)
@@ -533,7 +541,12 @@ class FlowerServer:
         server, cfg, opts = self.server, self.cfg, self.opts
         run.path.mkdir(parents=True, exist_ok=True)
         # with the nodes' own data (data-dir) the server's partition describes nothing
-        start_run_dir(run, cfg, server.task, server.device, partition=opts.data == "partition", backend="flower")
+        from ..secret import privacy_note
+
+        start_run_dir(run, cfg, server.task, server.device, partition=opts.data == "partition", backend="flower",
+                      privacy_noise=privacy_note(server.stages, "secret", ("central_dp",) if self.dp is not None else ()))
+        if self.dp is not None:  # the server's noise secret: its private run files only (fedsight.secret)
+            self.dp.keep_secret(run.path)
         if self.dp is not None:  # which accountant and assumption produce the rows' dp/epsilon
             desc = self.dp.describe()  # its note goes under "reason", which summary.md's event table shows
             run.append_metrics({"stage": server.stage, "round": 0, "event": "dp_accounting", "reason": desc.pop("note"), **desc})

@@ -40,6 +40,22 @@ with ``opacus.accountants.utils.get_noise_multiplier`` so that ``planned_rounds`
 steps spend ``target_epsilon`` (``server.rounds`` is the worst case, a client sampled every round); the history
 still records what was actually spent.
 
+Where the noise comes from (``[privacy] noise``, ``fedsight.secret``). ``"simulated"`` (the in-process default):
+the noise of client k in round r is drawn from the stream (seed, "dp_sgd", r, k) and Poisson batches from the
+loop's (seed, "shuffle", r, k): anyone holding the config, the server included, can regenerate the noise and
+subtract it, so the epsilon describes the mechanism, not a protection (``run.json`` and ``summary.md`` say so).
+``"secret"`` (always on a Flower node): both come from the client's own secret (32 bytes from the OS CSPRNG,
+kept in its private state), streams (secret, "dp_sgd", r, k) and (secret, "dp_sgd_sample", r, k); a resumed run
+reads the secret back and draws the same noise.
+
+``secure_mode = true``: Opacus's floating-point-safe Gaussian sampling (``opacus.optimizers.optimizer.
+_generate_noise(..., secure_mode=True)``: one draw discarded, then the sum of four draws of std sigma halved,
+after Holohan & Braghin 2021, which makes reconstructing the noise from the low-order bits of the released
+floats (Mironov 2012; Jin et al. 2022 for Opacus) cost about 2^159 instead of 2^53). Opacus's other half of its
+secure mode, a CSPRNG generator (``torchcsprng``, which ``PrivacyEngine(secure_mode=True)`` imports), is not
+available for torch 2 (its last release, 0.2.1, targets torch 1.8): the draws come from the secret-seeded
+Mersenne-Twister stream above, which is not a CSPRNG. It costs four normal draws per parameter per step.
+
 Models with BatchNorm mix examples in a batch and have no per-example gradient: refused at config time
 (Opacus's ``ModuleValidator``; use ``norm = "group"``). Loss terms must be batch means (every FedSight task
 and component's are) so that Opacus's ``loss_reduction = "mean"`` recovers per-example gradients.
@@ -56,7 +72,7 @@ from pydantic import Field, model_validator
 from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
-from ..rng import torch_gen
+from ..secret import noise_generator
 from ..training import ClientContext, Component, ServerContext
 
 _HISTORY = "dp_sgd"
@@ -72,6 +88,8 @@ class DPSGDParams(Params):
     accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant: Renyi DP or privacy random variables")
     sampling: Literal["poisson", "shuffle"] = Field("poisson", description="Poisson batches (what the accountant assumes) or shuffled fixed-size batches accounted as Poisson")
     planned_rounds: int | None = Field(None, ge=1, description="rounds a client may train (with target_epsilon): z spends target_epsilon over them")
+    secure_mode: bool = Field(False, description="Opacus's floating-point-safe Gaussian sampling (4 draws per "
+                              "coordinate); the generator stays FedSight's (secret under [privacy] noise = \"secret\")")
 
     @model_validator(mode="after")
     def _one_of(self) -> "DPSGDParams":
@@ -114,6 +132,8 @@ class DPSGD(Component):
     """Per-example clipping and noise on every local step (Opacus), with per-client accounting."""
 
     name = "dp_sgd"
+    #: its noise protects the client's data: secret under ``[privacy] noise = "secret"``
+    uses_secrets = True
 
     def __init__(self, params: DPSGDParams):
         self.p = params
@@ -147,12 +167,14 @@ class DPSGD(Component):
             m.inplace = False
         self._gsm = GradSampleModule(ctx.model, batch_first=True, loss_reduction="mean", strict=True)
         ctx.scratch[self.name] = {"q": q, "z": self._multiplier(ctx, q),
-                                  "gen": torch_gen(ctx.seed, "dp_sgd", ctx.round, ctx.client_id), "steps": 0}
+                                  "gen": noise_generator(ctx, "dp_sgd"), "steps": 0}
 
     def batch_positions(self, ctx: ClientContext, num_steps: int, gen: torch.Generator) -> list[torch.Tensor] | None:
         if self.p.sampling != "poisson":
             return None
         q = ctx.scratch[self.name]["q"]
+        if ctx.noise == "secret":  # which examples a step used is part of the secret (amplification assumes it)
+            gen = noise_generator(ctx, "dp_sgd_sample")
         return [torch.nonzero(torch.rand(ctx.num_examples, generator=gen) < q).flatten() for _ in range(num_steps)]
 
     @torch.no_grad()
@@ -178,9 +200,19 @@ class DPSGD(Component):
                 clipped = torch.einsum("i,i...->...", factor.to(g.dtype), g)
             else:
                 reg, clipped = total, torch.zeros_like(p)
-            noise = torch.normal(0.0, s["z"] * c, size=p.shape, generator=s["gen"], dtype=p.dtype).to(p.device)
+            noise = self._noise(s["z"] * c, p, s["gen"])
             p.grad = (clipped + noise) / expected + reg
             p.grad_sample = None
+
+    def _noise(self, std: float, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """N(0, std^2) of ``p``'s shape and dtype on ``p``'s device, drawn from ``gen`` (CPU): plainly, or by Opacus's
+        floating-point-safe sampler (``secure_mode``)."""
+        if not self.p.secure_mode:
+            return torch.normal(0.0, std, size=p.shape, generator=gen, dtype=p.dtype).to(p.device)
+        from opacus.optimizers.optimizer import _generate_noise
+
+        ref = torch.empty(p.shape, dtype=p.dtype)  # on the generator's device (CPU)
+        return _generate_noise(std, ref, generator=gen, secure_mode=True).to(device=p.device, dtype=p.dtype)
 
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
         s = ctx.scratch.pop(self.name)

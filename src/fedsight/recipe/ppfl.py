@@ -19,16 +19,17 @@ of its examples made on average (``privacy/dct_passes``: noised entries along th
 the client's examples; a video model that folds frames into dimension 0 counts each frame as a release): the row
 carries them as ``privacy/dct_*``.
 
-The noise comes from a generator seeded from (seed, "dct_dp", round, client) (``fedsight.rng``) on the model's
-device. The forward hook is registered in ``client_start`` on the client's work model and removed in
-``client_end``; it acts only while the model is in training mode and only for the registration of the current
-client (a hook left by a client refused or failed after ``client_start`` stays inert outside training mode and
-is removed by the next ``client_start``), so evaluation and the server's model never see it. Trained together
-(``engine.vectorize``), the component removes its hook and hands the trainer the mechanism and each client's noise
-draws instead (``vector_step``): the same noise from the same generator, for each client's real examples.
-"Per example" means per entry of the
-layer's output along dimension 0; it assumes the layers up to k treat examples independently (no BatchNorm in
-training mode before k).
+The noise comes from a generator on the model's device: under ``[privacy] noise = "simulated"`` (the in-process
+default) seeded from (seed, "dct_dp", round, client) (``fedsight.rng``), which anyone holding the config, the server
+included, can regenerate; under ``"secret"`` (always on a Flower node) from the client's own secret (OS CSPRNG,
+kept in its private state; ``fedsight.secret``), which no one else holds. The forward hook is registered in
+``client_start`` on the client's work model and removed in ``client_end``; it acts only while the model is in
+training mode and only for the registration of the current client (a hook left by a client refused or failed after
+``client_start`` stays inert outside training mode and is removed by the next ``client_start``), so evaluation
+and the server's model never see it. Trained together (``engine.vectorize``), the component removes its hook and
+hands the trainer the mechanism and each client's noise draws instead (``vector_step``): the same noise from the
+same generator, for each client's real examples. "Per example" means per entry of the layer's output along
+dimension 0; it assumes the layers up to k treat examples independently (no BatchNorm in training mode before k).
 
 ``watermark``: the parameter watermark of section 3.3 (``fedsight.functional.watermark``). Every client adds
 lam * L_wm to its local objective (``loss_term``); from round ``verify_from`` on it first verifies the global model
@@ -36,9 +37,17 @@ it received: S <= threshold raises ``ModelRefused`` (the client trains nothing; 
 ``model_refused`` event with ``score`` and ``threshold``). ``verify_from`` defaults to 2: round 1 starts from the
 randomly initialised, unmarked model, and the first aggregate (after round 1) is the first marked one.
 
-The key mk is shared by all clients and must not be known to the server; in this simulation it sits in the run
-config (which the simulated server reads too), so the simulation models the protocol, not its secrecy. Without
-``key``, it is derived from the run seed (anyone with the config knows it).
+The key mk is shared by all clients and must not be known to the server. Where it comes from (``watermark_key``):
+
+* ``key_file`` (recommended; required on Flower): a file of raw random bytes, ``fedsight etlc keygen -o FILE``,
+  read by each client where it runs (every node holds the same file at that path); only the path is in the
+  config. The server side never reads it (``fedsight.secret.server_side``).
+* neither ``key`` nor ``key_file``: under ``[privacy] noise = "simulated"`` derived from the run seed (anyone
+  with the config knows it: a simulation of the protocol, not of its secrecy); under ``"secret"`` drawn once by
+  the clients from the OS CSPRNG and kept in their private store (``client_state/secret/watermark.key``).
+  A Flower node cannot draw a key the other nodes share: there, give ``key_file``.
+* ``key`` (hex): in the config, which the server and every log of the config hold: a simulation only; refused
+  under ``[privacy] noise = "secret"`` and on Flower.
 
 **Strength of the regulariser.** L_wm is a mean over |J|, so the pull on one carrier is
 (2 lam / |J|)(theta_j w_j - beta) per unit learning rate: at the paper's lam = 1e-4 and |J| >= 500 that moves no
@@ -49,11 +58,12 @@ quantile of the weights (carriers at |theta_j| = beta below it are zeroed with t
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from ..device import model_device
@@ -72,6 +82,7 @@ from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import derive_seed
+from ..secret import holds_client_secrets, noise_generator, read_key_file
 from ..training import ClientContext, Component, OutputNoise, ServerContext, VectorStep
 
 __all__ = [
@@ -135,6 +146,8 @@ class DctDP(Component):
 
     name = "dct_dp"
     noises_a_layer = True
+    #: its noise protects the client's data: secret under ``[privacy] noise = "secret"``
+    uses_secrets = True
 
     def __init__(self, params: DctDPParams | None = None):
         self.p = params or DctDPParams()
@@ -154,8 +167,7 @@ class DctDP(Component):
         self._remove()
         name, module = find_layer(ctx.model, self.p.layer)
         dev = model_device(ctx.model)
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(derive_seed(ctx.seed, "dct_dp", ctx.round, ctx.client_id))
+        gen = noise_generator(ctx, "dct_dp", device=dev)
         token, root, count = object(), ctx.model, [0]
         p, sigma = self.p, self.sigma
 
@@ -228,8 +240,11 @@ def _dct_dp(params: DctDPParams) -> DctDP:
 
 
 class WatermarkParams(Params):
-    key: str | None = Field(None, description="hex key mk shared by every client, unknown to the server (it lives "
-                            "in the config in a simulation); none: derived from the run seed")
+    key: str | None = Field(None, description="hex key mk in the config (a simulation only: the config is no secret; "
+                            "refused under [privacy] noise = \"secret\" and on Flower); prefer key_file")
+    key_file: str | None = Field(None, description="file of the clients' shared key (raw bytes, `fedsight etlc keygen "
+                                 "-o FILE`), read by each client; none and no key: from the run seed (simulated "
+                                 "noise) or the clients' private store (secret)")
     p: float = Field(0.005, gt=0, lt=1, description="carrier probability: J = {j : PRF(mk, j) < p}")
     min_carriers: int = Field(500, ge=1, description="refuse to train with fewer carriers |J| (the paper: >= 500)")
     lam: float | None = Field(None, ge=0, description="lambda of lambda * L_wm; none: |J| (unit weight per carrier; "
@@ -255,16 +270,38 @@ class WatermarkParams(Params):
             raise ValueError("key must not be empty")
         return v
 
+    @model_validator(mode="after")
+    def _one_key(self) -> "WatermarkParams":
+        if self.key is not None and self.key_file is not None:
+            raise ValueError("give the key once: key or key_file, not both")
+        return self
+
     @property
     def accept_above(self) -> float:
         return self.beta / 2 if self.threshold is None else float(self.threshold)
 
 
-def watermark_key(params: WatermarkParams, seed: int = 0) -> bytes:
-    """mk as bytes: the hex ``key``, or 16 bytes derived from the run seed when it is not set."""
+def watermark_key(params: WatermarkParams, seed: int = 0, secret: bytes | None = None) -> bytes:
+    """mk as bytes: the hex ``key``, the bytes of ``key_file``, else ``secret`` (the clients' drawn key) when given,
+    else 16 bytes derived from the run seed (simulated: anyone with the config can compute them)."""
     if params.key is not None:
         return bytes.fromhex(params.key)
+    if params.key_file is not None:
+        return read_key_file(params.key_file, "watermark key_file")
+    if secret is not None:
+        return secret
     return derive_seed(seed, "watermark-key").to_bytes(8, "little") + derive_seed(seed, "watermark-key", 1).to_bytes(8, "little")
+
+
+def run_watermark_secret(run_dir: Any) -> bytes | None:
+    """The clients' drawn watermark key of an in-process run (``client_state/secret/watermark.key``), for
+    ``verify``; None when the run has none (simulated noise, or a key / key_file)."""
+    from pathlib import Path
+
+    from ..state import SECRET_DIR
+
+    path = Path(run_dir) / "client_state" / SECRET_DIR / "watermark.key"
+    return path.read_bytes() if path.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -283,10 +320,11 @@ def _resolve(params: WatermarkParams | dict[str, Any]) -> WatermarkParams:
 
 
 def verify(model_or_state: nn.Module | dict[str, torch.Tensor], params: WatermarkParams | dict[str, Any],
-           seed: int = 0, template: nn.Module | None = None) -> Verification:
+           seed: int = 0, template: nn.Module | None = None, secret: bytes | None = None) -> Verification:
     """Algorithm 2's VerifyWatermark on a model, or on a state dict with the parameter names of ``template``
     (a model of the same architecture; without it a state dict's floating tensors except BatchNorm statistics
-    are taken, which matches ``select_params`` only for models whose other buffers are not floating)."""
+    are taken, which matches ``select_params`` only for models whose other buffers are not floating). ``secret``: the
+    clients' drawn key of a run under ``[privacy] noise = "secret"`` without ``key_file`` (``run_watermark_secret``)."""
     p = _resolve(params)
     if isinstance(model_or_state, nn.Module):
         names = select_params(model_or_state, p.params)
@@ -296,7 +334,7 @@ def verify(model_or_state: nn.Module | dict[str, torch.Tensor], params: Watermar
         names = [k for k, v in model_or_state.items() if v.is_floating_point()
                  and not k.endswith(("running_mean", "running_var"))
                  and (not p.params or any(k.startswith(pre) for pre in p.params))]
-    c = model_carrier(model_or_state, watermark_key(p, seed), p.p, names=names)
+    c = model_carrier(model_or_state, watermark_key(p, seed, secret), p.p, names=names)
     s, b = wm_score(model_or_state, c), score_bound(model_or_state, c)
     thr = p.accept_above
     return Verification(s, thr, s > thr, c.size, b, hoeffding_false_positive(c.size, thr, b))
@@ -307,18 +345,26 @@ class Watermark(Component):
 
     name = "watermark"
 
+    @property
+    def uses_secrets(self) -> bool:
+        """Whether its key is known to whoever holds the config unless ``[privacy] noise = "secret"`` (no key_file)."""
+        return self.p.key_file is None
+
     def __init__(self, params: WatermarkParams | None = None):
         self.p = params or WatermarkParams()
         self._carriers: dict[tuple, Carrier] = {}
 
-    def carrier_of(self, model: nn.Module, seed: int, device: torch.device | None = None) -> Carrier:
-        """The model's carrier set (cached per architecture, key and device)."""
+    def carrier_of(self, model: nn.Module, seed: int, device: torch.device | None = None,
+                   key: bytes | None = None) -> Carrier:
+        """The model's carrier set for ``key`` (default: ``watermark_key(params, seed)``), cached per architecture,
+        key and device."""
+        key = watermark_key(self.p, seed) if key is None else key
         names = tuple(select_params(model, self.p.params))
         params = dict(model.named_parameters())
-        sig = (names, tuple(params[k].numel() for k in names), seed if self.p.key is None else None, str(device))
+        sig = (names, tuple(params[k].numel() for k in names), hashlib.sha256(key).digest(), str(device))
         c = self._carriers.get(sig)
         if c is None:
-            c = model_carrier(model, watermark_key(self.p, seed), self.p.p, names=names)
+            c = model_carrier(model, key, self.p.p, names=names)
             if device is not None:
                 parts = tuple((k, pos.to(device), w.to(device)) for k, pos, w in c.parts)
                 c = Carrier(c.names, c.numels, c.p, c.indices, c.signs, parts)
@@ -334,10 +380,23 @@ class Watermark(Component):
                 f"more parameters")
 
     def adapt_model(self, model: nn.Module, seed: int) -> None:
-        self._check_size(self.carrier_of(model, seed))  # too few carriers fail when the run is built
+        # too few carriers fail when the run is built, by a builder that holds the key file (not a server:
+        # ``fedsight.secret.server_side``); a key the clients draw is checked with the seed's key here (the same
+        # count in distribution) and exactly at each client's start
+        if self.p.key_file is None or holds_client_secrets():
+            self._check_size(self.carrier_of(model, seed))
+
+    def client_key(self, ctx: ClientContext) -> bytes:
+        """The key this client marks and verifies with (``watermark_key``; the clients' drawn key under ``[privacy]
+        noise = "secret"`` without key / key_file)."""
+        if self.p.key is None and self.p.key_file is None and ctx.noise == "secret":
+            if ctx.state is None:
+                raise ValueError("watermark: a secret key needs the clients' private state; none is attached")
+            return ctx.state.shared_secret("watermark")
+        return watermark_key(self.p, ctx.seed)
 
     def client_start(self, ctx: ClientContext) -> None:
-        c = self.carrier_of(ctx.model, ctx.seed, model_device(ctx.model))
+        c = self.carrier_of(ctx.model, ctx.seed, model_device(ctx.model), key=self.client_key(ctx))
         self._check_size(c)
         received = ctx.global_state if ctx.global_state else ctx.model
         score = wm_score(received, c)
@@ -378,8 +437,17 @@ class Watermark(Component):
         report_means(sctx, results, ("wm/score", "wm/local_score", "wm/carriers"))
 
 
+def _check_watermark(spec: WatermarkParams, cfg: Any) -> str | None:
+    """A key written into the config is no secret: refused when the run asks for secret noise and keys."""
+    privacy = getattr(cfg, "privacy", None)
+    if spec.key is not None and getattr(privacy, "noise", "simulated") == "secret":
+        return ("watermark key is written in the config (config.json, every node's run config), but privacy.noise = "
+                "\"secret\": give key_file instead (`fedsight etlc keygen -o FILE`), or no key (the clients draw one)")
+    return None
+
+
 @COMPONENTS.register(
-    "watermark", params=WatermarkParams,
+    "watermark", params=WatermarkParams, check=_check_watermark,
     help="PPFL-RDSN: PRF-keyed sparse parameter watermark, embedded by a regulariser, verified on every received model",
     metrics=(MetricSpec("wm/score", None, "S of the received global model (client mean)"),
              MetricSpec("wm/local_score", None, "S of the clients' models after local training (mean)"),

@@ -196,6 +196,17 @@ def _skipped_line(causes: dict[str, list[int]], total: int) -> str:
     return f"{n} of {total} rounds were skipped: " + "; ".join(f"{len(rs)} {cl}" for rs, cl in zip(causes.values(), clauses))
 
 
+def _privacy_noise(run_dir: Path) -> str | None:
+    """The last session's ``privacy_noise`` in ``run.json`` (``simulated: the noise is derivable from the seed
+    (...)`` or ``secret: ...``), None when the run draws no protecting noise or predates the field."""
+    from ..runs import read_run_meta
+
+    sessions = (read_run_meta(run_dir) or {}).get("sessions") or []
+    last = sessions[-1] if sessions and isinstance(sessions[-1], dict) else {}
+    value = last.get("privacy_noise")
+    return value if isinstance(value, str) else None
+
+
 def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
     """Write ``RUN_DIR/summary.md`` and return its path.
 
@@ -213,6 +224,9 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
         plot_run(run.path)
     lines = [f"# {run.name}", ""]
     lines.append(f"- **seed:** {run.seed if run.seed is not None else 'not set'}")
+    privacy = _privacy_noise(run.path)
+    if privacy:  # where the DP noise and keys came from (run.json; fedsight.secret)
+        lines.append(f"- **privacy noise:** {_md_escape(privacy)}")
     for label, text in _config_digest(run.config):
         lines.append(f"- **{label}:** {_md_escape(text)}")
     stages = run.stages

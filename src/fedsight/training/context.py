@@ -58,6 +58,9 @@ class ClientContext:
     flops: float = 0.0
     #: the inputs of the current batch (set before the loss hooks: a teacher's pseudo-labels need them)
     inputs: Any = None
+    #: ``[privacy] noise``: "simulated" (noise streams from the seed) or "secret" (from the client's secret,
+    #: ``state.secret()``); components draw their noise with ``fedsight.secret.noise_generator``
+    noise: str = "simulated"
 
     def batch(self, positions: torch.Tensor) -> tuple[Any, Any]:
         """The client's training examples at ``positions`` (inputs, targets), on the model's device."""
@@ -85,6 +88,22 @@ class ClientState:
             return self._pending[key]
         got = self._store.get(key, self.client)
         return None if got is None else to_device(got, self.device)
+
+    def secret(self) -> bytes:
+        """This client's secret (32 bytes from the OS CSPRNG, drawn once and kept in the store's private folder;
+        ``ClientStateStore.secret``): what its noise generators are seeded from under ``[privacy] noise =
+        "secret"``. Never upload it, log it or put it in a metric."""
+        return self._store.secret(f"client-{self.client:07d}")
+
+    def shared_secret(self, name: str) -> bytes:
+        """A secret every client of the store shares (the watermark key): only a store holding every client
+        (in-process) has one; a single client's store (a Flower node) raises ``ConfigError``."""
+        from ..errors import ConfigError
+
+        if getattr(self._store, "one_client", False):
+            raise ConfigError(f"{name}: a key shared by the clients cannot be drawn on one node; give every node the "
+                              "same key file (key_file, `fedsight etlc keygen -o FILE`)")
+        return self._store.secret(name)
 
     def save(self, key: str, tensors: dict[str, torch.Tensor], always: bool = False) -> None:
         """Hold ``tensors`` under ``key`` until the engine accepts the update; ``always``: keep them even if the

@@ -421,6 +421,7 @@ def start_client(
     personal_keys: Sequence[str] = (),
     cost=None,
     prepare: bool = True,
+    noise: str = "simulated",
 ) -> ClientContext:
     """The context of ``client``'s local work in round ``round`` (1-based) on ``model``, which already holds the
     received global weights (and the client's personal entries), with ``local`` at that round's rate
@@ -434,7 +435,7 @@ def start_client(
         client_id=client, round=round, model=model, global_params=global_params, num_examples=n, seed=seed,
         state=state, num_steps=local.num_steps(n, seed, round, client), local=local, broadcast=broadcast or {},
         task=task, shared_buffers=list(shared_buffers), frozen=frozen, global_state=global_state or {},
-        personal_keys=list(personal_keys), cost=cost,
+        personal_keys=list(personal_keys), cost=cost, noise=noise,
     )
     if prepare:
         prepare_model(model, frozen)
