@@ -20,7 +20,12 @@ Inputs come from three sources:
 * **files FedSight reads but did not write** (``fedsight.safe_read``): a FIFO, a folder, a nesting or digit
   bomb, a byte that is not UTF-8, an id past int64 or a damaged ``.npz`` where a split file, split list, COCO
   annotation, npz archive or TOML config is expected: the reader fails at once (under a timeout), in one line
-  naming the file (``test_hostile_*``).
+  naming the file (``test_hostile_*``);
+* **what commands write** (``fedsight.safe_write``): every verb's output path inside a run (also through a
+  symbolic link), onto a FIFO or a symbolic link, or onto an existing file without ``--force``, is refused in one
+  line and nothing changes (``test_output_paths_*``); run files read back as a FIFO or a nesting or digit bomb
+  (``test_hostile_run_files_*``); a file-size limit (``RLIMIT_FSIZE``, ``ulimit -f``) after the last round; a
+  ``run_repaired`` event for each swept leftover; no lock file left by a run killed before its directory exists.
 
 Commands run in this process through ``fedsight.cli.main`` (the console script's function; fast); a few run
 as real processes (``test_real_processes``). CI mode runs a small derandomized subset;
@@ -1157,3 +1162,229 @@ def test_hostile_data_file_through_the_command_line(tmp_path) -> None:
     (tmp_path / "c.toml").write_text(tomli_w.dumps(tiny(**{"data": {"name": "npz", "path": str(bad)}})))
     res = H.cli(["run", "c.toml"], cwd=tmp_path)
     assert not H.error_problems(res) and str(bad) in H.lines_of(res.err)[0], res.show()
+
+
+# -- 5. what commands write, and the run files they read back (issue 44) ---------------------------------------
+#
+# Every output path a verb takes (`report --out/--csv`, `partition --out`, `pretrain --out`, `etlc ... --out`) goes
+# through one guard (`fedsight.safe_write`): a path inside a run directory, a FIFO, a symbolic link or an existing
+# file without --force is refused with one line naming it (exit 2), the thing at the path is left as it was and no
+# run changes. The run files `report` reads back (metrics.jsonl, config.json) go through the bounded reader: a FIFO
+# does not block it, a nesting or digit bomb is one line naming the file. Commands that could block run under a
+# timeout (an alarm then interrupts the blocked call, and the case fails).
+
+
+class _Blocked(BaseException):
+    """Raised by the alarm in a command that blocked (a FIFO): it interrupts the blocked system call."""
+
+
+def _cli_bounded(args: list[str], cwd: Path, timeout: float = 60.0) -> H.Result:
+    """``H.cli(args)`` under an alarm: a command still running after ``timeout`` (blocked on a FIFO) is
+    interrupted and the case fails."""
+    import signal
+
+    def alarm(signum: int, frame: Any) -> None:
+        raise _Blocked
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        res = H.cli(args, cwd=cwd)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    if res.code == -1 and "_Blocked" in res.err:
+        pytest.fail(f"`fedsight {' '.join(args)}` blocked for {timeout:.0f} s")
+    return res
+
+
+def _state(path: Path) -> tuple[str, Any]:
+    """What stands at ``path``: ("fifo", None), ("link", its target), ("file", its bytes), ("dir", None) or
+    ("none", None)."""
+    if path.is_symlink():
+        return "link", os.readlink(path)
+    if not os.path.lexists(path):
+        return "none", None
+    if path.is_fifo():
+        return "fifo", None
+    if path.is_dir():
+        return "dir", None
+    return "file", path.read_bytes()
+
+
+def _make(path: Path, kind: str, case: Path) -> None:
+    if kind == "runlink":  # a symbolic link to a run directory
+        os.symlink(case / F, path)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link":
+        (path.parent / "elsewhere.txt").write_text("the link's target\n")
+        os.symlink("elsewhere.txt", path)
+    elif kind == "file":
+        path.write_bytes(b"a file of the user's\n")
+
+
+PRETRAIN = ["--set", "pretrain.source=samples", "--set", "pretrain.epochs=1"]
+#: name -> (arguments, the path the guard must refuse, what to put there first: fifo, link, file, runlink (a
+#: symbolic link to a run directory) or nothing,
+#: a word the error line must hold)
+OUTPUT_CASES: dict[str, tuple[list[str], str, str, str]] = {
+    "report --out the run": (["report", str(F), "--out", str(F)], str(F), "", "inside the run directory"),
+    "report --out the run's plots": (["report", str(F), "--out", f"{F}/plots"], f"{F}/plots", "",
+                                     "inside the run directory"),
+    "report --out a folder whose report.md is a FIFO": (["report", str(F), "--out", "rep"], "rep/report.md", "fifo",
+                                                        "FIFO"),
+    "report --out a folder whose curves.png is a symlink": (["report", str(F), "--out", "rep"],
+                                                            "rep/curves.png", "link", "symbolic link"),
+    "report --out a folder with a report.md, no --force": (["report", str(F), "--out", "rep"], "rep/report.md", "file",
+                                                           "--force"),
+    "report --csv a FIFO": (["report", str(F), "--out", "rep", "--csv", "all.csv"], "all.csv", "fifo", "FIFO"),
+    "report --csv a symlink": (["report", str(F), "--out", "rep", "--csv", "all.csv"], "all.csv", "link",
+                               "symbolic link"),
+    "report --csv an existing file, no --force": (["report", str(F), "--out", "rep", "--csv", "all.csv"], "all.csv",
+                                                  "file", "--force"),
+    "report --out a symlink to a run": (["report", str(F), "--out", "into"], "into", "runlink",
+                                        "inside the run directory"),
+    "partition --out a FIFO": (["partition", "c.toml", "--out", "p.png"], "p.png", "fifo", "FIFO"),
+    "partition --out a symlink": (["partition", "c.toml", "--out", "p.png"], "p.png", "link",
+                                  "symbolic link"),
+    "partition --out an existing file, no --force": (["partition", "c.toml", "--out", "p.png"], "p.png", "file",
+                                                     "--force"),
+    "pretrain --out a FIFO": (["pretrain", "c.toml", *PRETRAIN, "--out", "w.safetensors"], "w.safetensors", "fifo",
+                              "FIFO"),
+    "pretrain --out a symlink, --force": (["pretrain", "c.toml", *PRETRAIN, "--out", "w.safetensors", "--force"],
+                                          "w.safetensors", "link", "symbolic link"),
+    "pretrain --out a file it did not write": (["pretrain", "c.toml", *PRETRAIN, "--out", "w.safetensors"],
+                                               "w.safetensors", "file", "--force"),
+    "etlc keygen --out a FIFO, --force": (["etlc", "keygen", "--out", "k.key", "--force"], "k.key", "fifo", "FIFO"),
+    "flower certs into a folder whose ca.key is a symlink": (["flower", "certs", "tls"], "tls/ca.key", "link",
+                                                             "symbolic link"),
+    "flower app into a folder whose pyproject.toml is a FIFO": (["flower", "app", "f.toml", "app"],
+                                                                "app/pyproject.toml", "fifo", "FIFO"),
+    "etlc keygen --out a symlink, --force": (["etlc", "keygen", "--out", "k.key", "--force"], "k.key", "link",
+                                             "symbolic link"),
+}
+
+
+@pytest.mark.parametrize("name", list(OUTPUT_CASES))
+def test_output_paths_inside_runs_or_onto_special_files_are_refused(world, name) -> None:
+    H.count("output paths")
+    args, target, kind, word = OUTPUT_CASES[name]
+    case = new_case(world)
+    path = case / target
+    if kind:
+        _make(path, kind, case)
+    before, there = H.digest(case / "runs"), _state(path)
+    res = _cli_bounded(args, case)
+    problems = H.error_problems(res, codes=(2,))
+    first = (H.lines_of(res.err) or [""])[0]
+    changed = H.diff_digests(before, H.digest(case / "runs"))
+    assert not problems and target in first and word in first, f"{problems}\n{res.show()}"
+    assert _state(path) == there and not changed, f"{path} or a run changed: {changed}\n{res.show()}"
+    if kind == "link":
+        assert (path.parent / "elsewhere.txt").read_text() == "the link's target\n"
+
+
+#: name -> (run file, its content or "fifo", a word the error line must hold)
+RUN_FILE_CASES: dict[str, tuple[str, Any, str]] = {
+    "metrics.jsonl is a FIFO": ("metrics.jsonl", "fifo", "FIFO"),
+    "config.json is a FIFO": ("config.json", "fifo", "FIFO"),
+    "metrics.jsonl nested 100,000 deep": ("metrics.jsonl", ('{"round": 1}\n' + "[" * DEEP + "]" * DEEP + "\n").encode(),
+                                          "nested"),
+    "metrics.jsonl with a 5,000-digit integer": ("metrics.jsonl", ('{"round": 1}\n{"round": 2, "test/acc": '
+                                                                   + "9" * DIGITS + "}\n").encode(), "digits"),
+    "config.json nested 100,000 deep": ("config.json", ('{"seed": 0, "x": ' + "[" * DEEP + "]" * DEEP + "}").encode(),
+                                        "nested"),
+    "config.json with a 5,000-digit integer": ("config.json", ('{"seed": ' + "9" * DIGITS + "}").encode(), "digits"),
+}
+
+
+@pytest.mark.parametrize("name", list(RUN_FILE_CASES))
+def test_hostile_run_files_fail_report_at_once_in_one_line_naming_the_file(world, name) -> None:
+    H.count("run files")
+    fname, content, word = RUN_FILE_CASES[name]
+    case = new_case(world)
+    path = case / F / fname
+    path.unlink()
+    if content == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    before = H.digest(case / "runs")
+    res = _cli_bounded(["report", str(F), "--out", "rep"], case)
+    problems = H.error_problems(res)
+    first = (H.lines_of(res.err) or [""])[0]
+    assert not problems and f"{F}/{fname}" in first and word in first, f"{problems}\n{res.show()}"
+    assert "Exceeds the limit" not in first and "RecursionError" not in first, first
+    assert not H.diff_digests(before, H.digest(case / "runs")) and not (case / "rep").exists()
+
+
+_LIMITED = ("import resource, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us\n"
+            "n = int(sys.argv.pop(1)); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))\n"
+            "from fedsight.cli import main; main()\n")
+
+
+def test_a_file_size_limit_after_the_last_round_names_the_file_says_so_in_the_status_and_resumes(tmp_path) -> None:
+    """`ulimit -f 64` (KiB): checkpoints fit, the plot after the last round does not. The error names the plot,
+    status.json says the run is not finished and what failed, and `resume` without the limit completes it."""
+    H.count("resource limits")
+    (tmp_path / "c.toml").write_text(tomli_w.dumps(RAW_F))
+    env = {k: v for k, v in os.environ.items() if k != "FEDSIGHT_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", _LIMITED, str(64 << 10), "run", "c.toml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    res = H.Result(["run", "c.toml"], proc.returncode, proc.stdout, proc.stderr)
+    problems = H.error_problems(res, codes=(1,))
+    first = (H.lines_of(res.err) or [""])[0]
+    assert not problems and f"{F}/plots/curves.png" in first and "File too large" in first, f"{problems}\n{res.show()}"
+    status = json.loads((tmp_path / F / "status.json").read_text())
+    assert status["state"] != "complete" and "curves.png" in status.get("failed", ""), status
+    again = H.cli(["resume", str(F)], cwd=tmp_path)
+    assert again.code == 0, again.show()
+    assert json.loads((tmp_path / F / "status.json").read_text())["state"] == "complete"
+    assert (tmp_path / F / "plots" / "curves.png").is_file() and (tmp_path / F / "summary.md").is_file()
+
+
+def _repairs(run: Path) -> list[str]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r["note"] for r in rows if r.get("event") == "run_repaired"]
+
+
+def test_every_swept_leftover_is_a_run_repaired_event(world) -> None:
+    """README: leftovers of interrupted writes are swept on resume, each with a `run_repaired` event (of a
+    finished run read back by `run`, and of a stopped run that resumes)."""
+    H.count("run files")
+    case = new_case(world)
+    left_f = [f"{F}/plots/.curves.png.x1.tmp", f"{F}/.summary.md.x2.tmp"]
+    left_s = [f"{S}/.status.json.x3.tmp", f"{S}/checkpoints/.ckpt.x4.tmp"]
+    for rel in left_f + left_s:
+        (case / rel).write_bytes(b"half")
+    res = H.cli(["run", "f.toml"], cwd=case)
+    assert res.code == 0, res.show()
+    res = H.cli(["run", "c.toml", "--stop-after", "3"], cwd=case)
+    assert res.code == 0, res.show()
+    for run, left in ((F, left_f), (S, left_s)):
+        notes = _repairs(case / run)
+        for rel in left:
+            assert not (case / rel).exists()
+            name = Path(rel).relative_to(run).as_posix()
+            assert any(note.startswith(name) for note in notes), f"no run_repaired event for {name}: {notes}"
+
+
+_KILLED_LOADING = ("import os, signal, fedsight.api as A\n"
+                   "def killed(*a, **k):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                   "A.build_simulation = killed  # SIGKILL while the data loads, before the run directory exists\n"
+                   "from fedsight.cli import main; main()\n")
+
+
+def test_a_run_killed_before_its_directory_exists_leaves_no_lock_file(tmp_path) -> None:
+    H.count("run files")
+    (tmp_path / "c.toml").write_text(tomli_w.dumps(RAW_F))
+    env = {k: v for k, v in os.environ.items() if k != "FEDSIGHT_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_LOADING, "run", "c.toml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.name != "c.toml")
+    assert not left, f"a run that never started left {left}"

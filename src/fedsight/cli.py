@@ -68,13 +68,16 @@ def _say(text: str) -> None:
     console.print(escape(text), highlight=False, soft_wrap=True)
 
 
-def _refuse_inside_run(out: Path | None) -> None:
-    """``--out`` may never write into a run directory (it would replace the run's results)."""
-    from .runs import enclosing_run
+def _guard(check: Any, *args: Any, **kwargs: Any) -> Path:
+    """``check(*args, **kwargs)`` of ``fedsight.safe_write`` (the one output-path guard); a path it refuses is one
+    line naming it and why, exit 2, before anything is written."""
+    from .errors import OutputPathError
 
-    run = enclosing_run(out) if out is not None else None
-    if run is not None:
-        _fail(f"--out {out} is inside the run directory {run}; choose a path outside it")
+    try:
+        return check(*args, **kwargs)
+    except OutputPathError as exc:
+        _fail(str(exc))
+        raise  # unreachable: _fail exits
 
 
 def _short(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
@@ -292,6 +295,7 @@ def report(
     select: Annotated[str, typer.Option(help="Which evaluation stands for a run: final (its last), best (its best "
                                              "round, selected on the test set for test metrics) or last:N (the "
                                              "mean of its last N).")] = "final",
+    force: Annotated[bool, typer.Option(help="Replace an existing report.md, curves.png or --csv file.")] = False,
 ) -> None:
     """Compare runs: overlaid curves, a table of final/best values, mean +- std over runs that differ only by seed
     (the best per metric in bold within each grid point), and every run against the baseline: the per-seed
@@ -299,9 +303,12 @@ def report(
     worse, within noise)."""
     from .reporting import report as make_report
     from .reporting import write_csv
+    from .safe_write import check_output, check_output_folder
 
     runs = _find_runs(paths)
-    _refuse_inside_run(csv)
+    _guard(check_output_folder, out, "--out", ("report.md", "curves.png"), force=force)
+    if csv is not None:
+        _guard(check_output, csv, "--csv", force=force)
     try:
         table = make_report(runs, out, metrics=metric or None, baseline=baseline, select=select)
         if csv is not None:
@@ -379,17 +386,21 @@ def partition(
     out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: partition.png in the sweep's folder; "
                                                      "one per distinct partition of a sweep).")] = None,
     variant: Annotated[Optional[list[str]], typer.Option(help="Only this variant of the config (repeatable).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --out file.")] = False,
 ) -> None:
     """Show how a config partitions its data: per-client statistics and a clients x classes heatmap.
 
     A sweep shows every distinct partition of its variants and grid points (of its first seed), each with its
     own heatmap in that point's folder; points with the same data and partition share one.
     """
-    _refuse_inside_run(out)
     import json
 
     from . import sweep as S
     from .api import build_task
+    from .safe_write import check_output
+
+    if out is not None:
+        _guard(check_output, out, "--out", force=force)
 
     try:
         specs = S.load(config, set_ or [], variant or [])
@@ -403,15 +414,20 @@ def partition(
         key = json.dumps({k: dump.get(k) for k in ("seed", "data", "partition", "task", "validation", "pretrain")},
                          sort_keys=True)
         points.setdefault(key, []).append(spec)
+    paths = []
     for same in points.values():
-        spec = same[0]
-        where = spec.run_dir.parent.relative_to(group)
-        names = [str(s.run_dir.parent.relative_to(group)) for s in same if s.run_dir.parent != group]
+        where = same[0].run_dir.parent.relative_to(group)
         if len(points) == 1:
             path = out or group / "partition.png"
         else:
             slug = "-".join(where.parts)
-            path = out.with_name(f"{out.stem}-{slug}{out.suffix}") if out else spec.run_dir.parent / "partition.png"
+            path = out.with_name(f"{out.stem}-{slug}{out.suffix}") if out else same[0].run_dir.parent / "partition.png"
+        for target in (path, path.with_name(path.stem + "_classes.png")):  # all checked before anything is written
+            _guard(check_output, target, "--out" if target == out else "", force=force, exists_ok=out is None)
+        paths.append(path)
+    for same, path in zip(points.values(), paths):
+        spec = same[0]
+        names = [str(s.run_dir.parent.relative_to(group)) for s in same if s.run_dir.parent != group]
         if names:
             _say(f"-- {', '.join(names)} (seed {spec.seed})")
         try:
@@ -479,7 +495,10 @@ def pretrain_(
 
     `fedsight run` on the same config loads this file, and pre-trains by itself when the file is missing.
     """
-    _refuse_inside_run(out)
+    from .safe_write import check_output
+
+    if out is not None:
+        _guard(check_output, out, "--out", force=True)  # an existing file: below (pre-trained, or --force)
     from . import sweep as S
     from .api import build_task
     from .pretrain import pretrain, pretrain_key, pretrain_weights_path, sidecar_path
@@ -497,6 +516,12 @@ def pretrain_(
     if out is not None and len({pretrain_key(s.config) for s in specs}) > 1:
         _fail(f"--out names one file but {config} has {len({pretrain_key(s.config) for s in specs})} distinct pretraining "
               "setups (seeds or variants); drop --out to give each its own file")
+    for path in todo:  # each file it writes, and its sidecar, before anything is computed
+        for target in (path, sidecar_path(path)):
+            _guard(check_output, target, "--out" if target == out else "", force=True)
+        if path.is_file() and not sidecar_path(path).is_file() and not force:
+            _fail(f"{'--out ' if path == out else ''}{path}: exists without its sidecar {sidecar_path(path)} (not a "
+                  "file `fedsight pretrain` wrote); pass --force to replace it")
     for path, spec in todo.items():
         cfg = spec.config
         label = f"pretrain {spec.variant or cfg.run.name} seed {cfg.seed}"
@@ -555,7 +580,7 @@ _ALLOC_FAILED = re.compile(r"can't allocate memory|out of memory|alloc_cpu|Defau
 def describe_error(exc: BaseException) -> str:
     """One line for an error that escaped a command: the file and the OS's reason for file-system errors,
     else the exception's type and message."""
-    if isinstance(exc, OSError) and exc.filename is not None:
+    if isinstance(exc, OSError) and exc.filename is not None and not isinstance(exc, FedSightError):
         what = f"{exc.strerror or type(exc).__name__}: {exc.filename}"
         return what + (f" -> {exc.filename2}" if exc.filename2 else "")
     if isinstance(exc, FedSightError) or (isinstance(exc, FileNotFoundError) and exc.filename is None and str(exc)):

@@ -251,6 +251,14 @@ def _plan_output(out: Path, force: bool, inputs: list[Path | None], png: bool = 
     if run is not None:
         raise _Refused(f"--out {out} is inside the run directory {run}; choose a path outside it", 2)
     targets = [out, sidecar_path(out)] if png else [out]
+    from .errors import OutputPathError
+    from .safe_write import check_output
+
+    for t in targets:  # a device, FIFO, socket or symbolic link is never replaced, even with --force
+        try:
+            check_output(t, "--out" if t == out else "", force=True)
+        except OutputPathError as exc:
+            raise _Refused(str(exc), 2) from None
     for p in inputs:
         if p is not None and any(t.absolute().resolve() == p.absolute().resolve() for t in targets):
             raise _Refused(f"--out {out} would overwrite the input {p}; choose another path", 2)
@@ -264,7 +272,7 @@ def _write_png(out: Path, arr: np.ndarray, meta: dict[str, Any] | None) -> None:
     """Write ``arr`` as an RGB PNG (atomically) and its sidecar ``meta`` (or remove a stale one)."""
     from PIL import Image
 
-    from .runs import atomic_write_bytes, atomic_write_text
+    from .safe_write import atomic_write_bytes, atomic_write_text
 
     buf = io.BytesIO()
     Image.fromarray(arr, "RGB").save(buf, format="PNG", compress_level=6)
@@ -377,7 +385,7 @@ def keygen(
     """Write a fresh random key for --key-file (32 bytes from the OS).
 
     Share it with the receiver over a secure channel; key exchange is out of scope (as in the paper)."""
-    from .runs import atomic_write_bytes
+    from .safe_write import atomic_write_bytes
 
     with _errors():
         _plan_output(out, force, [], png=False)

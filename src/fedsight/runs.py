@@ -35,6 +35,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
 from .errors import RunFileError
+from .safe_read import MAX_JSON_BYTES, MAX_NPZ_BYTES, exists, loads_json
+from .safe_read import read_bytes as _read_bytes
+from .safe_read import read_text as _read_bounded
+from .safe_write import append_line, atomic_write_bytes, atomic_write_text
+
+__all__ = ["atomic_write_bytes", "atomic_write_text"]  # the writers' home is fedsight.safe_write; kept here too
 
 CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"
@@ -52,25 +58,6 @@ def round_(x: float) -> float:
     return float(f"{x:.6g}")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
 # -- reading the logs -------------------------------------------------------------------------------
 
 
@@ -83,18 +70,29 @@ def _run_file(run_dir: StrPath, name: str) -> tuple[Path, str]:
         raise FileNotFoundError(f"{path}: no such file (is {Path(run_dir)} a FedSight run directory?)") from None
 
 
+#: the largest checkpoint tensor file read
+MAX_CHECKPOINT_BYTES = MAX_NPZ_BYTES
+#: the largest run file read (``metrics.jsonl`` of a long run with per-class metrics stays far below)
+MAX_RUN_FILE_BYTES = 4 * MAX_JSON_BYTES
+
+
 def read_text(path: Path) -> str:
-    """A run file's text; one that is not UTF-8 is a ``RunFileError`` naming it."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise RunFileError(f"{path}: not UTF-8 text (byte {exc.start}); the file is damaged") from None
+    """A run file's text through the bounded reader (``fedsight.safe_read``): a FIFO, device or folder in its
+    place is refused at once, as is a file past :data:`MAX_RUN_FILE_BYTES` or one that is not UTF-8 (a
+    ``RunFileError`` naming it; ``FileNotFoundError`` when it is missing)."""
+    return _read_bounded(path, "", MAX_RUN_FILE_BYTES, RunFileError)
+
+
+def _loads(where: str, text: str) -> Any:
+    """``text`` parsed as JSON; a nesting or digit bomb is a ``RunFileError`` naming ``where`` (``file`` or
+    ``file:line``); invalid JSON is left to the caller (``json.JSONDecodeError``)."""
+    return loads_json(text, where, RunFileError)
 
 
 def _json_object(path: Path, text: str) -> dict[str, Any]:
     """``text`` (the content of ``path``) parsed as a JSON object; a ValueError naming the file otherwise."""
     try:
-        obj = json.loads(text)
+        obj = _loads(str(path), text)
     except json.JSONDecodeError as e:
         raise RunFileError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
     if not isinstance(obj, dict):
@@ -124,7 +122,7 @@ def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = _loads(f"{path}:{lineno}", line)
         except json.JSONDecodeError as e:
             raise RunFileError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
         if not isinstance(rec, dict):
@@ -149,7 +147,7 @@ def last_values(records: list[dict[str, Any]]) -> dict[str, Any]:
 def read_run_meta(run_dir: StrPath) -> dict[str, Any] | None:
     """``RUN_DIR/run.json`` (None for a run written before it existed); a damaged file names itself."""
     path = Path(run_dir) / RUN_META_FILE
-    if not path.is_file():
+    if not exists(path):  # anything there (a FIFO, a folder) is read, and refused, by the bounded reader
         return None
     meta = _json_object(path, read_text(path))
     if not isinstance(meta.get("metrics", {}), dict):
@@ -167,7 +165,7 @@ def read_status(run_dir: StrPath) -> dict[str, Any]:
     """``RUN_DIR/status.json`` ({} before the first round); one whose state, round or rounds are not of the
     recorded kinds is a ``RunFileError`` naming it."""
     path = Path(run_dir) / STATUS_FILE
-    if not path.is_file():
+    if not exists(path):  # anything there (a FIFO, a folder) is read, and refused, by the bounded reader
         return {}
     status = _json_object(path, read_text(path))
     counts = [status.get(k) for k in ("round", "rounds")]
@@ -383,10 +381,7 @@ class RunDir:
         atomic_write_text(self.path / "config.json", json.dumps(resolved, indent=2, sort_keys=True) + "\n")
 
     def append_metrics(self, row: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.metrics_path, json.dumps(row) + "\n")
 
     def log_events(self, r: int, row: dict[str, Any]) -> None:
         """Round ``r``'s metrics into the TensorBoard event files (``[run] tensorboard = true``)."""
@@ -403,16 +398,15 @@ class RunDir:
 
     def append_client_metrics(self, row: dict[str, Any]) -> None:
         """One line of ``client_metrics.jsonl``: an evaluated round's local-test metrics of every client."""
-        with open(self.path / CLIENT_METRICS_FILE, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_line(self.path / CLIENT_METRICS_FILE, json.dumps(row) + "\n", sync=False)
 
     def read_client_metrics(self) -> list[dict[str, Any]]:
         """Every line of ``client_metrics.jsonl`` (``[]`` without local evaluation)."""
         path = self.path / CLIENT_METRICS_FILE
         out = []
-        for lineno, line in enumerate(read_text(path).splitlines() if path.is_file() else [], start=1):
+        for lineno, line in enumerate(read_text(path).splitlines() if exists(path) else [], start=1):
             try:
-                rec = json.loads(line) if line.strip() else None
+                rec = _loads(f"{path}:{lineno}", line) if line.strip() else None
             except json.JSONDecodeError as e:
                 raise RunFileError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
             if rec is not None:
@@ -424,20 +418,19 @@ class RunDir:
     def append_evaluation(self, row: dict[str, Any]) -> None:
         """One line of ``evaluations.jsonl``: a later evaluation of the run's trained model (``fedsight
         evaluate``)."""
-        with open(self.path / EVALUATIONS_FILE, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path / EVALUATIONS_FILE, json.dumps(row) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """Every line of metrics.jsonl (``[]`` before the first round)."""
-        return read_metrics(self.path) if self.metrics_path.is_file() else []
+        return read_metrics(self.path) if exists(self.metrics_path) else []
 
     def read_status(self) -> dict[str, Any]:
         return read_status(self.path)
 
-    def write_status(self, state: str, round: int, rounds: int) -> None:
-        atomic_write_text(self.path / STATUS_FILE, json.dumps({"state": state, "round": round, "rounds": rounds}) + "\n")
+    def write_status(self, state: str, round: int, rounds: int, **extra: Any) -> None:
+        """``status.json``; ``extra``: further keys (``failed``: what failed after the last round)."""
+        atomic_write_text(self.path / STATUS_FILE,
+                          json.dumps({"state": state, "round": round, "rounds": rounds, **extra}) + "\n")
 
     def write_run_meta(self, metrics: dict[str, bool | None], primary: str, session: dict[str, Any],
                        model_io: dict[str, Any] | None = None) -> None:
@@ -457,14 +450,14 @@ class RunDir:
         not a JSON object is a ``RunFileError`` naming ``file:line``, raised before either file is rewritten."""
         repaired, keep = [], {}
         for path in (self.metrics_path, self.weights_path, self.path / CLIENT_METRICS_FILE):
-            if not path.is_file():
+            if not exists(path):
                 continue
             text = read_text(path)
             lines = [(i, line) for i, line in enumerate(text.splitlines(), start=1) if line.strip()]
             rows = []
             for j, (i, line) in enumerate(lines):
                 try:
-                    row = json.loads(line)
+                    row = _loads(f"{path}:{i}", line)
                 except json.JSONDecodeError as exc:
                     if j == len(lines) - 1:
                         repaired.append(f"{path.name}:{i}: a torn last line was dropped")
@@ -504,17 +497,17 @@ class RunDir:
             w: Any = {k: [round_(v) for v in t.tolist()] for k, t in weights.items()}
         else:
             w = [round_(v) for v in torch.as_tensor(weights).tolist()]
-        with open(self.weights_path, "a") as f:
-            f.write(json.dumps({"round": round, "clients": clients, "weights": w}) + "\n")
+        append_line(self.weights_path, json.dumps({"round": round, "clients": clients, "weights": w}) + "\n",
+                    sync=False)
 
     def read_client_weights(self) -> list[dict[str, Any]]:
-        if not self.weights_path.is_file():
+        if not exists(self.weights_path):
             return []
         out = []
         for lineno, line in enumerate(read_text(self.weights_path).splitlines(), start=1):
             if line.strip():
                 try:
-                    rec = json.loads(line)
+                    rec = _loads(f"{self.weights_path}:{lineno}", line)
                 except json.JSONDecodeError as e:
                     raise RunFileError(f"{self.weights_path}:{lineno}: invalid JSON: {e.msg}") from None
                 if not (isinstance(rec, dict) and type(rec.get("round")) is int and isinstance(rec.get("clients"), list)
@@ -584,8 +577,8 @@ class RunDir:
         for stem in reversed(self.checkpoints()):
             name = stem.relative_to(self.path).as_posix()
             try:
-                meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
-                data = stem.with_suffix(".safetensors").read_bytes()
+                meta = _loads(str(stem.with_suffix(".json")), read_text(stem.with_suffix(".json")))
+                data = _read_bytes(stem.with_suffix(".safetensors"), "", MAX_CHECKPOINT_BYTES, RunFileError)
                 ok = (isinstance(meta, dict) and meta.get("round") == int(stem.name.split("-")[1]) and "state" in meta
                       and hashlib.sha256(data).hexdigest() == meta.get("sha256")
                       and meta.get("state_sha256", _state_digest(meta["state"])) == _state_digest(meta["state"]))

@@ -33,7 +33,8 @@ from .errors import ConfigError, DataFileError
 
 __all__ = [
     "MAX_JSON_BYTES", "MAX_NPZ_BYTES", "MAX_TEXT_BYTES", "MAX_TOML_BYTES", "NpzArrays",
-    "check_regular", "exists", "read_bytes", "read_json", "read_npz", "read_text", "read_text_lines", "read_toml",
+    "check_regular", "exists", "loads_json", "read_bytes", "read_json", "read_jsonl", "read_npz", "read_text",
+    "read_text_lines", "read_toml",
 ]
 
 #: the largest JSON file read (COCO's person_keypoints_train2017.json is about 240 MB)
@@ -102,10 +103,16 @@ def read_bytes(path: str | os.PathLike[str], what: str = "", limit: int = MAX_JS
                error: type[Exception] = DataFileError) -> bytes:
     """The bytes of the regular file at ``path`` (at most ``limit``); see the module for what is refused."""
     name = _name(path, what)
-    check_regular(path, what, limit, error)
+    size = check_regular(path, what, limit, error).st_size
     with _open(path, name, limit, error) as f:
         try:
-            data = f.read(limit + 1)
+            data = f.read(min(limit, size) + 1)  # not read(limit + 1): that allocates the whole limit
+            if len(data) > size:  # it grew since: the rest in bounded pieces
+                parts, total = [data], len(data)
+                while total <= limit and (chunk := f.read(min(1 << 24, limit + 1 - total))):
+                    parts.append(chunk)
+                    total += len(chunk)
+                data = b"".join(parts)
         except OSError as exc:
             raise error(f"{name}: cannot be read: {exc.strerror or exc}") from None
     if len(data) > limit:
@@ -180,6 +187,44 @@ def _parse_json(text: str, name: str, error: type[Exception]) -> Any:
         where = f"line {_line_col(text, m.start())[0]}: " if m else ""
         what = f"an integer of more than {digits} digits" if digits else " ".join(str(exc).split())
         raise error(f"{name}: {where}{what}") from None
+
+
+def loads_json(text: str, name: str, error: type[Exception] = DataFileError) -> Any:
+    """``text`` parsed as JSON within the limits of the module (a nesting or digit bomb is ``error`` naming
+    ``name``: a file, or ``file:line`` for a line of a JSONL log); invalid JSON is left to the caller as
+    ``json.JSONDecodeError``, to be phrased as its format asks."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except (RecursionError, ValueError):
+        try:
+            _parse_json(text, name, error)  # raises, naming the line
+        except error as exc:
+            msg = str(exc)
+            if "\n" not in text:  # one line of a log: ``name`` already says which
+                msg = msg.replace(f"{name}: line 1: ", f"{name}: ", 1)
+            raise error(msg) from None
+        raise
+    if isinstance(doc, (dict, list)):
+        _check_depth(doc, name, error)
+    return doc
+
+
+def read_jsonl(path: str | os.PathLike[str], what: str = "JSONL file", limit: int = MAX_JSON_BYTES,
+               error: type[Exception] = DataFileError) -> list[tuple[int, Any]]:
+    """(line number, value) of every non-blank line of the JSON-lines file at ``path``, within the limits of
+    the module; a line that fails is ``error`` naming ``file:line``."""
+    name = _name(path, what)
+    out = []
+    for lineno, line in enumerate(read_text(path, what, limit, error).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((lineno, loads_json(line, f"{name}:{lineno}", error)))
+        except json.JSONDecodeError as exc:
+            raise error(f"{name}:{lineno}: not valid JSON: column {exc.colno}: {exc.msg}") from None
+    return out
 
 
 def read_json(path: str | os.PathLike[str], what: str = "JSON file", limit: int = MAX_JSON_BYTES,

@@ -17,6 +17,7 @@ from typing import Any
 
 import tomli_w
 
+from ..safe_write import atomic_write_text
 from .secagg import COUNT_OR_FRACTION, count_or_fraction
 from .server_app import OPTIONS
 
@@ -120,10 +121,11 @@ def write_app(cfg: Any, app_dir: str | Path, *, run_dir: str | Path, options: di
             },
         },
     }
-    (app_dir / "pyproject.toml").write_text(tomli_w.dumps(project))
-    (pkg / "__init__.py").write_text('"""FedSight Flower app (generated)."""\n')
-    (pkg / "server_app.py").write_text(_SERVER)
-    (pkg / "client_app.py").write_text(_CLIENT)
+    write = atomic_write_text  # temp + rename (fedsight.safe_write): never through a symbolic link or into a FIFO
+    write(app_dir / "pyproject.toml", tomli_w.dumps(project))
+    write(pkg / "__init__.py", '"""FedSight Flower app (generated)."""\n')
+    write(pkg / "server_app.py", _SERVER)
+    write(pkg / "client_app.py", _CLIENT)
     n = int(cfg.partition.num_clients)
-    (app_dir / "README.md").write_text(readme_text(cfg.run.name, n))
+    write(app_dir / "README.md", readme_text(cfg.run.name, n))
     return app_dir

@@ -168,6 +168,20 @@ def _row_text(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
     return "  ".join(parts)
 
 
+APP_MODULES = ("__init__.py", "server_app.py", "client_app.py")
+
+
+def _guard_folder(directory: Path, files: Any, force: bool) -> None:
+    """The output-path guard (``fedsight.safe_write``) on DIRECTORY and the files a command writes there."""
+    from ..errors import OutputPathError
+    from ..safe_write import check_output_folder
+
+    try:
+        check_output_folder(directory, "", files, force=force)
+    except OutputPathError as exc:
+        _fail(str(exc))
+
+
 @flower_app.command("app")
 def app_cmd(
     config: Annotated[Path, typer.Argument(help="FedSight TOML config (one run).")],
@@ -187,10 +201,12 @@ def app_cmd(
     secagg_clip: SecAggClip = 8.0,
     data_dir_nodes: Annotated[bool, typer.Option("--data-dir-nodes", help="SuperNodes read their own data-dir (no partition.json).")] = False,
     overwrite: Overwrite = False,
+    force: Annotated[bool, typer.Option(help="Replace the files of an app already in DIRECTORY.")] = False,
 ) -> None:
     """Write a runnable Flower app for CONFIG: submit it with `flwr run DIR <connection>`."""
-    from .app import write_app
+    from .app import PACKAGE, write_app
 
+    _guard_folder(directory, ("pyproject.toml", "README.md", *(f"{PACKAGE}/{f}" for f in APP_MODULES)), force)
     cfg, rd = _one_config(config, set_, run_dir)
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
                     secagg, secagg_shares, secagg_threshold, secagg_clip)
@@ -315,6 +331,9 @@ def certs_cmd(
 ) -> None:
     """Generate a test CA, a SuperLink certificate and SuperNode authentication keys."""
     from .tls import make_node_key, make_tls
+
+    names = ("ca.crt", "ca.key", "server.pem", "server.key", *(f"node{k}{e}" for k in range(node_keys) for e in ("", ".pub")))
+    _guard_folder(directory, names, True)  # files already there are kept (or completed), as documented
 
     files = make_tls(directory, tuple(host) if host else ("127.0.0.1", "localhost"))
     _say(f"CA: {files.ca_cert}\nSuperLink certificate: {files.server_cert}\nSuperLink key: {files.server_key}")

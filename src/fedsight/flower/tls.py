@@ -27,6 +27,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from ..safe_write import atomic_write_bytes
+
 
 @dataclass
 class TLSFiles:
@@ -42,7 +44,9 @@ def _name(cn: str) -> x509.Name:
 
 
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    # temp + rename (fedsight.safe_write): never through a symbolic link or into a FIFO; the file is made 0600
+    atomic_write_bytes(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
     path.chmod(0o600)
 
 
@@ -84,9 +88,9 @@ def make_tls(directory: str | Path, hosts: Sequence[str] = ("127.0.0.1", "localh
         .sign(ca_key, hashes.SHA256())
     )
     _write_key(ca_key, d / "ca.key")
-    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    atomic_write_bytes(files.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
     _write_key(srv_key, files.server_key)
-    files.server_cert.write_bytes(srv_cert.public_bytes(serialization.Encoding.PEM))
+    atomic_write_bytes(files.server_cert, srv_cert.public_bytes(serialization.Encoding.PEM))
     return files
 
 
@@ -99,8 +103,9 @@ def make_node_key(directory: str | Path, name: str) -> Path:
     if priv.is_file() and (d / f"{name}.pub").is_file():
         return priv
     key = ec.generate_private_key(ec.SECP384R1())
-    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+    atomic_write_bytes(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                               serialization.NoEncryption()))
     priv.chmod(0o600)
     pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    (d / f"{name}.pub").write_bytes(pub + f" fedsight-{name}\n".encode())
+    atomic_write_bytes(d / f"{name}.pub", pub + f" fedsight-{name}\n".encode())
     return priv

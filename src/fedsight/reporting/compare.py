@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from ..safe_write import atomic_write_text
 from .fmt import _decimals, _fmt_mean_std, _md_escape, _metric_label
 from .paired import CONFIDENCE, PairedDifference, paired_difference
 from .plots import CURVES_FILE, _plot_groups
@@ -525,5 +526,5 @@ def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | N
         lines.append(f"- **{_md_escape(g.label)}**{_md_escape(text[len(g.label):])} — {dirs}")
     lines += ["", "## Curves", "", f"![comparison curves]({CURVES_FILE})", ""]
     lines += provenance_lines(runs)
-    (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
+    atomic_write_text(out / "report.md", "\n".join(lines))
     return table

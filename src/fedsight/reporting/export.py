@@ -7,7 +7,8 @@ import io
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..runs import METRICS_FILE, atomic_write_text
+from ..runs import METRICS_FILE
+from ..safe_write import atomic_write_text
 from .runs_view import StrPath, _display_order, _group, _load_all
 
 #: the columns before the metrics, in this order

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RunFileError
+from ..safe_write import atomic_write_bytes
 
 from ..data.partition import partition_summary
 from .runs_view import StrPath
@@ -23,11 +25,14 @@ def read_partition(run_dir: StrPath) -> dict[str, Any] | None:
     """``RUN_DIR/partition.json`` (per-client label counts, class names, the server validation set), or
     None when the run did not write one."""
     p = Path(run_dir) / PARTITION_FILE
-    if not p.is_file():
+    from ..runs import read_text
+    from ..safe_read import exists, loads_json
+
+    if not exists(p):
         return None
     try:
-        out = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        out = loads_json(read_text(p), str(p), RunFileError)
+    except json.JSONDecodeError as exc:
         raise RunFileError(f"{p}: invalid JSON ({exc})") from None
     if not isinstance(out, dict):
         raise RunFileError(f"{p}: expected a JSON object")
@@ -106,4 +111,6 @@ def plot_partition_heatmap(
         f"{'classes' if key == 'class' else key + 's'}/client",
         fontsize=10,
     )
-    fig.savefig(os.fspath(path), dpi=120, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
+    atomic_write_bytes(path, buf.getvalue())  # temp + rename, onto a regular file only (fedsight.safe_write)

@@ -153,7 +153,7 @@ def _save(fig: Any, path: Path) -> Path:
 
     import io
 
-    from ..runs import atomic_write_bytes
+    from ..safe_write import atomic_write_bytes
 
     _fold_offset_texts(fig)
     buf = io.BytesIO()

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runs import atomic_write_text
+from ..safe_write import atomic_write_text
 from .client_weights import CLIENT_WEIGHTS_FILE
 from .fmt import _fmt, _fmt_duration, _md_escape, _metric_label
 from .partition import read_partition

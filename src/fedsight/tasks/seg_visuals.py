@@ -153,4 +153,10 @@ def plot_class_distribution(pixels: np.ndarray, class_names: Sequence[str], path
     bottom.set_xticks(np.arange(1, c + 1), class_names, rotation=60, ha="right", fontsize=8)
     bottom.set_ylabel("% of a client's pixels")
     fig.suptitle(title or f"class pixel shares of {k} clients", fontsize=10)
-    fig.savefig(os.fspath(path), dpi=110)
+    import io
+
+    from ..safe_write import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    atomic_write_bytes(path, buf.getvalue())  # temp + rename, onto a regular file only (fedsight.safe_write)
