@@ -29,6 +29,16 @@ settings.register_profile("fedsight", deadline=None, max_examples=50)
 settings.load_profile("fedsight")
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.slow`` cases run only with the suite's slow flag, ``FEDSIGHT_SLOW=1`` (README, "Tests")."""
+    if os.environ.get("FEDSIGHT_SLOW", "") not in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="slow: runs with FEDSIGHT_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The fuzz suite's executed cases (tests/fuzz_helpers.py), when it ran: the README quotes these counts."""
     import sys

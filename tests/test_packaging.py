@@ -71,7 +71,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.mark.xdist_group("wheel")  # one worker builds the wheel, once (`--dist loadgroup`, the README's test command)
-@pytest.mark.parametrize("minor", ["12", "13"])
+@pytest.mark.parametrize("minor", ["12", pytest.param("13", marks=pytest.mark.slow)])  # 3.13: FEDSIGHT_SLOW=1
 def test_the_wheel_installs_into_a_fresh_virtualenv(tmp_path, minor, wheel):
     python = interpreter(minor)
     if python is None:

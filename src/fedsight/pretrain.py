@@ -42,7 +42,7 @@ from torch import nn
 
 from .device import model_device, to_device
 from .errors import ConfigError
-from .registry import Params
+from .registry import Params, off_but_set
 from .rng import PROCESS_STREAM, derive_seed, seed_torch, torch_gen
 
 #: bumped when the pre-training procedure changes, so cached extractors of an older procedure are not reused
@@ -84,13 +84,8 @@ class PretrainSection(Params):
 
     @model_validator(mode="after")
     def _used(self) -> "PretrainSection":
-        if self.source == "none":  # a value other than the default would silently do nothing (a dump's defaults pass)
-            unused = [k for k, f in type(self).model_fields.items()
-                      if k != "source" and getattr(self, k) != f.get_default(call_default_factory=True)]
-            if unused:
-                raise ValueError(f"pretrain.{unused[0]} = {json.dumps(getattr(self, unused[0]))} is set but "
-                                 'pretrain.source = "none" (nothing is pre-trained); set pretrain.source or remove '
-                                 f"pretrain.{unused[0]}")
+        if self.source == "none":
+            off_but_set(self, "pretrain", "nothing is pre-trained")
         return self
 
 

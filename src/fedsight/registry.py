@@ -66,6 +66,18 @@ def _shape_fields(cls: type[BaseModel]) -> dict[str, type]:
     return out
 
 
+def off_but_set(section: BaseModel, table: str, why: str) -> None:
+    """A section switched off by ``source = "none"`` whose other keys differ from their defaults: a ValueError
+    naming the first such key and ``source`` (its value would silently do nothing; a dump's defaults pass)."""
+    import json
+
+    unused = [k for k, f in type(section).model_fields.items()
+              if k != "source" and getattr(section, k) != f.get_default(call_default_factory=True)]
+    if unused:
+        raise ValueError(f"{table}.{unused[0]} = {json.dumps(getattr(section, unused[0]))} is set but {table}.source "
+                         f'= "none" ({why}); set {table}.source or remove {table}.{unused[0]}')
+
+
 class NoParams(Params):
     pass
 

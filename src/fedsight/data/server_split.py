@@ -47,7 +47,6 @@ Every split is a deterministic function of (dataset, section, seed).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -55,7 +54,7 @@ import numpy as np
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from ..errors import ConfigError
-from ..registry import DATASETS, Params
+from ..registry import DATASETS, Params, off_but_set
 from ..rng import check_seed, np_rng
 from .partition import largest_remainder
 
@@ -105,13 +104,8 @@ class ValidationSection(Params):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ValidationSection":
-        if self.source == "none":  # a value other than the default would silently do nothing (a dump's defaults pass)
-            unused = [k for k, f in type(self).model_fields.items()
-                      if k != "source" and getattr(self, k) != f.get_default(call_default_factory=True)]
-            if unused:
-                raise ValueError(f"validation.{unused[0]} = {json.dumps(getattr(self, unused[0]))} is set but "
-                                 'validation.source = "none" (no validation set); set validation.source or remove '
-                                 f"validation.{unused[0]}")
+        if self.source == "none":
+            off_but_set(self, "validation", "no validation set")
         if self.source == "dataset" and self.dataset is None:
             raise ValueError('validation.source = "dataset" needs validation.dataset (a dataset table)')
         if self.source != "dataset" and self.dataset is not None:
