@@ -71,7 +71,7 @@ def test_crop_flip_draws_each_sample_from_its_own_stream(tmp_path):
     assert changed > 0  # augmentation does change images (and train_batch reads them as they are)
 
 
-@pytest.mark.parametrize("augment", ["none", "crop_flip"])
+@pytest.mark.parametrize("augment", ["none", pytest.param("crop_flip", marks=pytest.mark.slow)])  # FEDSIGHT_SLOW=1
 def test_results_do_not_depend_on_the_number_of_workers(tmp_path, augment):
     write_tree(tmp_path / "tree")
     models = []
