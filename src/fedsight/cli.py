@@ -328,55 +328,14 @@ def list_(
     kind: Annotated[Optional[str], typer.Argument(help="Only this kind (e.g. model, dataset, aggregator).")] = None,
 ) -> None:
     """List registered tasks, datasets, models, partitioners and recipe parts with their parameters."""
-    from . import registry as R
-    from .plugins import load_builtin
+    from .listing import registry_tables
 
-    load_builtin()
-
-    regs = (R.TASKS, R.DATASETS, R.MODELS, R.PARTITIONERS, R.WEIGHTINGS, R.AGGREGATORS, R.SERVER_OPTIMIZERS,
-            R.SHARING, R.COMPONENTS)
-    if kind is not None:
-        chosen = [r for r in regs if r.kind == kind or r.kind.replace(" ", "_") == kind or r.kind.split()[-1] == kind]
-        if not chosen:
-            _fail(f"unknown kind {kind!r}; choose one of: {', '.join(r.kind.replace(' ', '_') for r in regs)}")
-        regs = tuple(chosen)
-    for reg in regs:
-        table = Table(title=f"{reg.kind}s", title_justify="left", show_lines=False, expand=False)
-        table.add_column("name", style="cyan", no_wrap=True)
-        table.add_column("description", ratio=3)
-        table.add_column("parameters (default)", ratio=2, overflow="fold")
-        for e in reg.entries():
-            params = ", ".join(
-                f"{k}={'required' if f.is_required() else repr(f.default)}" for k, f in e.params.model_fields.items()
-            )
-            table.add_row(e.name, escape(e.help + _declarations(reg, e)), escape(params) or "-")
-        console.print(table)
-
-
-def _declarations(reg: Any, e: Any) -> str:
-    """What ``fedsight list`` adds to an entry's description: its task family, its metrics (tasks), what
-    it provides (tasks; models with default parameters) and what it needs (recipe parts)."""
-    from . import registry as R
-    from .capabilities import resolve
-
-    family = f" [{e.task_family}]" if reg in (R.DATASETS, R.MODELS) else ""
-    out = []
-    if reg is R.TASKS and "spec" in e.meta:
-        spec = e.meta["spec"](e.params())
-        arrows = {True: " ↑", False: " ↓", None: ""}
-        metrics = ", ".join(f"{m.key}{arrows[m.higher_is_better]}" for m in spec.metrics)
-        out.append(f"metrics: {metrics}; primary {spec.primary}; provides: {', '.join(sorted(spec.provides))}")
     try:
-        default = e.params()
-    except Exception:  # required parameters: no default instance to resolve a function of params with
-        default = None
-    if reg is R.MODELS and e.provides is not None and default is not None:
-        out.append(f"provides: {', '.join(sorted(resolve(e.provides, default)))}")
-    if e.requires is not None and default is not None:
-        needs = resolve(e.requires, default)
-        if needs:
-            out.append(f"needs: {', '.join(sorted(needs))}")
-    return family + ("; " + "; ".join(out) if out else "")
+        tables = registry_tables(kind)
+    except ValueError as exc:
+        _fail(str(exc))
+    for table in tables:
+        console.print(table)
 
 
 @app.command()

@@ -241,7 +241,7 @@ def _check_pair(png: Path, arr: np.ndarray, meta: dict[str, Any]) -> None:
 def _plan_output(out: Path, force: bool, inputs: list[Path | None], png: bool = True) -> None:
     """Refuse an output that is not a .png, lies in a run directory, is one of the inputs, or exists
     (it or its sidecar) without --force."""
-    from .runs import enclosing_run
+    from .safe_write import enclosing_run
 
     if png and out.suffix.lower() != ".png":
         raise _Refused(f"--out {out}: the output is a PNG; name it *.png", 2)

@@ -38,9 +38,9 @@ from .errors import RunFileError
 from .safe_read import MAX_JSON_BYTES, MAX_NPZ_BYTES, exists, loads_json
 from .safe_read import read_bytes as _read_bytes
 from .safe_read import read_text as _read_bounded
-from .safe_write import append_line, atomic_write_bytes, atomic_write_text
+from .safe_write import append_line, atomic_write_bytes, atomic_write_text, enclosing_run
 
-__all__ = ["atomic_write_bytes", "atomic_write_text"]  # the writers' home is fedsight.safe_write; kept here too
+__all__ = ["atomic_write_bytes", "atomic_write_text", "enclosing_run"]  # the writers' home is fedsight.safe_write; kept here too
 
 CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"
@@ -217,16 +217,6 @@ def unpack_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
             items = [unpack_state(v, tensors) for v in obj["__list__"]]
             return tuple(items) if obj.get("tuple") else items
     return obj
-
-
-def enclosing_run(path: StrPath) -> Path | None:
-    """The FedSight run directory ``path`` lies in (or is), if any: a folder with ``config.json`` and
-    ``status.json``. Commands that write a file by ``--out`` refuse paths inside a run."""
-    p = Path(path).absolute()
-    for folder in (p, *p.parents):
-        if (folder / "config.json").is_file() and (folder / "status.json").is_file():
-            return folder
-    return None
 
 
 class RunInUse(RunFileError):

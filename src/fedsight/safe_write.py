@@ -6,7 +6,7 @@
 (:class:`~fedsight.errors.OutputPathError`, exit 2):
 
 * a path inside a run directory the command does not own (a folder with a run's ``config.json`` and
-  ``status.json``: ``fedsight.runs.enclosing_run``), also through a symbolic link;
+  ``status.json``: ``enclosing_run``), also through a symbolic link;
 * a device, FIFO, socket or folder where a file goes (a temporary file renamed onto ``/dev/null`` would
   replace the device node), and a file where a folder goes;
 * a symbolic link (the rename would replace the link, not what it points to);
@@ -30,12 +30,23 @@ from pathlib import Path
 
 from .errors import OutputPathError, WriteError
 
-__all__ = ["append_line", "atomic_write_bytes", "atomic_write_text", "check_output", "check_output_folder"]
+__all__ = ["append_line", "atomic_write_bytes", "atomic_write_text", "check_output", "check_output_folder",
+           "enclosing_run"]
 
 StrPath = str | os.PathLike[str]
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def enclosing_run(path: StrPath) -> Path | None:
+    """The FedSight run directory ``path`` lies in (or is), if any: a folder with ``config.json`` and
+    ``status.json``. Commands that write a file by ``--out`` refuse paths inside a run."""
+    p = Path(path).absolute()
+    for folder in (p, *p.parents):
+        if (folder / "config.json").is_file() and (folder / "status.json").is_file():
+            return folder
+    return None
 
 
 def _kind(mode: int) -> str:
@@ -60,7 +71,6 @@ def _label(option: str, path: StrPath) -> str:
 def _inside_run(path: Path, owner: StrPath | None) -> Path | None:
     """The run directory ``path`` lies in (as written, and once symbolic links are resolved), unless it is
     ``owner``."""
-    from .runs import enclosing_run
 
     mine = Path(os.path.realpath(owner)) if owner is not None else None
     for p in (path.absolute(), Path(os.path.realpath(path))):
