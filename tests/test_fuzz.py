@@ -23,8 +23,11 @@ Inputs come from three sources:
   naming the file (``test_hostile_*``);
 * **what commands write** (``fedsight.safe_write``): every verb's output path inside a run (also through a
   symbolic link), onto a FIFO or a symbolic link, or onto an existing file without ``--force``, is refused in one
-  line and nothing changes (``test_output_paths_*``); run files read back as a FIFO or a nesting or digit bomb
-  (``test_hostile_run_files_*``); a file-size limit (``RLIMIT_FSIZE``, ``ulimit -f``) after the last round; a
+  line and nothing changes (``test_output_paths_*``: also ``run``'s ``run.output_dir`` inside another run, a FIFO
+  or a link, and ``evaluate``'s ``evaluations.jsonl``); ``report`` run again replaces only its own unchanged
+  files; run files read back as a FIFO or a nesting or digit bomb (``test_hostile_run_files_*``); a file-size
+  limit (``RLIMIT_FSIZE``, ``ulimit -f``) after the last round and a full disk (``ENOSPC``, the atomic writer's
+  write failed by a monkeypatch) mid-run and after it, each resumed to the uninterrupted run's numbers; a
   ``run_repaired`` event for each swept leftover; no lock file left by a run killed before its directory exists.
 
 Commands run in this process through ``fedsight.cli.main`` (the console script's function; fast); a few run
@@ -1265,6 +1268,21 @@ OUTPUT_CASES: dict[str, tuple[list[str], str, str, str]] = {
                                                                 "app/pyproject.toml", "fifo", "FIFO"),
     "etlc keygen --out a symlink, --force": (["etlc", "keygen", "--out", "k.key", "--force"], "k.key", "link",
                                              "symbolic link"),
+    # `fedsight run`'s run.output_dir and `evaluate`'s evaluations.jsonl (before: a run was trained into the other
+    # run's folder, or through the link; evaluate blocked on the FIFO)
+    "run with run.output_dir inside another run": (["run", "c.toml", "--set", f"run.output_dir={F}/plots"],
+                                                  f"{F}/plots", "", "inside the run directory"),
+    "run with run.output_dir a symlink to a run": (["run", "c.toml", "--set", "run.output_dir=into"], "into", "runlink",
+                                                   "inside the run directory"),
+    "run with run.output_dir a FIFO": (["run", "c.toml", "--set", "run.output_dir=out"], "out", "fifo", "FIFO"),
+    "run whose run directory is a symlink": (["run", "c.toml", "--set", "run.output_dir=out"], "out/tiny/seed0",
+                                             "link", "symbolic link"),
+    "run whose lock file is a symlink": (["run", "c.toml", "--set", "run.output_dir=out"], "out/tiny/.seed0.lock",
+                                         "link", "symbolic link"),
+    "evaluate a run whose evaluations.jsonl is a FIFO": (["evaluate", str(F)], f"{F}/evaluations.jsonl", "fifo",
+                                                         "FIFO"),
+    "evaluate a run whose evaluations.jsonl is a symlink": (["evaluate", str(F)], f"{F}/evaluations.jsonl", "link",
+                                                            "symbolic link"),
 }
 
 
@@ -1285,6 +1303,25 @@ def test_output_paths_inside_runs_or_onto_special_files_are_refused(world, name)
     assert _state(path) == there and not changed, f"{path} or a run changed: {changed}\n{res.show()}"
     if kind == "link":
         assert (path.parent / "elsewhere.txt").read_text() == "the link's target\n"
+
+
+def test_a_report_run_again_into_its_folder_replaces_its_own_unchanged_files_only(world) -> None:
+    """`fedsight report RUN --out rep --csv all.csv` twice: the second replaces what the first wrote (before: "exists;
+    pass --force"); a file of those the user changed since is refused, named, with --force as the way out."""
+    H.count("output paths")
+    case = new_case(world)
+    args = ["report", str(F), "--out", "rep", "--csv", "all.csv"]
+    for _ in range(2):
+        res = H.cli(args, cwd=case)
+        assert res.code == 0, res.show()
+    for edited in ("all.csv", "rep/report.md"):
+        (case / edited).write_text("the user's own notes\n")
+        res = H.cli(args, cwd=case)
+        first = (H.lines_of(res.err) or [""])[0]
+        assert not H.error_problems(res, codes=(2,)) and edited in first and "--force" in first, res.show()
+        assert (case / edited).read_text() == "the user's own notes\n"
+        assert H.cli([*args, "--force"], cwd=case).code == 0
+    assert (case / "rep/report.md").read_text().startswith("# FedSight comparison")
 
 
 #: name -> (run file, its content or "fifo", a word the error line must hold)
@@ -1345,6 +1382,51 @@ def test_a_file_size_limit_after_the_last_round_names_the_file_says_so_in_the_st
     assert again.code == 0, again.show()
     assert json.loads((tmp_path / F / "status.json").read_text())["state"] == "complete"
     assert (tmp_path / F / "plots" / "curves.png").is_file() and (tmp_path / F / "summary.md").is_file()
+
+
+#: a full disk (ENOSPC) while the atomic writer writes this file, the n-th time: (file, n, what follows)
+FULL_DISK_CASES = {
+    "status.json after round 2 of 2 (mid-run)": ("status.json", 2, "running"),
+    "summary.md after the last round": ("summary.md", 1, "running"),
+    "the round-1 checkpoint's marker": ("round-000001.json", 1, None),
+}
+
+
+@pytest.mark.parametrize("name", list(FULL_DISK_CASES))
+def test_a_full_disk_names_the_file_and_the_run_resumes_to_the_same_numbers(world, tmp_path, monkeypatch, name) -> None:
+    """The atomic writer's write fails with ENOSPC (a full disk; simulated, as no small tmpfs is at hand): `run`
+    exits 1 with one line naming the file and the disk, nothing half-written is left, and `resume` then gives
+    the numbers of the uninterrupted run (the world's F, the same config)."""
+    import errno
+
+    import fedsight.safe_write as W
+
+    H.count("resource limits")
+    target, nth, state = FULL_DISK_CASES[name]
+    (tmp_path / "c.toml").write_text(tomli_w.dumps(RAW_F))
+    real, seen = W._write_all, []
+
+    def full(f, data, path) -> None:
+        if Path(path).name == target:
+            seen.append(path)
+            if len(seen) == nth:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, data, path)
+
+    monkeypatch.setattr(W, "_write_all", full)
+    res = H.cli(["run", "c.toml"], cwd=tmp_path)
+    monkeypatch.setattr(W, "_write_all", real)
+    first = (H.lines_of(res.err) or [""])[0]
+    assert not H.error_problems(res, codes=(1,)), res.show()
+    assert target in first and "No space left on device" in first and "disk is full" in first, res.show()
+    run = tmp_path / F
+    assert not [p for p in run.rglob(".*.tmp")], "a temporary file was left"
+    status = json.loads((run / "status.json").read_text()) if (run / "status.json").exists() else {}
+    assert status.get("state") == state, status  # None: failed before the first status was written
+    again = H.cli(["resume", str(F)], cwd=tmp_path)
+    assert again.code == 0, again.show()
+    assert json.loads((run / "status.json").read_text())["state"] == "complete"
+    assert H.metric_rows(run) == H.metric_rows(world / F)
 
 
 def _repairs(run: Path) -> list[str]:

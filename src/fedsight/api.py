@@ -29,9 +29,10 @@ from .plugins import load_builtin
 from .provenance import provenance
 from .errors import FedSightError, RunFileError
 from .rng import PROCESS_STREAM
+from .safe_write import check_output, check_run_dir
 from .secret import privacy_note, server_side
-from .runs import (CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, INTERRUPTED, Replacement, RunDir, RunLock,
-                   atomic_write_text, last_values, read_run_meta)
+from .runs import (CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, EVALUATIONS_FILE, INTERRUPTED, Replacement, RunDir,
+                   RunLock, atomic_write_text, last_values, read_run_meta)
 from .state import ClientStateStore
 from .tasks.base import Task
 from .training.local import SGD_TRAINER, LocalTraining, direction_position, misplaced_after_correction
@@ -111,6 +112,7 @@ def build_schedule(cfg: Any, task: Task) -> Schedule:
         eval_every=cfg.eval.every,
         eval_batch_size=cfg.eval.batch_size,
         eval_local=cfg.eval.local,
+        eval_initial=cfg.eval.initial,
         min_clients=cfg.server.min_clients,
         dropout=cfg.server.dropout,
         speed_sigma=cfg.server.speed_sigma,
@@ -257,7 +259,7 @@ OnRound = Callable[[int, dict[str, Any]], None]
 
 def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True,
                   backend: str = "in-process", vectorize: bool | str | None = None,
-                  privacy_noise: str | None = None) -> None:
+                  privacy_noise: str | None = None, client_identity: str | None = None) -> None:
     """Write a run's config (first session only), its partition description (``partition``: the task's
     partition is the clients' data) and its ``run.json`` (``backend``: where the clients train; a run that
     trained on Flower never resumes in-process)."""
@@ -269,17 +271,22 @@ def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, parti
         atomic_write_text(run.path / "partition.json", json.dumps(describe_data) + "\n")
     metrics, primary = metric_directions(cfg)
     session = {**session_info(device), "backend": backend}
+    if isinstance(asked := cfg.engine.threads, int) and asked != session["threads"]:  # fewer CPUs here
+        session["threads_requested"] = asked
     if vectorize is not None:  # the in-process engine's mode on this session's device (``vectorize_mode``)
         session["vectorize"] = vectorize
     if privacy_noise is not None:  # where the DP noise and keys came from (``fedsight.secret.privacy_note``)
         session["privacy_noise"] = privacy_noise
+    if client_identity is not None:  # Flower: what binds a client to a node (``flower.provisioning.identity_note``)
+        session["client_identity"] = client_identity
     run.write_run_meta(metrics, primary, session,
                        model_io=dataclasses.asdict(task.model_io))
 
 
 def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
     """Write one finished round to the run directory: its events and metrics line, the client
-    weights, a checkpoint (then the client store's commit, which the checkpoint indexes) and the status."""
+    weights, a checkpoint (then the client store's commit, which the checkpoint indexes) and the status; round 0
+    (the initial model's evaluation) writes its events and metrics line only."""
     for e in events:
         if e.get("event") == CLIENT_METRICS_EVENT:  # every client's numbers: a file of their own
             run.append_client_metrics({"round": e["round"], "stage": server.stage, "clients": e["clients"]})
@@ -288,6 +295,8 @@ def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any]
     run.append_metrics(row)
     if cfg.run.tensorboard:
         run.log_events(r, row)
+    if r == 0:  # the initial model's evaluation: nothing trained, nothing to checkpoint (a resume redoes it)
+        return
     if server.last_weights is not None:
         ids, w = server.last_weights
         run.append_client_weights(r, ids, w)
@@ -312,6 +321,7 @@ def execute(
     locked throughout (``RunLock``): a second process on it fails at once. Runs in one process take turns
     (``rng.PROCESS_STREAM``): a thread calling this while another thread's run is under way waits for it.
     """
+    check_run_dir(run_dir)  # not inside another run, not a symbolic link or special file: before anything is built
     with PROCESS_STREAM:
         sim = None
         if not os.path.lexists(run_dir):  # a new run: data loaded and everything built before the lock file is
@@ -498,6 +508,8 @@ def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[in
     run = RunDir(run_dir)
     if not (run.path / "config.json").is_file():
         raise FileNotFoundError(f"{run.path}: not a run directory (no config.json)")
+    check_run_dir(run.path)  # the output guard: not inside another run, not a symbolic link
+    check_output(run.path / EVALUATIONS_FILE, owner=run.path, exists_ok=True)  # appended to: a regular file or nothing
     with RunLock(run.path):  # not while the run itself is training (or evaluated by another process)
         return _evaluate_run(run, overrides)
 

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .errors import ConfigError, FedSightError
+from .errors import ConfigError, FedSightError, OutputPathError
 
 app = typer.Typer(
     add_completion=False,
@@ -167,7 +167,7 @@ def run(
         try:
             out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1)
+            _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
         if out.status == "skipped":
             _say(f"{label}: already complete in {out.run_dir}")
         dirs.append(out.run_dir)
@@ -234,7 +234,7 @@ def resume(
         cfg = load_run_config(run_dir, {"device": device} if device else None)
         out = _execute_with_progress(cfg, run_dir, f"{cfg.run.name} seed {cfg.seed}", resume=True, stop_after=stop_after)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 1)
+        _fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
     if out.status == "complete":
         _say(f"complete: {out.run_dir / 'summary.md'}")
         console.print((out.run_dir / "summary.md").read_text(), markup=False)
@@ -257,7 +257,7 @@ def evaluate(
     try:
         r, metrics = evaluate_run(run_dir, set_ or [])
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 1)
+        _fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
     table = Table(title=escape(f"{run_dir} at round {r}" + (f" with {', '.join(set_)}" if set_ else "")))
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -295,7 +295,9 @@ def report(
     select: Annotated[str, typer.Option(help="Which evaluation stands for a run: final (its last), best (its best "
                                              "round, selected on the test set for test metrics) or last:N (the "
                                              "mean of its last N).")] = "final",
-    force: Annotated[bool, typer.Option(help="Replace an existing report.md, curves.png or --csv file.")] = False,
+    force: Annotated[bool, typer.Option(help="Replace an existing report.md, curves.png or --csv file (not needed "
+                                             "for the unchanged files of an earlier report into the same --out)."
+                                        )] = False,
 ) -> None:
     """Compare runs: overlaid curves, a table of final/best values, mean +- std over runs that differ only by seed
     (the best per metric in bold within each grid point), and every run against the baseline: the per-seed
@@ -303,16 +305,22 @@ def report(
     worse, within noise)."""
     from .reporting import report as make_report
     from .reporting import write_csv
+    from .reporting.outputs import RECORD, Outputs
     from .safe_write import check_output, check_output_folder
 
     runs = _find_runs(paths)
-    _guard(check_output_folder, out, "--out", ("report.md", "curves.png"), force=force)
+    _guard(check_output_folder, out, "--out", force=force)
+    before = Outputs(out)  # what an earlier report into `out` wrote, unchanged, it replaces without --force
+    for name in ("report.md", "curves.png"):
+        _guard(check_output, out / name, force=force, exists_ok=before.ours(out / name))
+    _guard(check_output, out / RECORD, exists_ok=True)
     if csv is not None:
-        _guard(check_output, csv, "--csv", force=force)
+        _guard(check_output, csv, "--csv", force=force, exists_ok=before.ours(csv))
     try:
         table = make_report(runs, out, metrics=metric or None, baseline=baseline, select=select)
         if csv is not None:
             write_csv(runs, csv)
+        before.record([out / "report.md", out / "curves.png", *([csv] if csv is not None else [])])
     except ConfigError as exc:  # a bad --baseline or --select: nothing written
         _fail(str(exc))
     except (FileNotFoundError, ValueError) as exc:

@@ -13,7 +13,6 @@ A config file may also describe a sweep: ``[sweep] seeds = [0, 1, 2]`` and any n
 from __future__ import annotations
 
 import copy
-import os
 import re
 import tomllib
 from pathlib import Path
@@ -162,6 +161,8 @@ class EvalSection(Params):
     every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
     batch_size: int = Field(512, ge=1)
     local: bool = Field(True, description="evaluate on every client's local test set (WMA, worst 10%)")
+    initial: bool = Field(True, description="evaluate the initial model, before any training, as round 0 (every "
+                          "curve starts at the model the run starts from)")
 
 
 class PrivacySection(Params):
@@ -206,12 +207,18 @@ class StageSection(BaseModel):
         return self
 
 
+#: the most ``engine.threads`` a config may ask for (the machine's CPUs bound it again at run time)
+MAX_THREADS = 1024
+
+
 class EngineSection(Params):
     """Where and how the run computes (``fedsight.device``)."""
 
     device: str = Field("auto", description='"auto" (CUDA when available), "cpu", "cuda" or "cuda:N"')
     threads: int | Literal["auto"] = Field(
-        "auto", description='torch intra-op threads; "auto" = 1 (small models: no thread-pool overhead or oversubscription)'
+        "auto", description='torch intra-op threads; "auto" = 1 (small models: no thread-pool overhead or '
+                            "oversubscription); at most 1024, and at run time at most the machine's CPUs (run.json "
+                            "records the count used)"
     )
     deterministic: bool = Field(False, description="CUDA: deterministic kernels (bit-identical repeats on one GPU; slower)")
     heap_keep_mb: int = Field(
@@ -229,8 +236,9 @@ class EngineSection(Params):
     def _threads(cls, value: Any) -> Any:
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError("expected an integer >= 1 or \"auto\"")
-        if value != "auto" and value > (cpus := os.cpu_count() or 1):
-            raise ValueError(f"more threads than this machine's {cpus} CPUs (at most {cpus}, or \"auto\")")
+        if value != "auto" and value > MAX_THREADS:  # a fixed cap: a config (and a run's config.json) is valid on any
+            # machine; a run uses at most the machine's CPUs (fedsight.device.configure_threads)
+            raise ValueError(f"at most {MAX_THREADS} (or \"auto\"); a run uses at most the machine's CPUs anyway")
         return value
 
     @field_validator("vectorize", mode="before")

@@ -13,6 +13,16 @@ from pydantic import BaseModel, ValidationError
 
 def _allowed_keys(model_cls: Any, loc: tuple, raw: Any) -> list[str] | None:
     """Walk the model along ``loc`` (minus the last part) and list the fields accepted there."""
+    cls = _model_at(model_cls, loc, raw)
+    if isinstance(cls, type) and issubclass(cls, BaseModel):  # a component's name is its tag, not a key to offer
+        return sorted(k for k, f in cls.model_fields.items()
+                      if not (k == "name" and typing.get_origin(f.annotation) is typing.Literal))
+    return None
+
+
+def _model_at(model_cls: Any, loc: tuple, raw: Any) -> Any:
+    """The model class reached by walking ``model_cls`` along ``loc`` minus its last part (None where the walk
+    leaves the models)."""
     cls = model_cls
     cur = raw
     parts = list(loc[:-1])
@@ -34,10 +44,47 @@ def _allowed_keys(model_cls: Any, loc: tuple, raw: Any) -> list[str] | None:
         if isinstance(cur, dict) and i + 1 < len(parts) and parts[i + 1] == cur.get("name"):
             i += 1  # discriminator tag in the location
         i += 1
-    if isinstance(cls, type) and issubclass(cls, BaseModel):  # a component's name is its tag, not a key to offer
-        return sorted(k for k, f in cls.model_fields.items()
-                      if not (k == "name" and typing.get_origin(f.annotation) is typing.Literal))
-    return None
+    return cls
+
+
+def _unwrap(ann: Any) -> Any:
+    while typing.get_origin(ann) is Annotated:
+        ann = typing.get_args(ann)[0]
+    return ann
+
+
+def _nameless_table(model_cls: Any, loc: tuple, raw: Any, where: str, source: str) -> str:
+    """The line for a component table without ``name`` (``union_tag_not_found`` at ``loc``): a key no component
+    of that slot accepts is named as unknown, with what the table expects; else the table is said to lack its
+    name."""
+    plain = f"{source}: {where} has parameters but no name; name the component too (--set {where}.name=...)"
+    parts, index = list(loc), None
+    if parts and isinstance(parts[-1], int):  # an entry of a list of components (recipe.components[i])
+        index = parts.pop()
+    parent = _model_at(model_cls, tuple(parts), raw)
+    field = parent.model_fields.get(str(parts[-1])) if isinstance(parent, type) and issubclass(parent, BaseModel) \
+        and parts else None
+    if field is None:
+        return plain
+    ann = _unwrap(field.annotation)
+    if index is not None:
+        ann = _unwrap(typing.get_args(ann)[0]) if typing.get_args(ann) else ann
+    members = [m for m in (typing.get_args(ann) if typing.get_origin(ann) in (Union, types.UnionType) else (ann,))
+               if isinstance(m, type) and issubclass(m, BaseModel)]
+    table: Any = raw
+    for part in loc:
+        table = table.get(part) if isinstance(table, dict) else table[part] if isinstance(table, list) \
+            and isinstance(part, int) and part < len(table) else None
+    if not members or not isinstance(table, dict):
+        return plain
+    accepted = set().union(*(m.model_fields for m in members))
+    unknown = [k for k in table if k != "name" and k not in accepted]
+    if not unknown:
+        return plain
+    names = sorted(a for m in members if "name" in m.model_fields
+                   for a in typing.get_args(m.model_fields["name"].annotation) if isinstance(a, str))
+    return (f"{source}: unknown key '{where}.{unknown[0]}': no component accepts it, and {where} has no name; expected "
+            f"{where}.name (one of: {', '.join(names)}) and that component's parameters")
 
 
 def _resolve_model(ann: Any, raw: Any) -> Any:
@@ -87,7 +134,7 @@ def format_validation_error(exc: ValidationError, raw: dict[str, Any], model_cls
         elif err["type"] == "missing":
             lines.append(f"{source}: missing required key '{where}'")
         elif err["type"] == "union_tag_not_found":  # a component table without its name
-            lines.append(f"{source}: {where} has parameters but no name; name the component too (--set {where}.name=...)")
+            lines.append(_nameless_table(model_cls, loc, raw, where, source))
         else:
             msg = err["msg"].removeprefix("Value error, ")
             value = err.get("input")

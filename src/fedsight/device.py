@@ -120,10 +120,25 @@ def keep_freed_memory(mib: int) -> bool:
 AUTO_THREADS = 1
 
 
+def machine_cpus() -> int:
+    """The CPUs of this machine (``os.cpu_count``; 1 where unknown)."""
+    return os.cpu_count() or 1
+
+
 def configure_threads(setting: int | str | None) -> int:
     """Set torch's intra-op threads from ``engine.threads`` (an int, ``"auto"`` or None = auto) and
-    return the number in use."""
+    return the number in use: at most the machine's CPUs. A count above them (a run made on a larger machine,
+    resumed here) runs with one thread per CPU and says so in a warning; ``run.json`` records the count each
+    session used (``threads``) and, when it was lowered, the count asked for (``threads_requested``). Results
+    are bit-identical only at the same thread count, so such a resumed run is not bit-identical to the
+    uninterrupted one."""
     n = AUTO_THREADS if setting in (None, "auto") else int(setting)
+    if n > (cpus := machine_cpus()):
+        import warnings
+
+        warnings.warn(f"engine.threads = {n}: this machine has {cpus} CPUs; running with {cpus} threads (results are "
+                      f"bit-identical only at the same thread count)", RuntimeWarning, stacklevel=2)
+        n = cpus
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return torch.get_num_threads()

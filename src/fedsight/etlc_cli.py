@@ -389,7 +389,7 @@ def keygen(
 
     with _errors():
         _plan_output(out, force, [], png=False)
-        atomic_write_bytes(out, os.urandom(32))  # a temporary file of mode 0600, renamed
+        atomic_write_bytes(out, os.urandom(32), mode=0o600)  # a secret: 0600 from the start, whatever it replaces
     console.print(f"wrote a 32-byte key to {out}; keep it secret", highlight=False, soft_wrap=True, markup=False)
 
 

@@ -38,7 +38,7 @@ from .errors import RunFileError
 from .safe_read import MAX_JSON_BYTES, MAX_NPZ_BYTES, exists, loads_json
 from .safe_read import read_bytes as _read_bytes
 from .safe_read import read_text as _read_bounded
-from .safe_write import append_line, atomic_write_bytes, atomic_write_text, enclosing_run
+from .safe_write import append_line, atomic_write_bytes, atomic_write_text, enclosing_run, file_mode
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "enclosing_run"]  # the writers' home is fedsight.safe_write; kept here too
 
@@ -107,6 +107,15 @@ def read_config(run_dir: StrPath) -> dict[str, Any]:
     JSON, or is not a JSON object.
     """
     return _json_object(*_run_file(run_dir, CONFIG_FILE))
+
+
+def _kept(r: Any, event: bool, last_round: int) -> bool:
+    """Whether a run file's line of round ``r`` survives a resume from round ``last_round``."""
+    if not isinstance(r, int):
+        return True
+    if r == 0 == last_round and not event:  # the initial model's evaluation is redone
+        return False
+    return r <= last_round
 
 
 def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
@@ -435,7 +444,8 @@ class RunDir:
         atomic_write_text(self.path / RUN_META_FILE, json.dumps(meta, indent=1) + "\n")
 
     def truncate_metrics(self, last_round: int) -> list[str]:
-        """Drop rows of rounds after ``last_round`` (written after the last checkpoint of a killed run), and a
+        """Drop rows of rounds after ``last_round`` (written after the last checkpoint of a killed run; at
+        ``last_round`` 0 the initial model's evaluation too, which the resumed run redoes), and a
         torn last line (a crash in the middle of an append). Returns what was repaired; any other line that is
         not a JSON object is a ``RunFileError`` naming ``file:line``, raised before either file is rewritten."""
         repaired, keep = [], {}
@@ -456,7 +466,7 @@ class RunDir:
                 if not isinstance(row, dict):
                     raise RunFileError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
                 rows.append(row)
-            keep[path] = [r for r in rows if not isinstance(r.get("round"), int) or r["round"] <= last_round]
+            keep[path] = [r for r in rows if _kept(r.get("round"), "event" in r, last_round)]
         for path, kept in keep.items():
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         return repaired
@@ -469,10 +479,13 @@ class RunDir:
 
     def check_layout(self) -> None:
         """A ``RunFileError`` if something other than a file (a folder) stands where the run writes a file, or
-        a file where it keeps a folder: found before the run starts, not after a round is recorded."""
+        a file where it keeps a folder, or a symbolic link in place of either (the run would write through it, or
+        replace it mid-run): found before the run starts, not after a round is recorded."""
         for kind, names in self.OUTPUTS.items():
             for name in names:
                 p = self.path / name
+                if p.is_symlink():
+                    raise RunFileError(f"{p}: a symbolic link, but the run writes its {name} there; move it away")
                 if p.exists() and not (p.is_file() if kind == "file" else p.is_dir()):
                     raise RunFileError(f"{p}: not a {kind}, but the run writes its {name} there; move it away")
 
@@ -519,6 +532,7 @@ class RunDir:
         try:
             save_file(tensors, tmp)
             data = Path(tmp).read_bytes()
+            os.chmod(tmp, file_mode(stem.with_suffix(".safetensors")))  # not mkstemp's 0600: as any file written
             os.replace(tmp, stem.with_suffix(".safetensors"))
         except BaseException:
             if os.path.exists(tmp):

@@ -167,7 +167,7 @@ def _set_stages(r: dict[str, Any], stage_sets: list[tuple[list[str], Any]], foun
 
 def _shrink(r: dict[str, Any]) -> None:
     """``--smoke``: at most ``SMOKE_ROUNDS`` rounds (a run's, or each stage's), ``SMOKE_STEPS`` local steps a
-    round, one evaluation after the last round, and every component's and dataset's work counts at most their
+    round, one evaluation after the last round (no round-0 evaluation), and every component's and dataset's work counts at most their
     declared smoke value (a field's ``json_schema_extra={"smoke": N}``: ``source_pretrain.steps``,
     ``pretrain.epochs``, ``builtin_pose.num_test``)."""
     from . import registry as R
@@ -214,6 +214,8 @@ def _shrink(r: dict[str, Any]) -> None:
     ev = r.setdefault("eval", {})
     if isinstance(ev, dict) and isinstance(server, dict) and isinstance(server.get("rounds"), int):
         ev["every"] = server["rounds"]  # the one evaluation after the last round
+    if isinstance(ev, dict):
+        ev["initial"] = False
     run = r.setdefault("run", {})
     if isinstance(run, dict):
         run["output_dir"] = str(Path(run.get("output_dir", "runs")) / "smoke")
@@ -245,6 +247,18 @@ def _unreached(r: dict[str, Any], sets: list[tuple[list[str], Any]], what: str, 
                 return (f"{said}: stage {name!r} of {what} sets {key} itself, so the value would not reach "
                         f"it; set it there too: --set stages.{name}.{key}={_toml(value)}")
     return None
+
+
+def _check_run_dir(run_dir: Path, output_dir: str, source: str) -> None:
+    """The output-path guard (``fedsight.safe_write.check_run_dir``) for a run directory of the config, at config
+    time: a ``ConfigError`` naming ``run.output_dir`` and why, before any run of the sweep starts."""
+    from .errors import OutputPathError
+    from .safe_write import check_run_dir
+
+    try:
+        check_run_dir(run_dir, f"{source}: run.output_dir = {output_dir!r}")
+    except OutputPathError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only: Sequence[str] = (),
@@ -329,6 +343,7 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
                     r["run"] = {**r.get("run", {}), "name": f"{name}[{label}]" if label else name}
                 cfg = validate(r, f"{source} ({what})" if what else source)
                 run_dir = Path(cfg.run.output_dir).joinpath(*parts, f"seed{seed}")
+                _check_run_dir(run_dir, cfg.run.output_dir, f"{source} ({what})" if what else source)
                 specs.append(RunSpec(v["name"] if v else None, seed, cfg, r, run_dir))
     missing = sorted({p[1] for p, _ in stage_sets} - found)
     if missing:

@@ -17,6 +17,7 @@ from pydantic import Field
 
 from fedsight.data.base import ArrayDataset, DatasetSplits, LoaderSpec, StoredDataset
 from fedsight.data.images import check_image_header, scan_image_folder
+from fedsight.errors import DataFileError
 from fedsight.registry import DATASETS, Params
 from fedsight.safe_read import NpzArrays, exists, read_npz
 
@@ -250,5 +251,7 @@ def load_npz(params: NpzParams, *, seed: int) -> DatasetSplits:
     x_te, y_te = images["test"], labels["test"]
     if len(y_tr) == 0:
         raise ValueError(f"{path!r}: the training split is empty")
+    if len(y_te) == 0:  # the global test set: every evaluation would divide by zero images
+        raise DataFileError(f"npz file {path} (data.path): test_images holds 0 images; the test set needs at least one")
     num_classes = int(max(y_tr.max(), y_te.max() if len(y_te) else 0)) + 1
     return _to_splits(_nhwc_uint8_to_nchw_float(x_tr), y_tr, _nhwc_uint8_to_nchw_float(x_te), y_te, num_classes)

@@ -423,6 +423,14 @@ def partition_from_config(labels: np.ndarray, cfg: Any, attributes: Mapping[str,
     """``make_client_splits`` for a validated config's ``partition`` section and seed."""
     part = cfg.partition
     params = {k: v for k, v in part.model_dump().items() if k not in ("name", "num_clients", "local_test_fraction")}
+    if part.num_clients > len(labels):  # one line naming both keys and the data, not the partitioner's own check
+        from ..errors import ConfigError
+
+        data = cfg.data
+        where = next((f"data.{k} = {str(getattr(data, k))!r}" for k in ("path", "root") if hasattr(data, k)),
+                     f"data.name = {data.name!r}")
+        raise ConfigError(f"partition.num_clients = {part.num_clients} exceeds the {len(labels)} samples of the "
+                          f"training pool ({where}); every client needs at least one (partition.name = {part.name!r})")
     return make_client_splits(
         labels,
         num_clients=part.num_clients,

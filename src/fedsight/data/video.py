@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from fedsight.errors import DataFileError
 from fedsight.functional.resize import bicubic_degrade
 from fedsight.registry import DATASETS, Params
 
@@ -282,17 +283,26 @@ def _discover(root: Path, layout: str, what: str) -> list[tuple[str, str, list[P
     if not root.is_dir():
         raise FileNotFoundError(f"{what}: folder not found: {root}")
     found: list[tuple[str, str, list[Path]]] = []
+    empty: list[Path] = []  # clip folders without frames (hidden ones, .ipynb_checkpoints, are no clips)
     if layout == "clips":
         for d in sorted((p for p in root.iterdir() if p.is_dir()), key=natural_key):
             frames = list_frames(d)
             if frames:
                 found.append((d.name, d.name, frames))
+            elif not d.name.startswith("."):
+                empty.append(d)
     else:
         for cat in sorted((p for p in root.iterdir() if p.is_dir()), key=natural_key):
             for d in sorted((p for p in cat.iterdir() if p.is_dir()), key=natural_key):
                 frames = list_frames(d)
                 if frames:
                     found.append((f"{cat.name}/{d.name}", cat.name, frames))
+                elif not (d.name.startswith(".") or cat.name.startswith(".")):
+                    empty.append(d)
+    if found and empty:  # a clip folder without frames would silently be no clip at all
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        raise DataFileError(f"{what}: the clip folder {empty[0]}{more} holds no {'/'.join(FRAME_EXTENSIONS)} frames; "
+                         "add its frames or move it out of the data folder")
     if not found:
         hint = "<root>/<clip>/<frame>.png" if layout == "clips" else "<root>/<category>/<clip>/<frame>.png"
         raise FileNotFoundError(f"{what}: no clip folders with {'/'.join(FRAME_EXTENSIONS)} frames in {root} (expected {hint})")

@@ -150,12 +150,15 @@ def save_weights(model: nn.Module, path: str | Path) -> None:
 
     from safetensors.torch import save_file
 
+    from ..safe_write import file_mode
+
     path = Path(path)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         save_file(state, tmp)
+        os.chmod(tmp, file_mode(path))  # not mkstemp's 0600: the mode of any file written there
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

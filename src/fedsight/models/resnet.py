@@ -15,7 +15,7 @@ from pydantic import Field
 from torch import nn
 
 from fedsight.models.base import FedModel, ModelIO, norm_capabilities, state_keys
-from fedsight.models.layers import init_weights, norm_layer
+from fedsight.models.layers import NormGroupsError, init_weights, norm_layer
 from fedsight.registry import MODELS, Params
 
 
@@ -98,9 +98,14 @@ def residual_blocks(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _resnet(p: ResNetParams, widths: list[int], blocks: list[int], *, num_classes: int, in_channels: int) -> ResNet:
-    """Shared builder: scales ``widths`` by ``p.width`` (a multiple of the group count under group norm)."""
+    """Shared builder: scales ``widths`` by ``p.width``; under group norm every scaled width must be a multiple
+    of the group count (a ``NormGroupsError`` naming the widths otherwise: they are never changed to fit)."""
     q = p.group_norm_groups if p.norm == "group" else 1
-    scaled = [max(q, round(w * p.width / q) * q) for w in widths]
+    scaled = [max(1, round(w * p.width)) for w in widths]
+    if any(c % q for c in scaled):
+        shown = "/".join(map(str, scaled))
+        raise NormGroupsError(f"does not divide the model's widths {shown} (model.width = {p.width}); choose "
+                              f"group_norm_groups dividing all of them, or another model.width")
     backbone = ResNetBackbone(scaled, blocks, in_channels, p.norm, p.group_norm_groups)
     return ResNet(backbone, scaled[-1], num_classes)
 
