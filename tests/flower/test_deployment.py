@@ -301,6 +301,12 @@ def test_killed_supernode_over_tls_with_node_auth(deployments):
     assert rounds[: lost[0]["round"]] == [(r, 2, 2) for r in range(1, lost[0]["round"])] + [(lost[0]["round"], 2, 1)]
     weights = {w["round"]: w for w in map(json.loads, (d / "flower" / "client_weights.jsonl").read_text().splitlines())}
     assert weights[lost[0]["round"]]["clients"] == [1 - VICTIM]
+    # --node-auth bound each client to its node's key from the start, with the provisioning file written beside the
+    # keys in --tls-dir; the keys the SuperLink lists are the provisioned ones (every round had both clients)
+    session = json.loads((d / "flower" / "run.json").read_text())["sessions"][-1]
+    assert session["client_identity"].startswith("authenticated: each client is answered for only by the node key "
+                                                 f"provisioned for it in {d / 'tls' / 'provisioning.json'}")
+    assert not [r for r in rows if r.get("event") == "rejected_update"], rows
     assert all(not alive(p) for p in seen["killed"])
 
 

@@ -61,8 +61,9 @@ def test_noise_std_is_z_c_over_m_and_seeded():
     assert torch.equal(again.double() - 1e-3, noise)  # the same seed and release number: the same noise
     other = _dp(gp, m, z, c, seed=1).aggregate(res, torch.ones(m))["w"]
     assert not torch.equal(other.double() - 1e-3, noise)
-    with pytest.raises(ValueError, match="zero model update"):  # Flower's clipping would divide by zero
-        _dp(gp, m, z, c).aggregate([ClientResult(k, 1, {"w": torch.zeros(200, 200)}) for k in range(m)], torch.ones(m))
+    # all-zero updates (Flower's own clipping would divide by their zero norm): a zero clipped mean, the same noise
+    zeros = _dp(gp, m, z, c).aggregate([ClientResult(k, 1, {"w": torch.zeros(200, 200)}) for k in range(m)], torch.ones(m))
+    torch.testing.assert_close(zeros["w"].double(), noise, atol=1e-6, rtol=0)
     state = np.random.get_state()[1].copy()
     _dp(gp, m, z, c).aggregate(res, torch.ones(m))
     assert np.array_equal(np.random.get_state()[1], state)  # NumPy's global generator is left as it was
@@ -183,18 +184,53 @@ def test_epsilon_equals_dp_accountings_accountants_fed_the_release_events():
     assert eps <= ref <= eps * (1 + 1e-6)
     assert _gaussian_delta(eps, math.sqrt(t) / z) == pytest.approx(1e-5, rel=1e-6)  # exact: delta(eps) is the target
 
-    # amplification by sampling m of n without replacement: replace-one neighbours, sensitivity 2 C / m
+    # amplification by sampling m of n without replacement: replace-one neighbours, sensitivity 2 C / m; here (3 of
+    # 10) that bound is above no amplification's, so the replace-one epsilon is the amplified one and dp/epsilon
+    # (add/remove one) is no amplification's
     wor = _released(m, z, t, sampling="without-replacement")
     events = [SampledWithoutReplacementDpEvent(n, m, GaussianDpEvent(z / 2))] * t
-    assert wor.privacy_spent()["dp/epsilon"] == pytest.approx(_by_dp_accounting("rdp", events), rel=1e-9)
+    spent = wor.privacy_spent()
+    assert spent["dp/epsilon_replace_one"] == pytest.approx(_by_dp_accounting("rdp", events), rel=1e-9)
+    assert spent["dp/epsilon"] == pytest.approx(_by_dp_accounting("rdp", [GaussianDpEvent(z)] * t), rel=1e-9)
+    assert spent["dp/amplified"] == 0.0
     # the factor 2, independently: sampling everyone is no sampling, and the RDP of a Gaussian with sensitivity
     # 2 C / m and noise z C / m is a (2 / z)^2 / 2 per release (closed form)
     everyone = _released(n, z, t, sampling="without-replacement")
     ref = _rdp_epsilon(z / 2, t, 1e-5)
-    assert ref <= everyone.privacy_spent()["dp/epsilon"] <= ref * 1.001
+    assert ref <= everyone.privacy_spent()["dp/epsilon_replace_one"] <= ref * 1.001
     info = wor.describe()
-    assert (info["accountant"], info["sampling"], info["neighbouring_relation"]) == ("rdp", "without-replacement", "replace-one")
+    assert (info["accountant"], info["sampling"], info["neighbouring_relation"]) == ("rdp", "without-replacement",
+                                                                                     "add-or-remove-one")
     assert "secret" in info["note"] and "3 of 10" in info["note"]
+
+
+@pytest.mark.parametrize("m,n,want_amplified", [(3, 3, False), (2, 3, False), (10, 1000, True)])
+def test_without_replacement_reports_the_smaller_valid_epsilon_and_says_which(m, n, want_amplified):
+    """Issue 43, item 5. dp/epsilon (add/remove one) is the smaller of no amplification and the amplified
+    replace-one bound (a replace-one bound also bounds add/remove one); dp/epsilon_replace_one the smaller of the
+    amplified bound and no amplification under replace-one; each checked against dp-accounting's own RDP
+    accountant. The code before reported the amplified bound alone: 48.8 for 3 of 3 clients (z = 1, 10 releases),
+    against 19.1 without amplification."""
+    from dp_accounting.dp_event import GaussianDpEvent, SampledWithoutReplacementDpEvent
+
+    z, t = 1.0, 10
+    spent = _released(m, z, t, population=n, sampling="without-replacement").privacy_spent()
+    amplified = _by_dp_accounting("rdp", [SampledWithoutReplacementDpEvent(n, m, GaussianDpEvent(z / 2))] * t)
+    none = _by_dp_accounting("rdp", [GaussianDpEvent(z)] * t)
+    from dp_accounting.privacy_accountant import NeighboringRelation
+    from dp_accounting.rdp import RdpAccountant
+
+    acc = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    acc.compose(GaussianDpEvent(z / 2), t)
+    replace_none = acc.get_epsilon(1e-5)
+    assert bool(amplified < none) == want_amplified
+    assert spent["dp/epsilon"] == pytest.approx(min(none, amplified), rel=1e-9)
+    assert spent["dp/amplified"] == float(want_amplified)
+    assert spent["dp/epsilon_replace_one"] == pytest.approx(min(replace_none, amplified), rel=1e-9)
+    if (m, n) == (3, 3):  # the issue's numbers
+        assert round(spent["dp/epsilon"], 1) == 19.1 and round(amplified, 1) == 48.8
+    if (m, n) == (2, 3):  # sampling 2 of 3 bounds replace-one worse than no sampling at all
+        assert replace_none < amplified and spent["dp/epsilon_replace_one"] == pytest.approx(replace_none, rel=1e-9)
 
 
 def test_pld_is_tighter_than_rdp_and_sampling_amplifies():
@@ -272,13 +308,18 @@ def test_cli_accounting_options_reach_the_run(tmp_path, accountant, sampling):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     [event] = [r for r in rows if r.get("event") == "dp_accounting"]
     assert (event["accountant"], event["sampling"], event["round"]) == (accountant, sampling, 0)
-    assert event["neighbouring_relation"] == ("add-or-remove-one" if sampling == "none" else "replace-one")
-    eps = [r["dp/epsilon"] for r in rows if "event" not in r]
+    assert event["neighbouring_relation"] == "add-or-remove-one"
+    eps = [r["dp/epsilon"] for r in rows if "dp/epsilon" in r]
     from dp_accounting.dp_event import GaussianDpEvent, SampledWithoutReplacementDpEvent
 
-    one = GaussianDpEvent(1.0) if sampling == "none" else SampledWithoutReplacementDpEvent(4, 2, GaussianDpEvent(0.5))
-    refs = [_by_dp_accounting(accountant, [one] * t, delta=1e-4) for t in (1, 2)]
+    # (2 of 4 clients: the amplified bound, 9.0 and 14.3, is above no amplification's, which is reported)
+    refs = [_by_dp_accounting(accountant, [GaussianDpEvent(1.0)] * t, delta=1e-4) for t in (1, 2)]
     assert eps == pytest.approx(refs, rel=1e-5)
+    if sampling == "without-replacement":
+        amplified = [_by_dp_accounting(accountant, [SampledWithoutReplacementDpEvent(4, 2, GaussianDpEvent(0.5))] * t,
+                                       delta=1e-4) for t in (1, 2)]
+        assert [r["dp/epsilon_replace_one"] for r in rows if "dp/epsilon" in r] == pytest.approx(amplified, rel=1e-5)
+        assert [r["dp/amplified"] for r in rows if "dp/epsilon" in r] == [0.0, 0.0]
     info = json.loads((tmp_path / "run" / "flower.json").read_text())["dp"]
     assert (info["accountant"], info["sampling"], info["dp/epsilon"]) == (accountant, sampling, eps[-1])
     assert f"epsilon by {accountant.upper()}" in (tmp_path / "run" / "summary.md").read_text()

@@ -22,7 +22,8 @@ What it guarantees about an accepted result:
   with the example count, sorted in-range classes, a Gram matrix positive semi-definite within lambda/(2K),
   so the server's ridge system stays positive definite whatever K clients send). A component that sets
   ``uploads_extras`` without declaring (a third-party one) gets the old check only: any named finite tensors;
-* every tensor (delta, buffers, extras) is finite;
+* every tensor (delta, buffers, extras) is finite, and no shared BatchNorm ``running_var`` or
+  ``num_batches_tracked`` is negative (``nonneg``);
 * ``num_examples`` is a positive integer: equal to the server's own count of the client's training examples
   when the server knows it (in-process runs, Flower nodes holding partitions of the run's dataset), else at
   most ``max_examples``; ``num_steps`` a non-negative integer, ``flops`` finite and non-negative;
@@ -61,6 +62,8 @@ class ReplyContract:
     max_examples: int = 10**9
     #: the extras groups the stage's components declare (component name -> spec); None: any named finite tensors
     extras: Mapping[str, ExtrasSpec] | None = None
+    #: shared buffers no honest client makes negative (BatchNorm ``running_var``, ``num_batches_tracked``)
+    nonneg: frozenset[str] = frozenset()
 
     @staticmethod
     def of(state: Mapping[str, torch.Tensor], params: Any, buffers: Any, trains: bool, **kw: Any) -> "ReplyContract":
@@ -161,6 +164,11 @@ def check_result(res: Any, client: int, contract: ReplyContract, *, finite_known
     why = _check_tensors("buffers", res.buffers, buffers, finite_known)
     if why:
         return why
+    signed = sorted(k for k in contract.nonneg if k in res.buffers and res.buffers[k].numel())
+    # one check of them all (a sync on a GPU), then find the culprit
+    if signed and bool(torch.stack([res.buffers[k].min().double() for k in signed]).lt(0).any()):
+        k = next(k for k in signed if bool((res.buffers[k] < 0).any()))
+        return f"buffers {k!r} has negative values (a BatchNorm variance or counter no honest client sends)"
     return _check_extras(res, contract.extras, finite_known)
 
 
@@ -246,4 +254,68 @@ def _check_extras(res: ClientResult, declared: Mapping[str, ExtrasSpec] | None, 
         why = _check_group(name, extras[name], spec, res, finite_known)
         if why:
             return why
+    return None
+
+
+# -- evaluation replies ---------------------------------------------------------------------------------------
+
+
+def check_evaluation(metrics: Any, tensors: Mapping[str, Any], n: Any, *, known: int | None,
+                     max_examples: int) -> str | None:
+    """Why a client's local-evaluation reply breaks the contract, or None. ``tensors``: its metric state (the
+    task's ``MetricSet``, ``metrics``, names the entries and how they merge), ``n``: the test examples it claims,
+    ``known``: the server's own count of that client's test examples (None: the node holds its own data, and ``n``
+    is only bounded by ``max_examples``). An accepted reply's state holds only the task's entries, without NaN or
+    -inf (+inf only where the metric's range is unbounded above: an honest loss overflows), with no negative count (``Metric.state_problem``), gives the primary metric when ``n > 0`` (nothing when ``n = 0``), and
+    every value it gives lies in its metric's declared range (``MetricSpec.bounds``: an accuracy in [0, 1])."""
+    if not _is_int(n) or n < 0:
+        return f"num-test-examples = {n!r} is not a non-negative integer"
+    if known is not None and int(n) != int(known):
+        return f"num-test-examples = {n} but the client holds {known} test examples"
+    if known is None and n > max_examples:
+        return f"num-test-examples = {n} exceeds the bound {max_examples}"
+    for k, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.is_complex() or t.layout != torch.strided:
+            return f"metric state {k!r} is not a dense real tensor"
+        # (+inf is honest: a loss that overflowed; the value's range below decides whether it may be inf)
+        if t.is_floating_point() and bool((t.isnan() | (t == -math.inf)).any()):
+            return f"metric state {k!r} has NaN or -inf values"
+    try:
+        state = metrics.state_from(tensors)
+        for m in metrics.metrics:
+            why = m.state_problem(state)
+            if why:
+                return why
+        values = metrics.compute(state)
+    except Exception as exc:  # a state the metrics cannot read is the reply's fault, not the server's
+        return f"the metric state cannot be computed ({type(exc).__name__}: {exc})"
+    if n == 0 and values:
+        return "a client with no test examples sends metric values"
+    if n > 0 and metrics.primary not in values:
+        return f"the metric state gives no {metrics.primary!r} for {n} test examples"
+    from ..metrics.state import bounds_of
+
+    specs = metrics.specs()
+    for key, v in values.items():
+        lo, hi = bounds_of(specs, key) or (-math.inf, math.inf)
+        if math.isnan(v) or (math.isinf(v) and not (v > 0 and hi == math.inf)):
+            return f"metric {key} = {v} is not finite"
+        slack = 1e-6 * max(1.0, abs(lo) if math.isfinite(lo) else 1.0, abs(hi) if math.isfinite(hi) else 1.0)
+        if not lo - slack <= v <= hi + slack:
+            return f"metric {key} = {v:g} is outside its range [{lo:g}, {hi:g}]"
+    return None
+
+
+def check_personal(entries: Mapping[str, Any], spec: Spec, nonneg: frozenset[str] = frozenset()) -> str | None:
+    """Why a client's stored personal entries sent with an evaluation reply (FedBN/SiloBN's normalisation entries,
+    averaged for the global test set) break the contract, or None: a subset of the stage's personal entries, each
+    with the global entry's shape and dtype, finite, with no negative BatchNorm variance or counter."""
+    if not isinstance(entries, Mapping):
+        return "personal entries are not named tensors"
+    why = _check_tensors("personal", entries, {k: spec[k] for k in entries if k in spec})  # (names the unknown)
+    if why:
+        return why
+    for k in sorted(nonneg & set(entries)):
+        if entries[k].numel() and bool((entries[k] < 0).any()):
+            return f"personal {k!r} has negative values (a BatchNorm variance or counter no honest client sends)"
     return None

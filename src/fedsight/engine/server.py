@@ -81,6 +81,8 @@ class Server:
         self.sizes_known = True
         #: the bound on a reply's ``num_examples`` when the sizes are not known
         self.max_examples = 10**9
+        #: whether statistics replies carry shares of a secure sum (Flower's SecAgg+, ``UploadContext.secure_sum``)
+        self.secure_sum = False
         self.stage_index = -1
         self._enter_stage(0)
 
@@ -93,6 +95,10 @@ class Server:
         self.layout: StageLayout = stage_layout(self.global_model, st)
         gparams = dict(self.global_model.named_parameters())
         self.recipe.server_optimizer.attach({k: gparams[k] for k in self.layout.shared_params})
+        from ..recipe.norm_sharing import nonnegative_statistics
+
+        #: shared buffers an honest reply never makes negative (the reply contract's ``nonneg``)
+        self._nonneg = frozenset(nonnegative_statistics(self.global_model) & set(self.layout.shared_buffers))
         #: bytes a client downloads: the shared entries that can change (frozen ones are not re-sent)
         self.model_bytes = nbytes([self._gstate[k] for k in self.layout.shared_params + self.layout.shared_buffers])
 
@@ -157,10 +163,11 @@ class Server:
         ctx = UploadContext(
             round=r, model=self.global_model, state=self._gstate, shared_params=tuple(self.layout.shared_params),
             trains=trains, local=self.local, num_clients=self.task.num_clients, seed=self.seed, task=self.task,
+            secure_sum=self.secure_sum,
         )
         extras = {c.name: spec for c in self.recipe.components if (spec := c.extras_spec(ctx)) is not None}
         return ReplyContract.of(self._gstate, self.layout.shared_params, self.layout.shared_buffers, trains,
-                                max_examples=self.max_examples, extras=extras,
+                                max_examples=self.max_examples, extras=extras, nonneg=self._nonneg,
                                 sizes=self.task.num_train_examples if self.sizes_known else None)
 
     def rejection(self, reply: Reply, contract: ReplyContract | None = None) -> str | None:
@@ -177,7 +184,8 @@ class Server:
         self, plan: RoundPlan, replies: Sequence[Reply], events: list[dict[str, Any]]
     ) -> tuple[list[ClientResult], dict[str, float]]:
         """The usable results, in the sampled order (aggregation sums in that order on every backend),
-        and the costs the clients spent (every reply that carries a result counts). A sampled client
+        and the costs the clients spent (only accepted results count: a rejected reply contributes to no metric,
+        cost or loss; an honest client whose update was non-finite is not counted either). A sampled client
         without a result becomes a ``client_lost`` event, an unusable result a ``rejected_update``, a client that
         refused the global model a ``model_refused``."""
         by_client = {rep.client: rep for rep in replies}
@@ -200,12 +208,13 @@ class Server:
                 reason = rep.reason if rep is not None and rep.reason else "no reply"
                 events.append({"round": plan.round, "event": "client_lost", "client": cid, **info, "reason": reason})
                 continue
-            spent["up_bytes"] += result_bytes(rep.result) if rep.up_bytes is None else rep.up_bytes
-            spent["flops"] += rep.result.flops
             why = self.rejection(rep, contract)
             if why is not None:
                 events.append({"round": plan.round, "event": "rejected_update", "client": cid, **rep.info, "reason": why})
                 continue
+            # (after the contract: a rejected reply's numbers, its FLOPs above all, count nowhere)
+            spent["up_bytes"] += result_bytes(rep.result) if rep.up_bytes is None else rep.up_bytes
+            spent["flops"] += rep.result.flops
             results.append(result_to(rep.result, device))
         return results, spent
 
@@ -232,8 +241,10 @@ class Server:
                 events.append({"round": r, "event": "aggregator_degraded", "reason": self.recipe.aggregator.degraded})
         if delta is not None:
             self.recipe.server_optimizer.step(delta)
-            if self.layout.shared_buffers:
-                buffers = weighted_mean_state([res.buffers for res in results], weights)
+            if self.layout.shared_buffers:  # (through the aggregator's own rule: a robust one covers them too)
+                rule = getattr(self.recipe.aggregator, "aggregate_buffers", None)
+                buffers = (rule(results, weights) if rule is not None
+                           else weighted_mean_state([res.buffers for res in results], weights))
                 with torch.no_grad():
                     for k, v in buffers.items():
                         self._gstate[k].copy_(v)

@@ -62,6 +62,10 @@ SecAggShares = Annotated[float, typer.Option(help="SecAgg+ shares per secret: an
                                                   "neighbours) or a fraction in (0, 1] of the sampled clients.")]
 SecAggThreshold = Annotated[float, typer.Option(help="SecAgg+ shares that reconstruct a secret: an integer >= 2, below "
                                                      "--secagg-shares, or a fraction in (0, 1].")]
+Provisioning = Annotated[Optional[Path], typer.Option(
+    help="Provisioning file (JSON: partition id -> node public key; `fedsight flower certs DIR --node-keys N` writes "
+    "DIR/provisioning.json): each client answers only from its provisioned node key. Needs node authentication. "
+    "Without it, client identity is not authenticated.")]
 SecAggClip = Annotated[float, typer.Option(help="SecAgg+ clipping range: each weighted update value is clipped to "
                                                 "+-this before quantisation.")]
 
@@ -101,10 +105,13 @@ def _flagged(msg: str) -> str:
 
 def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, dp_clip: float, dp_delta: float,
              overwrite: bool = False, dp_accountant: str = "rdp", dp_sampling: str = "none", secagg: bool = False,
-             secagg_shares: float = 3, secagg_threshold: float = 2, secagg_clip: float = 8.0) -> dict[str, Any]:
+             secagg_shares: float = 3, secagg_threshold: float = 2, secagg_clip: float = 8.0,
+             provisioning: Path | None = None) -> dict[str, Any]:
     from .server_app import ServerOptions
 
     out: dict[str, Any] = {"round-timeout": round_timeout, "min-clients": min_clients, "overwrite": overwrite}
+    if provisioning is not None:  # read and checked here (ServerOptions.checked_for), again by the ServerApp
+        out["provisioning"] = str(provisioning.absolute())
     if secagg:
         from .secagg import count_or_fraction
 
@@ -142,6 +149,16 @@ def _preflight(cfg: Any, opts: dict[str, Any], run_dir: Path, *, data_here: bool
         if data_here:
             _fail(str(exc), 1)
         err.print(f"note: the ServerApp checks the recipe against central DP at start (the data is not here: {exc})",
+                  markup=False, highlight=False, soft_wrap=True)
+
+
+def _identity_line(opts: dict[str, Any]) -> None:
+    """One line on what binds a client to its node in the run (``provisioning.identity_note``)."""
+    if opts.get("provisioning"):
+        _say(f"client identity: each client answers only from the node key provisioned for it in {opts['provisioning']}")
+    else:
+        err.print("note: client identity is not authenticated (no --provisioning): any node the SuperLink admits may "
+                  "answer for any client, and its update is aggregated as that client's, with full weight",
                   markup=False, highlight=False, soft_wrap=True)
 
 
@@ -202,17 +219,25 @@ def app_cmd(
     data_dir_nodes: Annotated[bool, typer.Option("--data-dir-nodes", help="SuperNodes read their own data-dir (no partition.json).")] = False,
     overwrite: Overwrite = False,
     force: Annotated[bool, typer.Option(help="Replace the files of an app already in DIRECTORY.")] = False,
+    provisioning: Provisioning = None,
 ) -> None:
     """Write a runnable Flower app for CONFIG: submit it with `flwr run DIR <connection>`."""
     from .app import PACKAGE, write_app
 
     _guard_folder(directory, ("pyproject.toml", "README.md", *(f"{PACKAGE}/{f}" for f in APP_MODULES)), force)
     cfg, rd = _one_config(config, set_, run_dir)
+    # a provisioning file that is here is checked now; one only on the SuperLink host, by the ServerApp at start
+    here = provisioning is not None and (provisioning.exists() or provisioning.is_symlink())
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
-                    secagg, secagg_shares, secagg_threshold, secagg_clip)
+                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning if here else None)
     if data_dir_nodes:
         opts["data"] = "data-dir"
     _preflight(cfg, opts, rd, data_here=False)
+    if provisioning is not None and not here:
+        opts["provisioning"] = str(provisioning.absolute())
+        err.print(f"note: {provisioning.absolute()} is not here: the ServerApp reads and checks it on the SuperLink host "
+                  "at start", markup=False, highlight=False, soft_wrap=True)
+    _identity_line(opts)
     try:
         out = write_app(cfg, directory, run_dir=rd, options=opts)
     except ValueError as exc:
@@ -247,18 +272,29 @@ def local_cmd(
     secagg_threshold: SecAggThreshold = 2,
     secagg_clip: SecAggClip = 8.0,
     overwrite: Overwrite = False,
+    provisioning: Provisioning = None,
 ) -> None:
     """Start a SuperLink and N SuperNodes on loopback, run CONFIG as a Flower app, stream progress,
-    collect the FedSight run directory, and stop every process started."""
+    collect the FedSight run directory, and stop every process started. With --node-auth every client is
+    bound to its node's key from the start: the keys and provisioning.json of `fedsight flower certs` in
+    --tls-dir (made there if missing), or --provisioning."""
     from ..api import progress_keys
     from ..errors import ConfigError
     from .local import FlowerInterrupted, FlowerRunError, run_local
 
+    if provisioning is not None and not node_auth:
+        _fail(f"--provisioning {provisioning} binds clients to node keys: add --node-auth (SuperNodes without keys get "
+              "temporary keys that no provisioning file lists)")
     cfg, rd = _one_config(config, set_, run_dir)
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
-                    secagg, secagg_shares, secagg_threshold, secagg_clip)
+                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning)
     _preflight(cfg, opts, rd)  # before the first line of progress (run_local checks again, for its Python callers)
     _check_free(rd, overwrite)
+    if node_auth and not provisioning:  # run_local binds the nodes' keys (local.provision_local)
+        where = tls_dir / "provisioning.json" if tls_dir is not None else "the work directory's keys/provisioning.json"
+        _identity_line({"provisioning": str(where)})
+    else:
+        _identity_line(opts)
     t0 = time.monotonic()
     keys = progress_keys(cfg)
 
@@ -328,15 +364,37 @@ def certs_cmd(
     directory: Annotated[Path, typer.Argument(help="Where to write ca.crt, server.pem, server.key and node keys.")],
     host: Annotated[Optional[list[str]], typer.Option(help="SuperLink host name or IP (repeatable; default 127.0.0.1, localhost).")] = None,
     node_keys: Annotated[int, typer.Option(min=0, help="ECDSA key pairs for SuperNode authentication (node0, node1, ...).")] = 0,
+    partition_id: Annotated[Optional[list[int]], typer.Option(
+        "--partition-id", min=0, help="The partition of node K in provisioning.json, once per node in order "
+        "(default: node K holds partition K).")] = None,
 ) -> None:
-    """Generate a test CA, a SuperLink certificate and SuperNode authentication keys."""
-    from .tls import make_node_key, make_tls
+    """Generate a test CA, a SuperLink certificate, SuperNode authentication keys and, with node keys, the
+    provisioning file that binds each node's key to its partition (provisioning.json, for --provisioning)."""
+    from .provisioning import FILE, write_provisioning
+    from .tls import host_problem, make_node_key, make_tls
 
-    names = ("ca.crt", "ca.key", "server.pem", "server.key", *(f"node{k}{e}" for k in range(node_keys) for e in ("", ".pub")))
+    hosts = tuple(host) if host else ("127.0.0.1", "localhost")
+    for h in hosts:
+        if (why := host_problem(h)) is not None:
+            _fail(f"--host {h!r} {why}")
+    ids = list(partition_id) if partition_id else list(range(node_keys))
+    if len(ids) != node_keys:
+        _fail(f"--partition-id given {len(ids)} time(s) for --node-keys {node_keys}: once per node, in node order")
+    if len(set(ids)) != len(ids):
+        _fail(f"--partition-id {ids}: a partition is held by one node")
+    names = ("ca.crt", "ca.key", "server.pem", "server.key", *(f"node{k}{e}" for k in range(node_keys) for e in ("", ".pub")),
+             *((FILE,) if node_keys else ()))
     _guard_folder(directory, names, True)  # files already there are kept (or completed), as documented
 
-    files = make_tls(directory, tuple(host) if host else ("127.0.0.1", "localhost"))
+    files = make_tls(directory, hosts)
     _say(f"CA: {files.ca_cert}\nSuperLink certificate: {files.server_cert}\nSuperLink key: {files.server_key}")
     for k in range(node_keys):
         key = make_node_key(directory, f"node{k}")
         _say(f"node {k}: private {key}, public {key}.pub")
+    if node_keys:
+        try:
+            prov = write_provisioning(directory, ids)
+        except ValueError as exc:  # a node key already there that is not one (kept files are read back)
+            _fail(str(exc))
+        _say(f"provisioning (partition -> node key, for --provisioning): {prov}; "
+             + ", ".join(f"node {k} holds partition {p}" for k, p in enumerate(ids)))

@@ -118,14 +118,15 @@ def train_instruction(content: RecordDict, context: Context, settings: Mapping[s
 
 def train_content(content: RecordDict, context: Context, settings: Mapping[str, Any] | None = None) -> RecordDict:
     """The reply content to a training instruction: the client's result, its refusal of the model, or (not
-    sampled) its partition only."""
+    sampled) its partition only; each echoes the instruction's round and nonce (``records.echo_problem``)."""
+    echo = FR.instruction_echo(content)
     try:
         t = train_instruction(content, context, settings)
     except ModelRefused as exc:  # an integrity check failed: answer with the refusal, train nothing
-        return FR.refused_content(_settings(context, settings)[2], str(exc), exc.info)
+        return FR.refused_content(_settings(context, settings)[2], str(exc), exc.info, echo)
     if t.result is None:
-        return FR.skipped_content(t.partition)
-    return FR.result_content(t.result, partition=t.partition, accepted=t.accepted)
+        return FR.skipped_content(t.partition, echo)
+    return FR.result_content(t.result, partition=t.partition, accepted=t.accepted, echo=echo)
 
 
 def handle_train(msg: Message, context: Context, settings: Mapping[str, Any] | None = None) -> Message:
@@ -148,7 +149,7 @@ def handle_evaluate(msg: Message, context: Context, settings: Mapping[str, Any] 
     if config.get("local", True) and n > 0:
         state = rt.local_state(cid, global_state).tensors()
     personal = rt.store.get(PERSONAL, cid) if config.get("personal", False) else None
-    return Message(FR.eval_content(cid, state, n, personal), reply_to=msg)
+    return Message(FR.eval_content(cid, state, n, personal, FR.instruction_echo(msg.content)), reply_to=msg)
 
 
 def make_client_app(settings: Mapping[str, Any] | None = None) -> ClientApp:

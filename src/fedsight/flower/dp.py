@@ -19,9 +19,15 @@ from Google's dp-accounting (the library behind Flower's ``RdpAccountant``):
   Kasiviswanathan 2019, "Subsampled Renyi Differential Privacy and Analytical Moments Accountant",
   Thm. 27; Balle, Barthe & Gaboardi 2018, "Privacy Amplification by Subsampling"). Replacing a client
   moves the clipped sum by up to ``2 C`` (two vectors of norm at most ``C``), so the release is
-  ``SampledWithoutReplacementDpEvent(N, m, GaussianDpEvent(z / 2))`` under ``REPLACE_ONE``. The epsilons of the two
-  relations are not the same guarantee: add/remove-one (eps, delta)-DP implies replace-one
-  (2 eps, ...)-DP, not the converse. Amplification also assumes that the sample is secret: FedSight draws
+  ``SampledWithoutReplacementDpEvent(N, m, GaussianDpEvent(z / 2))`` under ``REPLACE_ONE``. With few clients
+  (``m / N`` large) that bound is *larger* than no amplification's (3 of 3 clients, z = 1, 10 releases: 48.8
+  against 19.1). The reported epsilon is therefore the smaller of the two, both add/remove-one bounds at the same
+  delta: a replace-one (eps, delta) guarantee is an add/remove-one one (removing a client's update from the
+  fixed-denominator mean is replacing it by the zero vector, which is in the clipping ball), and the minimum of
+  two valid (eps, delta) bounds is valid. ``dp/amplified`` says which gave it. The converse does not hold:
+  add/remove-one (eps, delta) gives replace-one only by group privacy (2 eps, (1 + e^eps) delta), so
+  ``dp/epsilon_replace_one`` is computed on its own, the smaller of the amplified bound and no amplification
+  under replace-one (``GaussianDpEvent(z / 2)``). Amplification also assumes that the sample is secret: FedSight draws
   it from the run seed (``("sample", round)``), which ``config.json`` and the Flower app's run config hold;
   whoever knows the seed knows the sample, and against them only ``"none"`` holds. Poisson sampling
   (each client independently with probability ``q``) is not what FedSight does, so its bound is refused.
@@ -40,7 +46,8 @@ from Google's dp-accounting (the library behind Flower's ``RdpAccountant``):
 
 Flower 1.41's wrapper accepts only no-amplification accountants, so the wrapper here has none and
 ``CentralDP`` composes each successful release itself. ``describe()`` names the accountant, the sampling
-assumption and the relation; the ServerApp logs it (a ``dp_accounting`` event, ``flower.json``).
+assumption and the relation; the ServerApp logs it (a ``dp_accounting`` event, ``flower.json``); each round's row
+has ``dp/epsilon`` (and, with ``without-replacement``, ``dp/amplified`` and ``dp/epsilon_replace_one``).
 
 The mechanism is Flower's: ``DifferentialPrivacyServerSideFixedClipping`` wraps Flower's stock
 ``FedAvg``; FedSight hands it one reply per client (``global + Delta_k`` with equal weights) and receives
@@ -63,6 +70,7 @@ regenerate.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Iterable
@@ -74,6 +82,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
+from flwr.serverapp.strategy import dp_fixed_clipping as _dp_wrapper
+from flwr.supercore import differential_privacy as _dp_utils
 
 from ..errors import ConfigError
 from ..records import ClientResult
@@ -87,7 +97,6 @@ from .records import record_to_tensors, tensors_to_record
 ACCOUNTANTS = ("rdp", "pld")
 #: ``dp-sampling`` values: no amplification (default) or FedSight's fixed-size sampling without replacement
 SAMPLINGS = ("none", "without-replacement")
-_RELATION = {"none": "add-or-remove-one", "without-replacement": "replace-one"}
 
 
 def accounting_problem(accountant: str, sampling: str) -> tuple[str, str] | None:
@@ -123,50 +132,125 @@ class Accountant:
             raise ValueError(f"need noise multiplier > 0 and 0 < delta < 1, got {noise_multiplier} and {delta}")
         self.accountant, self.sampling, self.delta = accountant, sampling, float(delta)
         self.noise_multiplier, self.num_sampled, self.population = float(noise_multiplier), int(num_sampled), int(population)
-        self.relation = _RELATION[sampling]
-        self._cache: dict[int, float] = {0: 0.0}
+        self.relation = "add-or-remove-one"  # the reported epsilon's, whatever the sampling (epsilon())
+        self._cache: dict[tuple[str, int], float] = {}
+        self._rdp: dict[str, np.ndarray] = {}
         if accountant == "rdp":
             from dp_accounting import privacy_accountant
             from dp_accounting.rdp import RdpAccountant
 
             rel = privacy_accountant.NeighboringRelation
-            acc = RdpAccountant(neighboring_relation=rel.REPLACE_ONE if self.relation == "replace-one" else rel.ADD_OR_REMOVE_ONE)
-            acc.compose(self.event())
-            self._orders, self._rdp = np.array(acc.orders), np.array(acc.rdp)  # one release
+            for name, (relation, event) in self.events().items():
+                acc = RdpAccountant(neighboring_relation=rel.REPLACE_ONE if relation == "replace-one" else rel.ADD_OR_REMOVE_ONE)
+                acc.compose(event)
+                self._orders, self._rdp[name] = np.array(acc.orders), np.array(acc.rdp)  # one release
 
-    def event(self) -> Any:
-        """One release as a dp-accounting ``DpEvent`` (under the neighbouring relation ``self.relation``)."""
+    def events(self) -> dict[str, tuple[str, Any]]:
+        """One release as dp-accounting ``DpEvent``s, each with its neighbouring relation: ``"none"``, no
+        amplification (add/remove one client: the fixed-denominator mean moves by up to C / m, so the noise is z
+        sensitivities); with ``without-replacement`` also ``"amplified"``, the sampled release (replace-one: the
+        clipped sum moves by up to 2 C, so the noise is z / 2 sensitivities), and ``"replace-one"``, no
+        amplification under replace-one (z / 2)."""
         from dp_accounting import dp_event
 
-        if self.sampling == "none":
-            return dp_event.GaussianDpEvent(self.noise_multiplier)
-        # replace-one: the clipped sum moves by up to 2 C, so the noise is z / 2 sensitivities
-        return dp_event.SampledWithoutReplacementDpEvent(self.population, self.num_sampled,
-                                                         dp_event.GaussianDpEvent(self.noise_multiplier / 2))
+        z = self.noise_multiplier
+        out = {"none": ("add-or-remove-one", dp_event.GaussianDpEvent(z))}
+        if self.sampling == "without-replacement":
+            out["amplified"] = ("replace-one", dp_event.SampledWithoutReplacementDpEvent(
+                self.population, self.num_sampled, dp_event.GaussianDpEvent(z / 2)))
+            out["replace-one"] = ("replace-one", dp_event.GaussianDpEvent(z / 2))
+        return out
 
-    def epsilon(self, releases: int) -> float:
-        """Epsilon at ``self.delta`` after ``releases`` releases (0 before the first)."""
-        if releases not in self._cache:
+    def event(self) -> Any:
+        """The release event of the sampling assumption (``events``: the sampled one with ``without-replacement``)."""
+        return self.events()["amplified" if self.sampling == "without-replacement" else "none"][1]
+
+    def _epsilon(self, name: str, releases: int) -> float:
+        if releases == 0:
+            return 0.0
+        if (name, releases) not in self._cache:
             if self.accountant == "rdp":
                 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
-                eps = compute_epsilon(self._orders, releases * self._rdp, self.delta)[0]
-            else:  # T Gaussian releases = one with noise z / sqrt(T); exact epsilon of its PLD
+                eps = compute_epsilon(self._orders, releases * self._rdp[name], self.delta)[0]
+            else:  # T Gaussian releases = one with noise z / sqrt(T); exact epsilon of its PLD (sampling "none" only)
                 from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
 
                 eps = get_epsilon_gaussian(self.noise_multiplier / float(np.sqrt(releases)), self.delta)
-            self._cache[releases] = float(eps)
-        return self._cache[releases]
+            self._cache[name, releases] = float(eps)
+        return self._cache[name, releases]
+
+    def bounds(self, releases: int) -> dict[str, float]:
+        """Every epsilon at ``self.delta`` after ``releases`` releases, one per event of ``events``."""
+        return {name: self._epsilon(name, releases) for name in self.events()}
+
+    def epsilon(self, releases: int) -> float:
+        """The reported epsilon at ``self.delta`` after ``releases`` releases (0 before the first): add/remove one
+        client. With ``without-replacement``, the smaller of two valid bounds at the same delta: no amplification,
+        and the amplified replace-one bound, which also bounds add/remove one (a client's clipped update replaced by
+        zero is one replacement), so their minimum does."""
+        b = self.bounds(releases)
+        return min(b["none"], b.get("amplified", b["none"]))
+
+    def amplified(self, releases: int) -> bool:
+        """Whether the amplified bound gave ``epsilon(releases)`` (it is smaller than no amplification)."""
+        b = self.bounds(releases)
+        return "amplified" in b and b["amplified"] < b["none"]
+
+    def epsilon_replace_one(self, releases: int) -> float | None:
+        """With ``without-replacement``: the replace-one epsilon, the smaller of the amplified bound and no
+        amplification under replace-one (sensitivity 2 C / m); None otherwise."""
+        b = self.bounds(releases)
+        return min(b["amplified"], b["replace-one"]) if "amplified" in b else None
+
+    def spent(self, releases: int) -> dict[str, float]:
+        """The metrics of ``releases`` releases: ``dp/epsilon`` and, with ``without-replacement``,
+        ``dp/amplified`` (1: the amplified bound gave it, 0: no amplification did) and ``dp/epsilon_replace_one``."""
+        out = {"dp/epsilon": self.epsilon(releases)}
+        if self.sampling == "without-replacement":
+            out["dp/amplified"] = float(self.amplified(releases))
+            out["dp/epsilon_replace_one"] = float(self.epsilon_replace_one(releases))
+        return out
 
     def describe(self) -> dict[str, Any]:
         """Which accountant and which assumption produce the reported epsilon (strings and numbers)."""
-        how = ("no amplification by client sampling" if self.sampling == "none" else
-               f"amplification by sampling {self.num_sampled} of {self.population} clients without replacement "
-               "(valid only if the sample, i.e. the run seed, is secret)")
-        return {"accountant": self.accountant, "sampling": self.sampling, "neighbouring_relation": self.relation,
-                "noise_multiplier": self.noise_multiplier, "num_sampled": self.num_sampled,
-                "population": self.population, "delta": self.delta,
-                "note": f"epsilon by {self.accountant.upper()}, {how}, {self.relation} neighbouring clients"}
+        out = {"accountant": self.accountant, "sampling": self.sampling, "neighbouring_relation": self.relation,
+               "noise_multiplier": self.noise_multiplier, "num_sampled": self.num_sampled,
+               "population": self.population, "delta": self.delta}
+        if self.sampling == "none":
+            out["note"] = (f"epsilon by {self.accountant.upper()}, no amplification by client sampling, "
+                           f"{self.relation} neighbouring clients")
+            return out
+        out["note"] = (f"epsilon by {self.accountant.upper()}, {self.relation} neighbouring clients: the smaller of no "
+                       f"amplification and amplification by sampling {self.num_sampled} of {self.population} clients "
+                       "without replacement (a replace-one bound, which implies add-or-remove-one; valid only if the "
+                       "sample, i.e. the run seed, is secret); dp/amplified says which gave each round's epsilon, "
+                       "dp/epsilon_replace_one is the replace-one epsilon")
+        return out
+
+
+def _clip_model_update(param1: list, param2: list, clipping_norm: float) -> None:
+    """Flower 1.41's ``compute_clip_model_update`` (``param1 <- param2 + clip(param1 - param2)``, its own
+    ``clip_inputs_inplace``), except that an update whose norm is 0 (all zero, or so small that its float32 norm
+    underflows) is left as it is instead of raising ``ZeroDivisionError``: its norm is at most C, so the clip is the
+    identity. Every other update is clipped by Flower's code, bit for bit."""
+    update = [np.subtract(x, y) for x, y in zip(param1, param2, strict=True)]
+    if _dp_utils.get_norm(update) > 0:
+        _dp_utils.clip_inputs_inplace(update, clipping_norm)
+    for i, _ in enumerate(param2):
+        param1[i] = param2[i] + update[i]
+
+
+@contextlib.contextmanager
+def _zero_norm_safe_clipping():
+    """Flower's server-side clipping wrapper with ``_clip_model_update`` for the duration of one release (the
+    wrapper calls the module-level function; the server aggregates on one thread)."""
+    original = _dp_wrapper.compute_clip_model_update
+    _dp_wrapper.compute_clip_model_update = _clip_model_update
+    try:
+        yield
+    finally:
+        _dp_wrapper.compute_clip_model_update = original
 
 
 class _ReleaseGrid(Grid):
@@ -245,11 +329,6 @@ class CentralDP:
                     f"{sorted(res.extras) + (['buffers'] if res.buffers else [])}; drop those components "
                     "(or shared BatchNorm statistics) from a DP run"
                 )
-            if all(float(v.abs().max()) == 0.0 for v in res.delta.values()) if res.delta else True:
-                raise ValueError(
-                    f"client {res.client_id} sent a zero model update: Flower 1.41's clipping divides by the update's "
-                    "norm (ZeroDivisionError); a DP run needs clients that train (lr > 0, at least one step)"
-                )
         if len(results) != self.num_sampled:
             raise ValueError(f"a DP release needs exactly {self.num_sampled} updates, got {len(results)}")
         r = self.releases + 1
@@ -269,7 +348,8 @@ class CentralDP:
                 local = {k: current[k] + res.delta[k] for k in keys}
                 content = RecordDict({"arrays": tensors_to_record(local), "metrics": MetricRecord({"num-examples": 1})})
                 replies.append(Message(content, reply_to=ins))
-            arrays, _ = self.strategy.aggregate_train(r, replies)
+            with _zero_norm_safe_clipping():
+                arrays, _ = self.strategy.aggregate_train(r, replies)
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
@@ -281,8 +361,7 @@ class CentralDP:
 
     def privacy_spent(self) -> dict[str, float]:
         """Cumulative (epsilon, delta) of the releases so far (``self.accountant``; ``describe()`` says how)."""
-        return {"dp/epsilon": self.accountant.epsilon(self.releases), "dp/delta": self.accountant.delta,
-                "dp/releases": self.releases}
+        return {**self.accountant.spent(self.releases), "dp/delta": self.accountant.delta, "dp/releases": self.releases}
 
     def describe(self) -> dict[str, Any]:
         """The mechanism and how its epsilon is accounted (``Accountant.describe``)."""
@@ -296,7 +375,7 @@ class CentralDP:
         path = Path(run_dir) / SERVER_PRIVATE_DIR / "central_dp.key"
         path.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(path.parent, 0o700)
-        atomic_write_bytes(path, self.secret)  # (a temporary file of mode 0600, renamed)
+        atomic_write_bytes(path, self.secret, mode=0o600)  # (0600 from the start, renamed)
         return path
 
     def state_dict(self) -> dict:

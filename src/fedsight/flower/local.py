@@ -428,6 +428,24 @@ def _follow(path: Path, seen: int, emit: Callable[[dict[str, Any]], None]) -> in
     return len(complete)
 
 
+def provision_local(keys_dir: Path, n: int, given: str | Path | None = None) -> tuple[list[Path], Path]:
+    """The node keys of a loopback deployment with node authentication and the provisioning file that binds
+    them: node ``k``'s key pair is ``keys_dir/node{k}`` (``tls.make_node_key``: kept if there, as
+    ``fedsight flower certs DIR --node-keys N`` left it, else made) and node ``k`` holds partition ``k``. The file is
+    ``given`` (``--provisioning``), else ``keys_dir/provisioning.json`` if certs wrote it, else written there now
+    (``provisioning.write_provisioning``). A ``ConfigError`` naming the file when it does not bind node ``k``'s key
+    to partition ``k``. Returns (the private keys, the provisioning file)."""
+    from .provisioning import FILE, check_local_nodes, read_provisioning, write_provisioning
+    from .tls import make_node_key
+
+    private = [make_node_key(keys_dir, f"node{k}") for k in range(n)]
+    path = Path(given) if given is not None else keys_dir / FILE
+    if given is None and not path.exists():
+        write_provisioning(keys_dir, range(n))
+    check_local_nodes(read_provisioning(path, n), [Path(f"{p}.pub") for p in private])
+    return private, path.absolute()
+
+
 def run_local(
     cfg: Any,
     run_dir: str | Path,
@@ -447,8 +465,10 @@ def run_local(
     process. Returns the run's final ``flwr ls`` row; raises ``FlowerRunError`` if the run failed.
 
     ``tls_dir``: TLS for the SuperLink (certificates generated there by ``tls.make_tls`` if missing);
-    ``node_auth``: SuperNode authentication (one ECDSA key per node, registered before it starts);
+    ``node_auth``: SuperNode authentication (one ECDSA key per node, registered before it starts), every client
+    bound to its node's key from the start (``provision_local``);
     ``data_dirs``: node ``k`` reads its own data from ``data_dirs[k]`` instead of its partition."""
+    from ..errors import ConfigError
     from .app import write_app
     from .server_app import preflight
 
@@ -462,13 +482,26 @@ def run_local(
     opts = {"min-nodes": n, **(options or {})}
     if data_dirs is not None:
         opts["data"] = "data-dir"
+    if opts.get("provisioning") and not node_auth:
+        raise ConfigError(f"provisioning file {opts['provisioning']} given without node authentication (--node-auth): "
+                          "SuperNodes without keys get temporary keys that no provisioning file lists")
     preflight(cfg, opts, run_dir)  # a ConfigError before any process starts or anything is written
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="fedsight-flower-")) if own else Path(workdir).absolute()
-    app_dir = write_app(cfg, work / "app", run_dir=run_dir, options=opts)
+    keys: list[Path | None] = [None] * n
+    try:
+        if node_auth:  # every client bound to its node's key from the start
+            keys_dir = Path(tls_dir).absolute() if tls_dir is not None else work / "keys"
+            keys[:], prov = provision_local(keys_dir, n, opts.get("provisioning") or None)
+            opts["provisioning"] = str(prov)
+        app_dir = write_app(cfg, work / "app", run_dir=run_dir, options=opts)
+    except BaseException:
+        if own and not keep_workdir:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
     tls = None
     if tls_dir is not None or node_auth:
-        from .tls import make_node_key, make_tls
+        from .tls import make_tls
 
         tls = make_tls(Path(tls_dir or work / "tls"))
     dep = LocalDeployment(work, tls=tls, node_auth=node_auth)
@@ -478,9 +511,8 @@ def run_local(
     try:
         dep.start_superlink()
         for k in range(n):
-            key = None
-            if node_auth:
-                key = make_node_key(work / "keys", f"node{k}")
+            key = keys[k]
+            if key is not None:
                 dep.register_node(Path(f"{key}.pub"), name=f"node{k}")
             nc: dict[str, Any] = {"partition-id": k, "num-partitions": n, "state-dir": str(work / "node-state" / f"node{k}")}
             if data_dirs is not None:

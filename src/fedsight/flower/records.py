@@ -16,6 +16,7 @@ reply (SuperNode -> server)::
     "extras:<name>"     ArrayRecord   ClientResult.extras[name] (SCAFFOLD's Delta c_i, FedDyn, ...)
     "metrics"           MetricRecord  ClientResult.metrics (``train/loss`` ...)
     "meta"              MetricRecord  client-id, partition-id, num-examples, num-steps, flops, accepted
+    "echo"              ConfigRecord  the instruction's round and nonce (``echo_problem``: a replayed reply is refused)
 
 evaluation reply (SuperNode -> server)::
 
@@ -24,6 +25,7 @@ evaluation reply (SuperNode -> server)::
     "meta"              MetricRecord  partition-id, num-test-examples
     "personal"          ArrayRecord   only when asked: the client's stored personal entries (FedBN's
                                       global-test evaluation averages them)
+    "echo"              ConfigRecord  the instruction's round and nonce
 
 Tensors cross the wire as ``numpy.save`` bytes of the CPU tensor (Flower's ``Array``), so dtype, shape
 and every bit survive the round trip; key order is preserved. Python floats travel as doubles and
@@ -108,8 +110,42 @@ def read_instruction(content: RecordDict, client: int | None = None
 # -- the reply ------------------------------------------------------------------------------------
 
 
-def result_content(res: ClientResult, *, partition: int, accepted: bool = True) -> RecordDict:
-    """A client's upload as a reply ``RecordDict`` (see the module docstring)."""
+ECHO = "echo"
+
+
+def instruction_echo(content: RecordDict) -> dict[str, Any] | None:
+    """What a reply to the instruction ``content`` echoes: its round and the server's nonce (None: it has no nonce,
+    as an identification request)."""
+    config = content.get("config") if isinstance(content, RecordDict) else None
+    if not isinstance(config, ConfigRecord) or "nonce" not in config:
+        return None
+    return {"round": int(config["round"]), "nonce": str(config["nonce"])}
+
+
+def _echoed(content: RecordDict, echo: Mapping[str, Any] | None) -> RecordDict:
+    if echo is not None:
+        content[ECHO] = ConfigRecord({"round": int(echo["round"]), "nonce": str(echo["nonce"])})
+    return content
+
+
+def echo_problem(content: RecordDict, round: int, nonce: str) -> str | None:
+    """Why a reply is not an answer to this exchange's instruction (round ``round``, the server's fresh ``nonce``),
+    or None: a reply resent from an earlier round or exchange echoes another nonce (a replay)."""
+    rec = content.get(ECHO) if isinstance(content, RecordDict) else None
+    if not isinstance(rec, ConfigRecord):
+        return "replay check: the reply echoes no round and nonce ('echo' record)"
+    got_round, got_nonce = rec.get("round"), rec.get("nonce")
+    if got_round != round:
+        return f"replay: the reply echoes round {got_round!r}, this is round {round}"
+    if not isinstance(got_nonce, str) or got_nonce != nonce:
+        return f"replay: the reply echoes another nonce than round {round}'s instruction"
+    return None
+
+
+def result_content(res: ClientResult, *, partition: int, accepted: bool = True,
+                   echo: Mapping[str, Any] | None = None) -> RecordDict:
+    """A client's upload as a reply ``RecordDict`` (see the module docstring); ``echo``: the instruction's
+    (``instruction_echo``)."""
     content = RecordDict({"delta": tensors_to_record(res.delta), "buffers": tensors_to_record(res.buffers)})
     for name, tensors in res.extras.items():
         content[EXTRAS + name] = tensors_to_record(tensors)
@@ -124,24 +160,25 @@ def result_content(res: ClientResult, *, partition: int, accepted: bool = True) 
             "accepted": int(bool(accepted)),
         }
     )
-    return content
+    return _echoed(content, echo)
 
 
-def skipped_content(partition: int) -> RecordDict:
+def skipped_content(partition: int, echo: Mapping[str, Any] | None = None) -> RecordDict:
     """The reply of a node whose client was not sampled: only its partition (for the node map)."""
-    return RecordDict({"meta": MetricRecord({"partition-id": int(partition), SKIPPED: 1})})
+    return _echoed(RecordDict({"meta": MetricRecord({"partition-id": int(partition), SKIPPED: 1})}), echo)
 
 
 REFUSED = "refused"
 
 
-def refused_content(partition: int, reason: str, info: Mapping[str, Any]) -> RecordDict:
+def refused_content(partition: int, reason: str, info: Mapping[str, Any],
+                    echo: Mapping[str, Any] | None = None) -> RecordDict:
     """The reply of a client that refused the global model (``ModelRefused``): its partition, why, and the
     check's numbers (e.g. the watermark score)."""
     nums = {k: float(v) for k, v in info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return RecordDict({"meta": MetricRecord({"partition-id": int(partition), REFUSED: 1}),
-                       "refusal": ConfigRecord({"reason": str(reason)[:2000]}),
-                       "refusal-info": MetricRecord(nums)})
+    return _echoed(RecordDict({"meta": MetricRecord({"partition-id": int(partition), REFUSED: 1}),
+                               "refusal": ConfigRecord({"reason": str(reason)[:2000]}),
+                               "refusal-info": MetricRecord(nums)}), echo)
 
 
 def read_refusal(content: RecordDict) -> tuple[str, dict[str, float]] | None:
@@ -247,7 +284,7 @@ def read_result(content: RecordDict, max_bytes: int | None = None) -> tuple[Clie
 
 
 def eval_content(partition: int, state: Mapping[str, torch.Tensor], num_test: int,
-                 personal: Mapping[str, torch.Tensor] | None = None) -> RecordDict:
+                 personal: Mapping[str, torch.Tensor] | None = None, echo: Mapping[str, Any] | None = None) -> RecordDict:
     """A node's local-test metric state (``MetricState.tensors()``), its number of local test examples
     and, when asked, its stored personal entries (``ArrayRecord`` "personal")."""
     content = RecordDict(
@@ -258,14 +295,16 @@ def eval_content(partition: int, state: Mapping[str, torch.Tensor], num_test: in
     )
     if personal is not None:
         content["personal"] = tensors_to_record(personal)
-    return content
+    return _echoed(content, echo)
 
 
-def read_eval(content: RecordDict) -> tuple[int, dict[str, torch.Tensor], int, dict[str, torch.Tensor] | None]:
+def read_eval(content: RecordDict, max_bytes: int | None = None
+              ) -> tuple[int, dict[str, torch.Tensor], int, dict[str, torch.Tensor] | None]:
     """(partition, metric-state tensors, number of local test examples, personal entries or None) of an
-    evaluation reply; ``MalformedReply`` when it cannot be read."""
+    evaluation reply; ``MalformedReply`` when it cannot be read. ``max_bytes`` bounds its arrays, checked before
+    any is deserialised; what the values must be is ``engine.contract.check_evaluation``."""
     meta = _meta(content)
-    budget = [1 << 62]
+    budget = [max_bytes if max_bytes is not None else 1 << 62]
     personal = _arrays(content, "personal", budget) if "personal" in content.array_records else None
     n = _meta_int(meta, "num-test-examples")
     if n < 0:

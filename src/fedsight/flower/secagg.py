@@ -37,6 +37,14 @@ must stay below the modulus (``2**32``), so ``m * quantization_range < 2**32`` i
 The stochastic rounding draws from NumPy's global generator, seeded per (run seed, round, client) just
 before the node quantises, so a SecAgg run is reproducible.
 
+Statistics (Fed3R, FedNCM: a stage whose trainer uploads sums, ``statistics_component``): each client adds its
+statistics for all C classes (``functional.ridge.dense_statistics``) to the same protocol, as two limbs per entry
+on Flower's grid (``encode_statistic``: clipping range 1, a power-of-two scale per statistic from
+``ClosedFormClassifier.secure_fields``, ``stats_levels`` levels), so Flower's stochastic rounding rounds nothing
+and the unmasked sum is exact to ``m * scale / Q**2`` per entry (``decode_sum``, ``sum_error``). The component
+checks the group's sum (``secure_sum``); the sum rides on the group's first reply, zeros on the others, and every
+reply passes the reply contract (``UploadContext.secure_sum``) or the whole group is rejected.
+
 What it does not do: the server cannot inspect an update, so a malicious client can add any vector
 in the quantised range to the sum (it controls its masked vector, including its weight factor), and nothing
 per update (norm bounding, robust aggregators, FedVG) can run; those recipes are refused before the run
@@ -46,6 +54,7 @@ from the 32-byte shared secret (``secaggplus_utils.pseudo_rand_gen``).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections.abc import Callable, Mapping
@@ -64,6 +73,7 @@ OPTIONS: dict[str, Any] = {
     "secagg-reconstruction-threshold": 2,  # int >= 2: shares that reconstruct a secret; float in (0, 1]: fraction
     "secagg-clipping-range": 8.0,  # |x * w / max_weight| above this is clipped before quantisation
     "secagg-quantization-range": 1 << 22,  # quantisation levels
+    "secagg-feature-bound": 1024.0,  # |phi(x)_i| a Fed3R/FedNCM client's statistics are scaled for (rounded up to 2**k)
 }
 MODULUS = 1 << 32  # Flower's modulus_range (its maximum)
 WEIGHTINGS = ("uniform", "data_size")
@@ -85,6 +95,7 @@ class SecAggSettings:
     reconstruction_threshold: int | float = 2
     clipping_range: float = 8.0
     quantization_range: int = 1 << 22
+    feature_bound: float = 1024.0
 
     @classmethod
     def from_options(cls, opts: Mapping[str, Any]) -> "SecAggSettings":
@@ -115,7 +126,10 @@ class SecAggSettings:
             q = int(q)
         if isinstance(q, bool) or not isinstance(q, int) or not 2 <= q < MODULUS:
             raise ConfigError(f"run config secagg-quantization-range = {q!r} must be an integer in [2, 2**32)")
-        return cls(shares, threshold, float(clip), q)
+        bound = opts.get("secagg-feature-bound", OPTIONS["secagg-feature-bound"])
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not (math.isfinite(bound) and bound > 0):
+            raise ConfigError(f"run config secagg-feature-bound = {bound!r} must be a finite number > 0")
+        return cls(shares, threshold, float(clip), q, float(bound))
 
 
 # -- what may run under secure aggregation ----------------------------------------------------------
@@ -123,7 +137,8 @@ class SecAggSettings:
 
 def check_secagg(sim: Any, settings: SecAggSettings, *, dp: bool = False) -> None:
     """Refuse (``ConfigError`` naming the config key) a run whose recipe needs more than the weighted mean of
-    the updates: ``sim`` is an ``engine.server.Server``. Every stage must train, aggregate with
+    the updates: ``sim`` is an ``engine.server.Server``. A statistics stage must upload sums
+    (``statistics_component``: Fed3R, FedNCM; not LADD's styles); every training stage must aggregate with
     ``recipe.aggregator = "mean"`` and weight with ``"uniform"`` or ``"data_size"``, share no integer buffer
     (BatchNorm's ``num_batches_tracked``: its change per round is the number of steps, outside any useful
     quantisation range) and have no component that needs each update (``Component.secure_aggregation_problem``);
@@ -136,6 +151,17 @@ def check_secagg(sim: Any, settings: SecAggSettings, *, dp: bool = False) -> Non
                           "clips each client's update, which secure aggregation hides; use one or the other")
     for st in sim.stages:
         where = f"stage {st.name!r}"
+        if not st.recipe.trainer.trains:  # a statistics pass: summed (statistics_component), weights play no role
+            if statistics_component(st) is None:
+                raise ConfigError(f"secure aggregation sums what the clients upload, but {where}'s trainer "
+                                  f"{getattr(st.recipe.trainer, 'name', type(st.recipe.trainer).__name__)!r} uploads "
+                                  "statistics the server needs one by one (not their sum); drop that stage or secagg")
+            for c in st.recipe.components:
+                why = c.secure_aggregation_problem(st.recipe.weighting.name)
+                if why:
+                    raise ConfigError(f"recipe.components {c.name} ({where}) {why}: it cannot run under secure "
+                                      "aggregation")
+            continue
         w, a = st.recipe.weighting.name, st.recipe.aggregator.name
         if a != "mean":
             raise ConfigError(f"secure aggregation gives the server only the weighted mean of the updates, but "
@@ -143,10 +169,6 @@ def check_secagg(sim: Any, settings: SecAggSettings, *, dp: bool = False) -> Non
         if w not in WEIGHTINGS:
             raise ConfigError(f"secure aggregation weights each update inside the mask by 1 or its example count, "
                               f"but recipe.weighting = {w!r} ({where}) needs each update; use 'uniform' or 'data_size'")
-        if not st.recipe.trainer.trains:
-            raise ConfigError(f"secure aggregation sums model updates, but {where} trains nothing (its trainer "
-                              f"{getattr(st.recipe.trainer, 'name', type(st.recipe.trainer).__name__)!r} uploads "
-                              "statistics); drop that stage or secagg")
         for c in st.recipe.components:
             why = c.secure_aggregation_problem(w)
             if why:
@@ -161,6 +183,7 @@ def check_secagg(sim: Any, settings: SecAggSettings, *, dp: bool = False) -> Non
         if not layout.shared_params and not layout.shared_buffers:
             raise ConfigError(f"secure aggregation sums model updates, but {where} shares nothing (recipe.sharing, "
                               "train.freeze)")
+    statistics = {st.name for st in sim.stages if not st.recipe.trainer.trains}
     for name, m in stage_sample_sizes(sim):
         where = f" in stage {name!r}" if name else ""
         if m < 3:
@@ -169,9 +192,66 @@ def check_secagg(sim: Any, settings: SecAggSettings, *, dp: bool = False) -> Non
         if isinstance(settings.num_shares, int) and settings.num_shares > m:
             raise ConfigError(f"run config secagg-num-shares = {settings.num_shares} exceeds the {m} clients sampled "
                               f"per round{where}")
-        if m * settings.quantization_range >= MODULUS:
+        if name not in statistics and m * settings.quantization_range >= MODULUS:  # (statistics: stats_levels)
             raise ConfigError(f"run config secagg-quantization-range = {settings.quantization_range} is too large for "
                               f"{m} clients a round{where}: their quantised sum must stay below 2**32")
+
+
+def statistics_component(stage: Any) -> Any:
+    """The component whose statistics a statistics stage's clients upload, if they can be securely summed (it
+    declares ``secure_fields``: Fed3R, FedNCM), else None (LADD's client styles, which the server clusters one by
+    one)."""
+    comp = getattr(stage.recipe.trainer, "component", None)
+    return comp if callable(getattr(comp, "secure_fields", None)) else None
+
+
+# -- sums of statistics (Fed3R, FedNCM): two limbs on Flower's quantisation grid ----------------------
+
+#: Flower's stochastic rounding casts the levels to int32, so a round's levels stay at or below 2**30
+STATS_LEVELS_MAX = 1 << 30
+
+
+def stats_levels(m: int) -> int:
+    """The quantisation levels ``Q`` of a statistics round of ``m`` clients: the largest power of two at most
+    ``2**30`` whose sum over ``m`` clients stays below the modulus (``m * Q < 2**32``)."""
+    q = STATS_LEVELS_MAX
+    while q > 2 and m * q >= MODULUS:
+        q //= 2
+    return q
+
+
+def encode_statistic(x: np.ndarray, bound: float, levels: int) -> tuple[np.ndarray, int]:
+    """One client's statistic ``x`` (float64) as two limbs on the grid Flower quantises to, and how many of its
+    entries were clipped (``|x| > bound``). ``bound`` and ``levels`` (``Q``) are powers of two, so ``u = x / bound``
+    is exact; ``u`` (clipped to [-1, 1]) is rounded to the nearest of Flower's levels ``hi = n_h / (Q / 2)``, and the
+    residual ``u - hi`` (at most ``1 / Q``, computed exactly) is scaled by ``Q`` and rounded the same way: ``lo =
+    n_l / (Q / 2)``. Both lie on Flower's grid (clipping range 1: level ``n + Q / 2``), so its stochastic rounding
+    has nothing to round and the protocol sums the integers ``n`` exactly; ``u = hi + lo / Q`` within ``1 / Q**2``,
+    i.e. ``x`` within ``bound / Q**2``. Returns ``[hi, lo]`` stacked (shape ``(2, *x.shape)``)."""
+    u = np.asarray(x, dtype=np.float64) / bound
+    clipped = int((np.abs(u) > 1.0).sum())
+    u = np.clip(u, -1.0, 1.0)
+    half = levels / 2
+    n_hi = np.rint(u * half)
+    n_lo = np.rint((u - n_hi / half) * levels * half)
+    return np.stack([n_hi / half, n_lo / half]), clipped
+
+
+def decode_sum(mean: np.ndarray, m: int, bound: float, levels: int) -> np.ndarray:
+    """The sum of ``m`` clients' statistics from the unmasked mean of their ``encode_statistic`` limbs: the limbs'
+    integer sums ``N_h``, ``N_l`` are recovered exactly (``rint(mean * m * Q / 2)``: the mean's float error is far
+    below half a level), and the sum is ``bound (N_h Q + N_l) / (Q**2 / 2)``, the float64 nearest that exact value.
+    It differs from the clients' true sum by at most ``m * bound / Q**2`` per entry (``sum_error``) when nothing was
+    clipped."""
+    half = levels / 2
+    n = np.rint(np.asarray(mean, dtype=np.float64) * m * half).astype(np.int64)
+    return (n[0] * levels + n[1]).astype(np.float64) * (bound / (half * levels))
+
+
+def sum_error(m: int, bound: float, levels: int) -> float:
+    """The largest error per entry of ``decode_sum`` over ``m`` clients: each client's ``lo`` limb is rounded to
+    half a level, ``bound / Q**2`` (one step of the two-limb grid, ``2 bound / Q**2``, halved)."""
+    return m * bound / float(levels) ** 2
 
 
 def stage_sample_sizes(sim: Any) -> list[tuple[str, int]]:
@@ -246,11 +326,20 @@ def secagg_train(msg: Any, context: Any, train: Callable[[Any], Any]) -> Any:
             raise RuntimeError("this node's client was not sampled")
         if not trained.accepted:
             raise RuntimeError("non-finite update (dropped out of the secure aggregation)")
-        vector = [res.delta[k] for k in cfg["secagg-params"]] + [res.buffers[k] - gstate[k] for k in cfg["secagg-buffers"]]
-        vector = [v.detach().to(torch.float64).numpy() for v in vector]
-        weight = 1 if cfg["secagg-weighting"] == "uniform" else int(res.num_examples)
-        ratio = weight / float(cfg["secagg-max-weight"])
-        clipped = sum(int((np.abs(v * ratio) > float(cfg["secagg-clipping-range"])).sum()) for v in vector)
+        if cfg.get("secagg-stats"):  # a statistics pass: its statistics (all C classes), two limbs each
+            from ..functional.ridge import dense_statistics
+
+            stats = dense_statistics(res.extras[str(cfg["secagg-stats"])], int(cfg["secagg-classes"]))
+            encoded = [encode_statistic(stats[k].detach().to(torch.float64).cpu().numpy(), float(bound),
+                                        int(cfg["secagg-levels"]))
+                       for k, bound in zip(cfg["secagg-stat-names"], cfg["secagg-stat-bounds"], strict=True)]
+            vector, clipped, weight = [v for v, _ in encoded], sum(c for _, c in encoded), 1
+        else:
+            vector = [res.delta[k] for k in cfg["secagg-params"]] + [res.buffers[k] - gstate[k] for k in cfg["secagg-buffers"]]
+            vector = [v.detach().to(torch.float64).numpy() for v in vector]
+            weight = 1 if cfg["secagg-weighting"] == "uniform" else int(res.num_examples)
+            ratio = weight / float(cfg["secagg-max-weight"])
+            clipped = sum(int((np.abs(v * ratio) > float(cfg["secagg-clipping-range"])).sum()) for v in vector)
         metrics: dict[str, Any] = {k: float(v) for k, v in res.metrics.items()}
         metrics.update({f"{META}client-id": int(res.client_id), f"{META}num-examples": int(res.num_examples),
                         f"{META}num-steps": int(res.num_steps), f"{META}flops": float(res.flops),
@@ -466,6 +555,19 @@ class SecAggRound:
             self.max_examples = max(server.task.num_train_examples(c) for c in range(server.task.num_clients))
         else:
             self.max_examples = int(server.max_examples)
+        server.secure_sum = True  # the reply contract: a statistics reply carries its share of the group's sum
+
+    def statistics(self, m: int) -> Any:
+        """How a statistics stage's clients add their statistics to the sum (``_Statistics``), None in a training
+        stage. ``m``: the clients of the round (the levels depend on it)."""
+        server = self.backend.server
+        comp = statistics_component(server.stages[server.stage_index]) if not server.recipe.trainer.trains else None
+        if comp is None:
+            return None
+        model = server.global_model
+        classes = comp.classes_of(model, server.task)
+        fields = comp.secure_fields(model, classes, self.max_examples, self.settings.feature_bound)
+        return _Statistics(comp, classes, fields, stats_levels(m))
 
     def train(self, plan: Any) -> tuple[list[Any], list[dict[str, Any]]]:
         from flwr.server.workflow import SecAggPlusWorkflow
@@ -481,16 +583,23 @@ class SecAggRound:
         client_of = {n: c for c, n in nodes.items()}
         gstate = server.global_model.state_dict()
         params, buffers = list(server.layout.shared_params), list(server.layout.shared_buffers)
-        weighting = server.recipe.weighting.name
+        stats = self.statistics(len(nodes))
+        if stats is not None:  # sums of statistics: weight 1, clipping range 1, the round's own levels
+            params, buffers = [], []
+            s = dataclasses.replace(s, clipping_range=1.0, quantization_range=stats.levels)
+        weighting = server.recipe.weighting.name if stats is None else "uniform"
         max_weight = 1.0 if weighting == "uniform" else float(max(1, self.max_examples))
         extra = {"secagg-params": params, "secagg-buffers": buffers, "secagg-weighting": weighting,
                  "secagg-max-weight": max_weight, "secagg-clipping-range": s.clipping_range, "secagg-seed": int(server.seed)}
+        if stats is not None:
+            extra.update(stats.config())
         fitins = {}
         for c, n in nodes.items():
             own = {c: plan.client_broadcast[c]} if c in plan.client_broadcast else None
             content = FR.instruction_content(r, plan.sampled, gstate, plan.broadcast, own, **b.task_info, **extra)
             fitins[n] = instruction_fitins(content)
-        shapes = [tuple(gstate[k].shape) for k in params + buffers]
+        shapes = ([tuple(gstate[k].shape) for k in params + buffers] if stats is None else
+                  [(2, *shape) for _, shape, _ in stats.fields])
         grid = _CheckedGrid(b.grid, _Expect(client_of, shapes, b.max_reply_bytes), b.opts.round_timeout,
                             b.opts.poll_interval)
         strategy = _Strategy(fitins)
@@ -517,7 +626,12 @@ class SecAggRound:
                            "nodes": {str(n): v for n, v in sorted({**grid.lost, **grid.rejected}.items())}})
             gone = f"the protocol failed ({why})"
         else:
-            why, arrays = self._check_mean(strategy.results, shapes, max_weight, weighting)
+            why, arrays = self._check_mean(strategy.results, shapes, max_weight, weighting, s)
+            group: dict[str, torch.Tensor] = {}
+            if why is None and stats is not None:
+                why, group = stats.group_sum(arrays, strategy.results, server.task.num_clients)
+            carrier = (min((client_of[int(p.node_id)] for p, _ in strategy.results), key=plan.sampled.index)
+                       if stats is not None else None)
             for proxy, fitres in strategy.results:
                 node = int(proxy.node_id)
                 c = client_of[node]
@@ -532,10 +646,19 @@ class SecAggRound:
                                    delta=delta, buffers=bufs,
                                    metrics={k: float(v) for k, v in m.items() if not k.startswith(META)},
                                    num_steps=int(m[f"{META}num-steps"]), flops=float(m[f"{META}flops"]))
+                if stats is not None:  # the group's sum on one reply, zeros on the others: their sum is exact
+                    res.extras[stats.component.name] = {k: (v.clone() if c == carrier or not v.is_floating_point()
+                                                            else torch.zeros_like(v)) for k, v in group.items()}
                 got[c] = Reply(c, res, True, info={"node": node}, up_bytes=grid.sent.get(node))
                 if m.get(f"{META}secagg-clipped"):
                     events.append({"round": r, "event": "secagg_clipped", "client": c, "node": node,
                                    "values": int(m[f"{META}secagg-clipped"]), "clipping_range": s.clipping_range})
+        if stats is not None and got and all(rep.result is not None for rep in got.values()):
+            # the group's sum is one: a reply the contract refuses (its claimed examples) would lose part of it
+            bad = next(((c, why) for c, rep in got.items() if (why := server.rejection(rep)) is not None), None)
+            if bad is not None:
+                got = {c: Reply(c, None, False, f"secure aggregation: the group's sum cannot be used, client {bad[0]}'s "
+                                f"reply is refused ({bad[1]})", rep.info, rejected=True) for c, rep in got.items()}
         # a node whose update counted but whose later reply (its key shares) was refused
         events += [{"round": r, "event": "secagg_reply_rejected", "client": client_of[n], "node": n, "reason": why}
                    for n, why in sorted(grid.rejected.items()) if client_of[n] in got]
@@ -554,7 +677,7 @@ class SecAggRound:
         return out, events
 
     def _check_mean(self, results: list[tuple[Any, Any]], shapes: list[tuple[int, ...]], max_weight: float,
-                    weighting: str) -> tuple[str | None, list[np.ndarray]]:
+                    weighting: str, settings: SecAggSettings) -> tuple[str | None, list[np.ndarray]]:
         """(why the unmasked mean cannot be used or None, its arrays). It must have the uploaded arrays' shapes,
         be finite and lie where a mean of clipped values can: each client's ``x w / max_weight`` is within
         +-clipping_range, so the mean is within ``+-clipping_range * m / sum_k(w_k / max_weight)`` (a share or
@@ -571,9 +694,37 @@ class SecAggRound:
             return "the unmasked mean is not finite", []
         weights = [1.0 if weighting == "uniform" else float(f.metrics[f"{META}num-examples"]) for _, f in results]
         total = sum(w / max_weight for w in weights)
-        bound = self.settings.clipping_range * len(results) / total if total > 0 else float("inf")
+        bound = settings.clipping_range * len(results) / total if total > 0 else float("inf")
         top = max((float(np.abs(a).max()) for a in arrays if a.size), default=0.0)
-        if top > bound * (1 + 1e-6) + 4 * self.settings.clipping_range / self.settings.quantization_range:
+        if top > bound * (1 + 1e-6) + 4 * settings.clipping_range / settings.quantization_range:
             return (f"the unmasked mean reaches {top:.3g}, outside the +-{bound:.3g} that {len(results)} clipped updates "
                     "can give (a key share or masked vector was wrong)"), []
         return None, arrays
+
+
+@dataclass(frozen=True)
+class _Statistics:
+    """A statistics round under SecAgg+: ``component`` (Fed3R, FedNCM) names its fields, each ``(name, shape,
+    bound)`` in the fixed all-classes form (``secure_fields``), summed as two limbs each (``encode_statistic``)
+    on a grid of ``levels`` (``stats_levels``)."""
+
+    component: Any
+    classes: int
+    fields: list[tuple[str, tuple[int, ...], float]]
+    levels: int
+
+    def config(self) -> dict[str, Any]:
+        """What a node needs to encode its statistics (instruction config)."""
+        return {"secagg-stats": self.component.name, "secagg-classes": self.classes, "secagg-levels": self.levels,
+                "secagg-stat-names": [n for n, _, _ in self.fields],
+                "secagg-stat-bounds": [float(b) for _, _, b in self.fields]}
+
+    def group_sum(self, arrays: list[np.ndarray], results: list[tuple[Any, Any]],
+                  num_clients: int) -> tuple[str | None, dict[str, torch.Tensor]]:
+        """(why the unmasked sum cannot be the statistics of these clients, or None; the group's statistics, which
+        the component checks as a sum, ``ClosedFormClassifier.secure_sum``, within ``sum_error``)."""
+        m = len(results)
+        sums = {n: torch.from_numpy(decode_sum(a, m, b, self.levels)) for (n, _, b), a in zip(self.fields, arrays)}
+        errors = {n: sum_error(m, b, self.levels) for n, _, b in self.fields}
+        total = sum(int(f.metrics[f"{META}num-examples"]) for _, f in results)
+        return self.component.secure_sum(sums, total, m, num_clients, errors)

@@ -41,13 +41,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 import shutil
 import time
 from collections.abc import Mapping
+from logging import INFO, WARN
 from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Message, MessageType
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from ..cost import model_cost
@@ -75,8 +78,9 @@ OPTIONS: dict[str, Any] = {
     "dp-sampling": "none",  # "none" (no amplification) or "without-replacement" (replace-one relation)
     "data": "partition",  # "partition": nodes hold partitions of the dataset spec; "data-dir": their own data
     "overwrite": False,  # replace a run directory that already holds a run
-    "max-reply-mb": 1024.0,  # a training reply's arrays above this many MB are rejected before they are parsed
+    "max-reply-mb": 1024.0,  # a reply's (train or evaluate) arrays above this many MB are rejected before parsing
     "max-examples": 1_000_000,  # data-dir: the most training examples a reply may claim (partition: the server's)
+    "provisioning": "",  # a provisioning file (provisioning.py): partition -> node key; "": identity not authenticated
     **SECAGG_OPTIONS,  # secure aggregation (SecAgg+, secagg.py)
 }
 
@@ -98,11 +102,13 @@ class ServerOptions:
     overwrite: bool = False
     max_reply_mb: float = 1024.0
     max_examples: int = 1_000_000
+    provisioning: str = ""
     secagg: bool = False
     secagg_num_shares: int | float = 3
     secagg_reconstruction_threshold: int | float = 2
     secagg_clipping_range: float = 8.0
     secagg_quantization_range: int = 1 << 22
+    secagg_feature_bound: float = 1024.0
 
     @classmethod
     def from_run_config(cls, rc: Mapping[str, Any]) -> "ServerOptions":
@@ -125,11 +131,13 @@ class ServerOptions:
             overwrite=bool(vals["overwrite"]),
             max_reply_mb=float(vals["max-reply-mb"]),
             max_examples=int(vals["max-examples"]),
+            provisioning=str(vals["provisioning"]),
             secagg=bool(vals["secagg"]),
             secagg_num_shares=vals["secagg-num-shares"],
             secagg_reconstruction_threshold=vals["secagg-reconstruction-threshold"],
             secagg_clipping_range=vals["secagg-clipping-range"],
             secagg_quantization_range=vals["secagg-quantization-range"],
+            secagg_feature_bound=vals["secagg-feature-bound"],
         ).checked()
 
     def secagg_settings(self) -> Any:
@@ -190,6 +198,10 @@ class ServerOptions:
                 where = f" in stage {name!r}" if name else ""
                 raise ConfigError(f"run config min-clients = {self.min_clients} exceeds the {m} clients sampled per "
                                   f"round{where} (server.clients_per_round / server.fraction): every round would be skipped")
+        if self.provisioning:  # (provisioning.py: a ConfigError naming the file)
+            from .provisioning import read_provisioning
+
+            read_provisioning(self.provisioning, n)
         return self
 
     def install(self, server: Any) -> Any:
@@ -247,7 +259,13 @@ class FlowerBackend:
     def __init__(self, server: Any, grid: Grid, opts: ServerOptions, task_info: dict[str, Any], dp: Any = None):
         self.server, self.grid, self.opts, self.task_info, self.dp = server, grid, opts, task_info, dp
         self.node_of: dict[int, int] = {}  # FedSight client id -> Flower node id
-        self.key_of: dict[int, str] = {}  # FedSight client id -> the public key of the node bound to it
+        #: which node key may answer for which client (provisioning.py); None: client identity is not authenticated
+        self.provisioned = None
+        if opts.provisioning:
+            from .provisioning import read_provisioning
+
+            self.provisioned = read_provisioning(opts.provisioning, server.task.num_clients)
+        self.refused_nodes: set[int] = set()  # nodes a provisioning file does not list (``node_refused``, once)
         self._keys: dict[int, str] = {}  # node id -> public key, as last listed
         self.max_reply_bytes = int(opts.max_reply_mb * 2**20)
         # the reply contract's sizes: the server's own partition, or (nodes' own data) a bound
@@ -282,34 +300,39 @@ class FlowerBackend:
             return {}
 
     def _why_not(self, node: int, pid: int) -> str | None:
-        """Why ``node`` may not answer for client ``pid`` (None: it may). With node authentication a client
-        is bound to the key of the first node that answered for it (``identities.json`` in the run
-        directory): only that key may answer for it again (from any node id: a restarted SuperNode reclaims
-        its client), and a key answers for one client only."""
-        key, bound = self._keys.get(node), self.key_of.get(pid)
-        if bound is not None:
-            return None if key == bound else f"node {node} answers for client {pid}, which is bound to another node key"
-        if key is not None:
-            holder = next((c for c, k in self.key_of.items() if k == key), None)
-            if holder is not None:
-                return f"node {node} is bound to client {holder}, not {pid}"
-        return None
+        """Why ``node`` may not answer for client ``pid`` (None: it may). With a provisioning file only the node
+        key provisioned for ``pid`` may, from any node id (a restarted SuperNode reclaims its client); a key not in
+        the file never answers, and what answers first decides nothing. Without one, client identity is not
+        authenticated: any node may answer for any client (Flower gives a SuperNode started without a key a new
+        temporary key each time, so keys identify nothing then)."""
+        if self.provisioned is None:
+            return None
+        return self.provisioned.why_not(node, self._keys.get(node), pid)
+
+    def _unidentified(self, known: set[int], r: int, events: list[dict[str, Any]]) -> set[int]:
+        """The online nodes not yet known to hold a client that may be sent the model: with a provisioning file,
+        only those whose key it lists. A node it does not list never receives the global model; it is a
+        ``node_refused`` event, once per node."""
+        nodes = self.online - known
+        if self.provisioned is None:
+            return nodes
+        allowed = {n for n in nodes if self._keys.get(n) in self.provisioned.partition_of}
+        for n in sorted(nodes - allowed - self.refused_nodes):
+            self.refused_nodes.add(n)
+            events.append({"round": r, "event": "node_refused", "node": n,
+                           "reason": self.provisioned.why_not(n, self._keys.get(n), -1) + ": it is sent nothing"})
+        return allowed
 
     def _learn(self, node: int, content, r: int) -> tuple[list[dict[str, Any]], str | None]:
-        """Map the replying node to the partition it names (binding the node's key on the first answer);
-        a partition answered by a new node of the same identity (a restarted SuperNode gets a new id) moves
-        to it. Returns the events and why the node may not answer for that partition (then nothing moves)."""
+        """Map the replying node to the partition it names; a partition answered by another node it may answer
+        from (a restarted SuperNode gets a new id) moves to it. Returns the events and why the node may not
+        answer for that partition (then nothing moves)."""
         pid = FR.reply_partition(content)
         if pid is None:
             return [], None
         why = self._why_not(node, pid)
         if why is not None:
             return [], why
-        key = self._keys.get(node)
-        if key is not None and pid not in self.key_of:
-            self.key_of[pid] = key
-            atomic_write_text(Path(self.opts.run_dir) / "identities.json",
-                              json.dumps({str(c): k for c, k in sorted(self.key_of.items())}, indent=1) + "\n")
         other = self.node_of.get(pid)
         self.node_of[pid] = node
         if other is not None and other != node:
@@ -355,9 +378,12 @@ class FlowerBackend:
         self._keys = self._node_keys()
         known = set(self.node_of.values())
         # the nodes of the sampled clients (if Flower still lists them online) and every unidentified node
-        targets = sorted({self.node_of[c] for c in plan.sampled if self.node_of.get(c) in self.online} | (self.online - known))
+        refused: list[dict[str, Any]] = []
+        targets = sorted({self.node_of[c] for c in plan.sampled if self.node_of.get(c) in self.online}
+                         | self._unidentified(known, r, refused))
+        nonce = secrets.token_hex(16)  # fresh per exchange: a reply resent from an earlier one echoes another
         content = FR.instruction_content(r, plan.sampled, self.server.global_model.state_dict(), plan.broadcast,
-                                         plan.client_broadcast, **self.task_info)
+                                         plan.client_broadcast, nonce=nonce, **self.task_info)
         wanted = set(plan.sampled)
 
         def enough(replies: dict[int, Message]) -> bool:  # every sampled client answered (a restarted node may)
@@ -367,7 +393,7 @@ class FlowerBackend:
         replies, failed = exchange(self.grid, targets, content, MessageType.TRAIN, str(r), opts.round_timeout,
                                    opts.poll_interval, enough)
         self.failed_nodes = set(failed)
-        events: list[dict[str, Any]] = []
+        events = refused
         got: dict[int, Reply] = {}
         for node, reply in replies.items():
             if not self._admit(node, reply.content, r, events):
@@ -377,6 +403,13 @@ class FlowerBackend:
             pid = FR.reply_partition(reply.content)
             if pid is None:  # unreadable meta: the client this node is known to hold, if any
                 pid = next((c for c, n in self.node_of.items() if n == node), None)
+            stale = FR.echo_problem(reply.content, r, nonce)
+            if stale is not None:  # a replayed (or unbound) reply: rejected before anything in it is read
+                if pid in wanted:
+                    got[pid] = Reply(pid, None, False, stale, {"node": node}, rejected=True)
+                else:
+                    events.append({"round": r, "event": "rejected_update", "client": pid, "node": node, "reason": stale})
+                continue
             refusal = FR.read_refusal(reply.content)
             if refusal is not None and pid in wanted:
                 got[pid] = Reply(pid, None, False, refusal[0], {"node": node, **refusal[1]}, refused=True)
@@ -433,7 +466,13 @@ class FlowerBackend:
         """One ``evaluate`` exchange with every reachable node (none if neither is asked): local-test
         metric states (``local``) and stored personal entries (``personal``; FedBN/SiloBN evaluate the
         global test set with the clients' mean normalisation entries). The entries stay in memory for
-        this evaluation only."""
+        this evaluation only. Every reply is checked like a training reply before it counts
+        (``engine.contract.check_evaluation``, ``check_personal``): its round and nonce, a size cap (``max-reply-mb``)
+        before its arrays are parsed, the test count against the server's own (bounded by ``max-examples`` with the
+        nodes' own data), the metric state's form and every value within its metric's range; a reply that breaks
+        any of it is an ``eval_rejected`` event and counts nowhere."""
+        from ..engine.contract import check_evaluation, check_personal
+        from ..recipe.norm_sharing import nonnegative_statistics
         from ..state import PERSONAL, ClientStateStore
 
         store = ClientStateStore()
@@ -444,21 +483,38 @@ class FlowerBackend:
         online = set(int(n) for n in self.grid.get_node_ids())
         self._keys = self._node_keys()
         known = set(self.node_of.values())
-        nodes = sorted({n for n in known if n not in skip and n in online} | (online - known - skip))
-        content = FR.instruction_content(r, [], server.global_model.state_dict(), None, local=local, personal=personal,
+        self.online = online
+        nodes = sorted({n for n in known if n not in skip and n in online}
+                       | (self._unidentified(known, r, out.events) - skip))
+        nonce = secrets.token_hex(16)
+        gstate = server.global_model.state_dict()
+        content = FR.instruction_content(r, [], gstate, None, local=local, personal=personal, nonce=nonce,
                                          **self.task_info)
         replies, failed = exchange(self.grid, nodes, content, MessageType.EVALUATE, f"eval-{r}", self.opts.round_timeout,
                                    self.opts.poll_interval)
         metrics = server.task.metrics
+        own = {k: (tuple(gstate[k].shape), gstate[k].dtype) for k in server.layout.personal_keys}
+        signed = frozenset(nonnegative_statistics(server.global_model) & set(own))
         for node, reply in replies.items():
             learned, why = self._learn(node, reply.content, r)
             out.events += learned
             try:
                 if why is not None:
                     raise FR.MalformedReply(why)
-                pid, tensors, n, pers = FR.read_eval(reply.content)
+                why = FR.echo_problem(reply.content, r, nonce)
+                if why is not None:
+                    raise FR.MalformedReply(why)
+                pid, tensors, n, pers = FR.read_eval(reply.content, self.max_reply_bytes)
+                if not 0 <= pid < server.task.num_clients:
+                    raise FR.MalformedReply(f"partition {pid} is not a client of this federation")
+                known = server.task.num_test_examples(pid) if server.sizes_known else None
+                why = (check_evaluation(metrics, tensors, n, known=known, max_examples=server.max_examples) if local
+                       else "a metric state it was not asked for" if tensors else None)
+                if why is None and pers is not None:
+                    why = check_personal(pers, own, signed) if personal else "personal entries it was not asked for"
+                if why is not None:
+                    raise FR.MalformedReply(why)
                 state = metrics.state_from(tensors)
-                metrics.compute(state)  # a state that cannot give the metrics (wrong entries, shapes) is refused
             except Exception as exc:  # a reply that cannot be read or used is dropped, never raised
                 out.events.append({"round": r, "event": "eval_rejected", "node": node,
                                    "client": FR.reply_partition(reply.content), "reason": str(exc)})
@@ -535,7 +591,7 @@ class FlowerServer:
 
     def _run(self, grid: Grid, run: Any, backend: "FlowerBackend", replaced: Any, on_round=None) -> Path:
         from ..api import finish, record_round, start_run_dir
-        from ..engine.loop import run_round
+        from ..engine.loop import evaluate_initial, run_round
         from ..models.base import save_weights
 
         server, cfg, opts = self.server, self.cfg, self.opts
@@ -543,8 +599,13 @@ class FlowerServer:
         # with the nodes' own data (data-dir) the server's partition describes nothing
         from ..secret import privacy_note
 
+        from .provisioning import identity_note
+
+        identity = identity_note(backend.provisioned)  # what binds a client to a node: run.json and the log say it
+        log(INFO if backend.provisioned is not None else WARN, "FedSight: client identity %s", identity)
         start_run_dir(run, cfg, server.task, server.device, partition=opts.data == "partition", backend="flower",
-                      privacy_noise=privacy_note(server.stages, "secret", ("central_dp",) if self.dp is not None else ()))
+                      privacy_noise=privacy_note(server.stages, "secret", ("central_dp",) if self.dp is not None else ()),
+                      client_identity=identity)
         if self.dp is not None:  # the server's noise secret: its private run files only (fedsight.secret)
             self.dp.keep_secret(run.path)
         if self.dp is not None:  # which accountant and assumption produce the rows' dp/epsilon
@@ -552,6 +613,11 @@ class FlowerServer:
             run.append_metrics({"stage": server.stage, "round": 0, "event": "dp_accounting", "reason": desc.pop("note"), **desc})
         for e in backend.wait_for_nodes():
             run.append_metrics({"stage": server.stage, **e})
+        if server.schedule.eval_initial:
+            row, events = evaluate_initial(server, backend)
+            record_round(run, server, cfg, 0, row, events)
+            if on_round is not None:
+                on_round(0, row, events)
         for r in range(1, cfg.server.rounds + 1):
             row, events = run_round(server, backend, r)
             record_round(run, server, cfg, r, row, events)

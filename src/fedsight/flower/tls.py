@@ -9,6 +9,8 @@ no openssl or ssh-keygen binaries).
   ``name.pub`` public), what ``ssh-keygen -t ecdsa -b 384 -N ""`` writes. The public key is registered
   with ``flwr supernode register name.pub <connection>``; the SuperNode starts with
   ``--auth-supernode-private-key name``. Flower accepts only EC keys here.
+* ``provisioning.write_provisioning(dir, partition_ids)``: ``provisioning.json``, which binds node ``k``'s public
+  key to a FedSight partition for the ServerApp (``fedsight flower certs`` writes it with the node keys).
 
 For production, use certificates from your organisation's CA; these are for tests, demos and closed
 networks.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +49,44 @@ def _name(cn: str) -> x509.Name:
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
     # temp + rename (fedsight.safe_write): never through a symbolic link or into a FIFO; the file is made 0600
     atomic_write_bytes(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    path.chmod(0o600)
+                                               serialization.NoEncryption()), mode=0o600)
+
+
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` cannot go into a server certificate's subjectAltName (None: it can): an IPv4 or IPv6
+    address, or a DNS name of letters, digits and hyphens (labels of 1 to 63, no hyphen first or last, 253 at
+    most in all, one trailing dot allowed; an internationalised name in its ``xn--`` form)."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if not host:
+        return "is empty: give a DNS name or an IP address"
+    name = host[:-1] if host.endswith(".") else host
+    if len(name) > 253:
+        return f"is {len(name)} characters long: a DNS name has at most 253"
+    bad = next((label for label in name.split(".") if not _LABEL.fullmatch(label)), None)
+    if bad is not None:
+        return (f"is neither an IP address nor a DNS name (label {bad!r}: letters, digits and hyphens, 1 to 63 of them, "
+                "no hyphen first or last)")
+    if name.rsplit(".", 1)[-1].isdigit():  # no top-level domain is all digits: "10.0.0.300" is a mistyped address
+        return "is neither an IP address nor a DNS name (its last label is all digits)"
+    return None
 
 
 def make_tls(directory: str | Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"), days: int = 365) -> TLSFiles:
-    """CA + server certificate for ``hosts`` in ``directory`` (kept if already there)."""
+    """CA + server certificate for ``hosts`` in ``directory`` (kept if already there); a host that cannot be in
+    the certificate (``host_problem``) is a ``ValueError`` naming it, before anything is written."""
+    if not hosts:
+        raise ValueError("no host for the server certificate")
+    for h in hosts:
+        why = host_problem(h)
+        if why is not None:
+            raise ValueError(f"host {h!r} {why}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     files = TLSFiles(ca_cert=d / "ca.crt", server_cert=d / "server.pem", server_key=d / "server.key")
@@ -104,8 +139,7 @@ def make_node_key(directory: str | Path, name: str) -> Path:
         return priv
     key = ec.generate_private_key(ec.SECP384R1())
     atomic_write_bytes(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                               serialization.NoEncryption()))
-    priv.chmod(0o600)
+                                               serialization.NoEncryption()), mode=0o600)
     pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     atomic_write_bytes(d / f"{name}.pub", pub + f" fedsight-{name}\n".encode())
     return priv

@@ -28,6 +28,7 @@ __all__ = [
     "RidgeAccumulator",
     "augment",
     "client_statistics",
+    "dense_statistics",
     "ncm_classifier",
     "normalize_columns",
     "pack_upper",
@@ -122,6 +123,19 @@ def client_statistics(
     b = z64.new_zeros(classes.numel(), p).index_add_(0, index, z64)
     counts = z64.new_zeros(classes.numel()).index_add_(0, index, z64.new_ones(y.numel()))
     return {"A": a, "classes": classes, "b": b, "counts": counts}
+
+
+def dense_statistics(stats: Mapping[str, torch.Tensor], num_classes: int) -> dict[str, torch.Tensor]:
+    """``client_statistics`` for all ``num_classes`` classes (the ``full_b`` form: zero rows for the classes the
+    client lacks), whichever form ``stats`` has: what a client adds to a secure sum. Other fields (``A``) as they
+    are."""
+    classes = stats["classes"].to(torch.long)
+    out = {k: v for k, v in stats.items() if k not in ("classes", "b", "counts")}
+    out["classes"] = torch.arange(num_classes, device=classes.device)
+    b = stats["b"]
+    out["b"] = b.new_zeros(num_classes, b.shape[1]).index_copy_(0, classes, b)
+    out["counts"] = stats["counts"].new_zeros(num_classes).index_copy_(0, classes, stats["counts"])
+    return out
 
 
 class RidgeAccumulator:

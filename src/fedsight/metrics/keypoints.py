@@ -34,7 +34,7 @@ class PCK(Metric):
         return {self.key("hits"): "sum", self.key("count"): "sum"}
 
     def specs(self) -> tuple[MetricSpec, ...]:
-        return (MetricSpec(self.name, True, self.doc),)
+        return (MetricSpec(self.name, True, self.doc, (0.0, 100.0)),)
 
     def update(self, state: MetricState, pred: torch.Tensor, gt: torch.Tensor, visible: torch.Tensor,
                norm: torch.Tensor) -> None:

@@ -35,6 +35,9 @@ class MetricSpec:
     key: str
     higher_is_better: bool | None
     doc: str = ""
+    #: the closed range every value lies in (accuracy (0, 1), a loss (0, inf)); None: any finite value. A client's
+    #: evaluation reply whose metric falls outside is refused (``engine.contract.check_evaluation``)
+    bounds: tuple[float, float] | None = None
 
     def matches(self, key: str) -> bool:
         """``key`` is this spec's key, or matches it as a pattern (``*`` stands for any characters:
@@ -52,6 +55,17 @@ def direction(specs: Iterable[MetricSpec], key: str) -> bool | None:
         if s.matches(key) and (best is None or len(s.key) > len(best.key)):
             best = s
     return None if best is None else best.higher_is_better
+
+
+def bounds_of(specs: Iterable[MetricSpec], key: str) -> tuple[float, float] | None:
+    """The range of ``key`` under ``specs`` (the spec ``direction`` would pick); None if none is declared."""
+    best: MetricSpec | None = None
+    for s in specs:
+        if s.key == key:
+            return s.bounds
+        if s.matches(key) and (best is None or len(s.key) > len(best.key)):
+            best = s
+    return None if best is None else best.bounds
 
 
 class MetricState:
@@ -146,19 +160,35 @@ class Metric:
     def key(self, entry: str) -> str:
         return f"{self.name}.{entry}"
 
+    def state_problem(self, state: MetricState) -> str | None:
+        """Why ``state`` (received from a client) is not one this metric's updates can produce, or None. Here: an
+        integer entry (a count, a confusion matrix) with a negative value."""
+        for k in self.reductions():
+            t = state.get(k)
+            if t is not None and not t.is_floating_point() and t.dtype != torch.bool and t.numel() and bool((t < 0).any()):
+                return f"metric state {k!r} has negative counts"
+        return None
+
 
 class Mean(Metric):
     """The mean of a per-example (or per-unit) quantity: state ``sum`` (float64) and ``count`` (float64),
     value ``sum / count``. ``update(state, total, count)`` adds a batch's total and its number of units."""
 
-    def __init__(self, name: str, higher_is_better: bool | None, doc: str = ""):
-        self.name, self.higher_is_better, self.doc = name, higher_is_better, doc
+    def __init__(self, name: str, higher_is_better: bool | None, doc: str = "",
+                 bounds: tuple[float, float] | None = None):
+        self.name, self.higher_is_better, self.doc, self.bounds = name, higher_is_better, doc, bounds
 
     def reductions(self) -> dict[str, str]:
         return {self.key("sum"): "sum", self.key("count"): "sum"}
 
     def specs(self) -> tuple[MetricSpec, ...]:
-        return (MetricSpec(self.name, self.higher_is_better, self.doc),)
+        return (MetricSpec(self.name, self.higher_is_better, self.doc, self.bounds),)
+
+    def state_problem(self, state: MetricState) -> str | None:
+        n = state.get(self.key("count"))
+        if n is not None and bool(((n < 0) | ~torch.isfinite(n)).any()):
+            return f"metric state {self.key('count')!r} is negative or not finite"
+        return None
 
     def update(self, state: MetricState, total: float | torch.Tensor, count: float | int) -> None:
         state.add(self.key("sum"), torch.as_tensor(float(total), dtype=torch.float64))
@@ -188,11 +218,11 @@ class ConfusionMatrix(Metric):
 
     def specs(self) -> tuple[MetricSpec, ...]:
         out = [
-            MetricSpec("miou", True, "mean intersection over union over classes"),
-            MetricSpec("pixel_acc", True, "fraction of correctly labelled targets"),
+            MetricSpec("miou", True, "mean intersection over union over classes", (0.0, 1.0)),
+            MetricSpec("pixel_acc", True, "fraction of correctly labelled targets", (0.0, 1.0)),
         ]
         if self.class_names is not None:
-            out.append(MetricSpec("iou/*", True, "per-class intersection over union"))
+            out.append(MetricSpec("iou/*", True, "per-class intersection over union", (0.0, 1.0)))
         return tuple(out)
 
     def update(self, state: MetricState, preds: torch.Tensor, targets: torch.Tensor) -> None:
@@ -233,7 +263,7 @@ class PerClassAccuracy(Metric):
         return {self.key("correct"): "sum", self.key("count"): "sum"}
 
     def specs(self) -> tuple[MetricSpec, ...]:
-        return (MetricSpec(f"{self.prefix}/*", True, "per-class accuracy (recall of each class)"),)
+        return (MetricSpec(f"{self.prefix}/*", True, "per-class accuracy (recall of each class)", (0.0, 1.0)),)
 
     def update(self, state: MetricState, preds: torch.Tensor, targets: torch.Tensor) -> None:
         t = targets.reshape(-1).long()

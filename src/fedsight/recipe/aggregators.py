@@ -25,6 +25,12 @@ class Aggregator:
     def aggregate(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def aggregate_buffers(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The new values of the shared buffers (BatchNorm statistics) from the clients' ``buffers``, called after
+        ``aggregate`` on the same results: their weighted mean here; a robust aggregator applies its own rule, so
+        the statistics cannot bypass it."""
+        return weighted_mean_state([r.buffers for r in results], weights)
+
     def state_dict(self) -> dict:
         return {}
 

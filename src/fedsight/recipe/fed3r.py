@@ -22,8 +22,10 @@ usable after each round (Fed3R-Sync's property 7) and exact once every client ha
   1000 with MobileNetV2 features; pick sigma on the scale of your feature distances.
 * **Fed3R-Sync** (Alg. 5): ``sync = true`` uploads the full d x C class-sum matrix (zeros for absent
   classes): the fixed-shape message secure aggregation needs, at the communication cost of Table 3.2.
-  The server sees only group sums under SecAgg; in this simulator, which adds client messages one by one,
-  the result is the same (addition is exact up to float64 rounding).
+  In this simulator, which adds client messages one by one, the result is the same as a group sum's (up to
+  float64 rounding). Under Flower's SecAgg+ (``fedsight.flower.secagg``) every variant here, Fed3R, Fed3R-RF,
+  Fed3R-Sync and FedNCM, uploads this all-classes form inside the masked sum (``secure_fields``), and the server
+  checks and absorbs only the group's sum (``secure_sum``).
 * **FedNCM** (the thesis names it only, A14): per-class feature sums and counts; the classifier is the
   nearest class mean (Euclidean, as a linear layer) or, with ``normalize = true``, unit-norm class means.
 
@@ -43,6 +45,7 @@ statistics are summed, never averaged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -59,6 +62,7 @@ from ..functional.ridge import (
     client_statistics,
     ncm_classifier,
     normalize_columns,
+    pack_upper,
     unpack_upper,
 )
 from ..metrics import MetricSpec
@@ -66,6 +70,11 @@ from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..rng import derive_seed, np_rng
 from ..training import ClientContext, Component, ExtrasSpec, ServerContext, UploadContext
+
+
+def pow2_at_least(x: float) -> float:
+    """The smallest power of two at or above ``x`` (> 0): a scale that divides a float exactly."""
+    return float(2.0 ** math.ceil(math.log2(x)))
 
 
 #: the largest statistic the server accepts: far above any real one, small enough that the sums of K clients'
@@ -177,8 +186,12 @@ class ClosedFormClassifier(Component):
         (plus the bias feature) and k the number of classes the client holds, 1..C, which the server does not
         know (exactly C under Fed3R-Sync). Their values must be consistent (``check_statistics``)."""
         linear = head_linear(ctx.model)
-        C = int(getattr(ctx.task, "num_classes", None) or linear.out_features)
+        C = self.classes_of(ctx.model, ctx.task)
         q = self.stat_dim(linear)
+        if ctx.secure_sum:  # a share of a secure sum (fedsight.flower.secagg): all C classes, checked as a sum there
+            tensors = {"classes": ((C,), torch.int64), "b": ((C, q), torch.float64), "counts": ((C,), torch.float64),
+                       **self.more_statistics(q)}
+            return ExtrasSpec(tensors, check=lambda group, result: self.check_share(group, C))
         k: int | str = C if self.fixed_classes else "k"
         tensors = {"classes": ((k,), torch.int64), "b": ((k, q), torch.float64), "counts": ((k,), torch.float64)}
         tensors.update(self.more_statistics(q))
@@ -187,6 +200,58 @@ class ClosedFormClassifier(Component):
 
     def more_statistics(self, q: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {}
+
+    def classes_of(self, model: nn.Module, task) -> int:
+        """C: the task's number of classes (else the head's outputs)."""
+        return int(getattr(task, "num_classes", None) or head_linear(model).out_features)
+
+    # -- under secure aggregation (fedsight.flower.secagg): the statistics as a sum --------------------
+
+    def secure_aggregation_problem(self, weighting: str) -> str | None:
+        return None  # the statistics are sums: SecAgg+ carries them (secure_fields, secure_sum)
+
+    def input_bound(self, model: nn.Module, feature_bound: float) -> float:
+        """The largest magnitude of an entry of the classifier's input: an RFF head's ``sqrt(2 / D)`` (its
+        features are ``sqrt(2 / D) cos(.)``), else ``feature_bound`` (no FedSight extractor bounds its features: the
+        CNN's end in a ReLU, the others in average pooling)."""
+        head = getattr(model, "head", None)
+        return math.sqrt(2.0 / head.rff.out_dim) if isinstance(head, RFFHead) else float(feature_bound)
+
+    def secure_fields(self, model: nn.Module, num_classes: int, max_examples: int,
+                      feature_bound: float) -> list[tuple[str, tuple[int, ...], float]]:
+        """(name, shape, bound) of each statistic a client adds to a secure sum, in the all-classes form
+        (``functional.ridge.dense_statistics``). ``bound`` is a power of two at or above every entry of an honest
+        client with at most ``max_examples`` examples whose classifier inputs are at most ``r = input_bound`` in
+        magnitude: ``|b_ci| <= n r``, ``counts <= n`` (Fed3R adds ``|A_ij| <= n r^2``)."""
+        q = self.stat_dim(head_linear(model))
+        n, r = float(max(1, max_examples)), self.input_bound(model, feature_bound)
+        return [("b", (num_classes, q), pow2_at_least(n * r)), ("counts", (num_classes,), pow2_at_least(n)),
+                *self.more_fields(q, n, r)]
+
+    def more_fields(self, q: int, n: float, r: float) -> list[tuple[str, tuple[int, ...], float]]:
+        return []
+
+    def check_share(self, stats, num_classes: int) -> str | None:
+        """A reply's share of a secure sum: all classes, every value within ``STAT_MAX`` (the sum itself was
+        checked, ``secure_sum``)."""
+        if not torch.equal(stats["classes"].cpu(), torch.arange(num_classes)):
+            return "classes are not 0..C-1 (a share of a secure sum holds all classes)"
+        big = sorted(k for k, t in stats.items() if t.is_floating_point() and bool((t.abs() > STAT_MAX).any()))
+        return f"{', '.join(big)} exceed {STAT_MAX:g} in magnitude" if big else None
+
+    def secure_sum(self, sums: dict[str, torch.Tensor], num_examples: int, num_summed: int, num_clients: int,
+                   errors: dict[str, float]) -> tuple[str | None, dict[str, torch.Tensor]]:
+        """(why no ``num_summed`` honest clients with ``num_examples`` examples in all can have the secure sum
+        ``sums`` (float64, all classes, each entry within ``errors[name]`` of the clients' true sum), or None; the
+        group's statistics). The counts must be whole numbers (within their error, which is far below 1/2) that
+        are non-negative and sum to ``num_examples``; they are set to those whole numbers."""
+        counts = sums["counts"]
+        whole = counts.round()
+        if bool(((counts - whole).abs() > errors["counts"]).any()) or bool((whole < 0).any()) \
+                or float(whole.sum()) != num_examples:
+            return (f"the summed counts are not whole numbers of examples summing to the {num_examples} examples of "
+                    f"its {num_summed} clients"), {}
+        return None, {"classes": torch.arange(counts.numel()), "b": sums["b"].clone(), "counts": whole}
 
     def check_statistics(self, stats, result: ClientResult, num_classes: int, q: int, num_clients: int) -> str | None:
         """Why ``stats`` cannot be one client's statistics (the server would crash on them or could not tell them
@@ -279,6 +344,40 @@ class Fed3R(ClosedFormClassifier):
 
     def more_statistics(self, q: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"A": ((q * (q + 1) // 2,), torch.float64)}
+
+    def input_bound(self, model: nn.Module, feature_bound: float) -> float:
+        r = super().input_bound(model, feature_bound)
+        return max(r, 1.0) if self.p.bias else r  # the appended bias feature is 1
+
+    def more_fields(self, q: int, n: float, r: float) -> list[tuple[str, tuple[int, ...], float]]:
+        return [("A", (q * (q + 1) // 2,), pow2_at_least(n * r * r))]
+
+    def secure_sum(self, sums, num_examples, num_summed, num_clients, errors):
+        """Also: with the bias feature, A's bias entry must be ``num_examples`` and b's bias column the counts
+        (within their errors; then set exactly); A must be positive semi-definite within ``num_summed lambda / (2
+        K)`` (the slack ``check_statistics`` gives each client) plus ``q`` times its error per entry (a bound on
+        the spectral norm of the quantisation's error). A that is within that but not positive semi-definite is
+        replaced by its nearest positive semi-definite matrix (negative eigenvalues set to 0; a change of at most
+        that bound), so every group adds a positive semi-definite A and the server's solve never fails."""
+        why, out = super().secure_sum(sums, num_examples, num_summed, num_clients, errors)
+        if why is not None:
+            return why, out
+        q = out["b"].shape[1]
+        a = sums["A"].clone()
+        if self.p.bias:
+            if abs(float(a[-1]) - num_examples) > errors["A"] or \
+                    bool(((out["b"][:, -1] - out["counts"]).abs() > errors["b"]).any()):
+                return f"the summed bias statistics are not the {num_examples} examples counted", {}
+            a[-1] = float(num_examples)
+            out["b"][:, -1] = out["counts"]
+        values, vectors = torch.linalg.eigh(unpack_upper(a, q))
+        tol = num_summed * self.p.lam / (2.0 * max(num_clients, 1)) + q * errors["A"]
+        if float(values.min()) < -tol:
+            return f"the summed A is not positive semi-definite (within {tol:g})", {}
+        if float(values.min()) < 0:
+            a = pack_upper((vectors * values.clamp(min=0)) @ vectors.T)
+        out["A"] = a
+        return None, out
 
     def check_statistics(self, stats, result, num_classes, q, num_clients):
         """Also: with the bias feature, its Gram entry is the example count and its class sums the counts; and

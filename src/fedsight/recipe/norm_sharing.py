@@ -120,6 +120,17 @@ def _stat_keys(model: nn.Module) -> set[str]:
     return keys
 
 
+def nonnegative_statistics(model: nn.Module) -> set[str]:
+    """The state entries of ``model``'s statistics-tracking norm layers that no honest client can make negative:
+    every ``running_var`` (a moving average of variances) and ``num_batches_tracked`` (a counter). The reply
+    contract refuses an upload with a negative value in any of them."""
+    keys = set()
+    for name, m in _stat_layers(model):
+        prefix = f"{name}." if name else ""
+        keys.update(prefix + b for b, _ in m.named_buffers(recurse=False) if b in ("running_var", "num_batches_tracked"))
+    return keys
+
+
 @contextlib.contextmanager
 def fresh_statistics(model: nn.Module, batches: Iterator[torch.Tensor]) -> Iterator[None]:
     """Recompute the running statistics of every statistics-tracking norm layer on ``batches``

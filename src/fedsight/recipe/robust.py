@@ -6,6 +6,10 @@ Aggregators (``[recipe] aggregator = {name = "median"}``), all on the clients' `
 - ``trimmed_mean``: coordinate-wise beta-trimmed mean (Yin et al. 2018, Definition 2, Option II);
 - ``krum``: Krum / Multi-Krum (Blanchard et al. 2017, Section 4).
 
+Shared buffers (BatchNorm running statistics, uploaded as values) go through the same rule
+(``Aggregator.aggregate_buffers``): the coordinate-wise median or trimmed mean of the clients' statistics, or the
+statistics of the clients Krum selected, so they cannot bypass it.
+
 The math lives in ``fedsight.functional.robust``. Median and trimmed mean are unweighted as in the
 paper: the client weights (data size, ...) are ignored, because weighting by a self-reported quantity
 would hand an attacker the aggregate. Krum's selection is unweighted too; Multi-Krum may average the
@@ -52,12 +56,19 @@ def _keys(results: list[ClientResult]) -> list[str]:
     return keys
 
 
-def _per_key(results: list[ClientResult], fn) -> dict[str, torch.Tensor]:
-    """Apply a [K, D] -> [D] reduction to every delta entry separately (coordinate-wise rules)."""
+def _per_key(results: list[ClientResult], fn, part: str = "delta") -> dict[str, torch.Tensor]:
+    """Apply a [K, D] -> [D] reduction to every delta entry separately (coordinate-wise rules); ``part =
+    "buffers"``: to every shared buffer (BatchNorm statistics, integer counters included) instead."""
+    if part == "buffers":
+        keys = list(results[0].buffers)
+        get = lambda r, k: r.buffers[k]  # noqa: E731
+    else:
+        keys = _keys(results)
+        get = lambda r, k: r.delta[k]  # noqa: E731
     out = {}
-    for k in _keys(results):
-        ref = results[0].delta[k]
-        stacked = torch.stack([r.delta[k].reshape(-1) for r in results])
+    for k in keys:
+        ref = get(results[0], k)
+        stacked = torch.stack([get(r, k).reshape(-1) for r in results])
         out[k] = fn(stacked).reshape(ref.shape)
     return out
 
@@ -72,6 +83,10 @@ class MedianAggregator(Aggregator):
 
     def aggregate(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
         return _per_key(results, coordinate_median)
+
+    def aggregate_buffers(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The coordinate-wise median of the shared buffers too (BatchNorm statistics bypass no rule)."""
+        return _per_key(results, coordinate_median, "buffers")
 
 
 class TrimmedMeanAggregator(Aggregator):
@@ -89,6 +104,10 @@ class TrimmedMeanAggregator(Aggregator):
     def aggregate(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
         return _per_key(results, lambda x: trimmed_mean(x, self.trim))
 
+    def aggregate_buffers(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The coordinate-wise trimmed mean of the shared buffers too (BatchNorm statistics bypass no rule)."""
+        return _per_key(results, lambda x: trimmed_mean(x, self.trim), "buffers")
+
 
 class KrumAggregator(Aggregator):
     """Krum / Multi-Krum (Blanchard et al. 2017, Section 4) over the whole flattened delta.
@@ -105,6 +124,7 @@ class KrumAggregator(Aggregator):
     def __init__(self, byzantine: int = 1, multi: int = 1, weighted: bool = False, too_few: str = "skip"):
         self.byzantine, self.multi, self.weighted, self.too_few = byzantine, multi, weighted, too_few
         self.last_selected: list[int] = []
+        self._selected: list[int] = []  # (indices into the last ``aggregate``'s results)
 
     def aggregate(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
         keys = _keys(results)
@@ -125,6 +145,7 @@ class KrumAggregator(Aggregator):
         )
         sel = krum_select(flat, f, m)
         self.last_selected = [results[i].client_id for i in sel]
+        self._selected = sel
         chosen = [results[i].delta for i in sel]
         if len(sel) == 1:
             return {key: v.clone() for key, v in chosen[0].items()}
@@ -132,6 +153,17 @@ class KrumAggregator(Aggregator):
             return weighted_mean_state(chosen, torch.ones(len(sel), dtype=torch.float64))
         if isinstance(weights, Mapping):  # per-tensor weights (FedVG layer/block granularity)
             return weighted_mean_state(chosen, {key: torch.as_tensor(w, dtype=torch.float64)[sel] for key, w in weights.items()})
+        return weighted_mean_state(chosen, torch.as_tensor(weights, dtype=torch.float64)[sel])
+
+    def aggregate_buffers(self, results: list[ClientResult], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The shared buffers (BatchNorm statistics) of the clients ``aggregate`` just selected, combined as their
+        deltas were: an unselected client's statistics count nowhere."""
+        sel = self._selected
+        chosen = [results[i].buffers for i in sel]
+        if len(sel) == 1:
+            return {key: v.clone() for key, v in chosen[0].items()}
+        if not self.weighted or isinstance(weights, Mapping):  # (per-tensor weights name no buffer)
+            return weighted_mean_state(chosen, torch.ones(len(sel), dtype=torch.float64))
         return weighted_mean_state(chosen, torch.as_tensor(weights, dtype=torch.float64)[sel])
 
 
@@ -266,7 +298,18 @@ class Attack(Component):
             }
 
 
-@COMPONENTS.register("attack", params=AttackParams, help="malicious clients (scale / sign-flip / Gaussian) for robustness tests")
+def _attack_check(spec: AttackParams, cfg: Any) -> str | None:
+    """``num_clients`` is the federation's client count N that ``fraction`` is a share of: more than
+    ``partition.num_clients`` would choose malicious ids no client has (fewer attackers than asked, silently)."""
+    n = cfg.partition.num_clients
+    if spec.num_clients is not None and spec.num_clients > n:
+        return (f"num_clients = {spec.num_clients} exceeds partition.num_clients = {n} (the federation's clients); "
+                f"set it to {n} or leave it unset (the server sends the count)")
+    return None
+
+
+@COMPONENTS.register("attack", params=AttackParams, check=_attack_check,
+                     help="malicious clients (scale / sign-flip / Gaussian) for robustness tests")
 def _attack(params: AttackParams) -> Attack:
     return Attack(params)
 
@@ -275,6 +318,10 @@ class NormBoundParams(Params):
     bound: float | None = Field(None, gt=0, allow_inf_nan=False, description="fixed L2 bound M of an update")
     quantile: float | None = Field(None, gt=0, le=1, description="or: M is this quantile of the round's update "
                                    "norms (linear interpolation), e.g. 0.5 clips every update above the median")
+    buffer_bound: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="fixed L2 bound of a client's change of the shared floating-point "
+        "buffers (BatchNorm running statistics); default: the round's quantile (the median with a fixed bound) of "
+        "those changes' norms")
 
     @model_validator(mode="after")
     def _one(self) -> "NormBoundParams":
@@ -286,8 +333,12 @@ class NormBoundParams(Params):
 class NormBound(Component):
     """Norm thresholding (Sun et al. 2019, Sec. 3): every accepted update Delta_k becomes
     ``Delta_k * min(1, M / ||Delta_k||_2)``, the norm over all its shared trainable entries, before the
-    weighting and the aggregator see it; buffers and extras are left alone. Each clipped update is an
-    ``update_clipped`` event (client, norm, bound); the round's bound and number clipped are metrics."""
+    weighting and the aggregator see it. Shared floating-point buffers (BatchNorm running statistics, which a
+    client uploads as values, not changes) are bounded the same way, separately, as their change from the global
+    values: ``g + (b_k - g) * min(1, M_b / ||b_k - g||_2)``, with ``M_b`` = ``buffer_bound`` or the round's quantile
+    of those norms (``quantile``, else the median: an update's bound says nothing about the statistics' scale);
+    integer counters and extras are left alone. Each clipped update is an ``update_clipped`` event (client, norm,
+    bound); the round's bounds and numbers clipped are metrics."""
 
     name = "norm_bound"
 
@@ -311,6 +362,29 @@ class NormBound(Component):
             out.append(res)
         sctx.metrics["norm_bound/bound"] = bound
         sctx.metrics["norm_bound/clipped"] = float(clipped)
+        return self._bound_buffers(sctx, out)
+
+    def _bound_buffers(self, sctx: ServerContext, results: list[ClientResult]) -> list[ClientResult]:
+        keys = [k for k, v in results[0].buffers.items() if v.is_floating_point()] if results else []
+        if not keys:
+            return results
+        state = sctx.model.state_dict()
+        ref = {k: state[k].detach().to(results[0].buffers[k].device) for k in keys}
+        norms = [math.sqrt(sum(float((r.buffers[k].double() - ref[k].double()).pow(2).sum()) for k in keys))
+                 for r in results]
+        p = self.params
+        bound = p.buffer_bound if p.buffer_bound is not None else float(np.quantile(norms, p.quantile or 0.5))
+        out, clipped = [], 0
+        for res, n in zip(results, norms):
+            if n > bound:
+                scale = bound / n
+                buffers = {k: (ref[k] + (v - ref[k]) * scale).to(v.dtype) if k in ref else v
+                           for k, v in res.buffers.items()}
+                res = dataclasses.replace(res, buffers=buffers)
+                clipped += 1
+            out.append(res)
+        sctx.metrics["norm_bound/buffer_bound"] = bound
+        sctx.metrics["norm_bound/buffers_clipped"] = float(clipped)
         return out
 
 

@@ -23,7 +23,8 @@ PROVIDES = frozenset({"class_labels", "class_logits", "server_split"})
 def classification_metrics(num_classes: int = 0, class_names: Sequence[str] | None = None) -> MetricSet:
     """Top-1 accuracy, mean cross-entropy and every class's accuracy (``acc/<class name>``: its recall, for
     the classes present in a split; the family is declared without classes too, for the task's spec)."""
-    return MetricSet([Mean("acc", True, "top-1 accuracy"), Mean("loss", False, "mean cross-entropy"),
+    return MetricSet([Mean("acc", True, "top-1 accuracy", (0.0, 1.0)),
+                      Mean("loss", False, "mean cross-entropy", (0.0, float("inf"))),
                       PerClassAccuracy("class_acc", num_classes, "acc", class_names)], primary="acc")
 
 

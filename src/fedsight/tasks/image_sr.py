@@ -89,12 +89,12 @@ def image_sr_metrics(params: ImageSRParams) -> MetricSet:
     return MetricSet(
         [
             Mean("psnr", True, f"PSNR (dB) on {m}, mean over images"),
-            Mean("ssim", True, f"SSIM on {m}, mean over images"),
+            Mean("ssim", True, f"SSIM on {m}, mean over images", (-1.0, 1.0)),
             Mean("psnr_y", True, "PSNR (dB) on BT.601 luma"),
-            Mean("ssim_y", True, "SSIM on BT.601 luma"),
+            Mean("ssim_y", True, "SSIM on BT.601 luma", (-1.0, 1.0)),
             Mean("psnr_rgb", True, "PSNR (dB) on RGB"),
-            Mean("ssim_rgb", True, "SSIM on RGB"),
-            Mean("loss", False, f"mean {params.loss} loss per image"),
+            Mean("ssim_rgb", True, "SSIM on RGB", (-1.0, 1.0)),
+            Mean("loss", False, f"mean {params.loss} loss per image", (0.0, float("inf"))),
         ],
         primary="psnr",
     )

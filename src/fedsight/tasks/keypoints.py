@@ -126,7 +126,7 @@ def keypoint_metrics(params: KeypointParams, num_joints: int = 1, exclude: Seque
             PCK("pck", num_joints, params.pck_threshold, (),
                 f"PCK@{params.pck_threshold:g} (%) of the longer person-box side"),
             OKSAP(sigmas or [0.05] * num_joints),
-            Mean("loss", False, "heatmap MSE (JointsMSELoss), mean per instance"),
+            Mean("loss", False, "heatmap MSE (JointsMSELoss), mean per instance", (0.0, float("inf"))),
         ],
         primary=params.primary,
     )

@@ -108,7 +108,7 @@ class PerImageMIoU(Mean):
     prediction)."""
 
     def __init__(self, num_classes: int):
-        super().__init__("miou_img", True, "mean over images of per-image mIoU (thesis eq. 5.10)")
+        super().__init__("miou_img", True, "mean over images of per-image mIoU (thesis eq. 5.10)", (0.0, 1.0))
         self.num_classes = num_classes
 
     def update_images(self, state: MetricState, preds: torch.Tensor, targets: torch.Tensor) -> None:
@@ -129,7 +129,7 @@ class PerImageMIoU(Mean):
 def segmentation_metrics(class_names: Sequence[str], per_image: bool) -> MetricSet:
     metrics: list[Any] = [
         ConfusionMatrix("cm", len(class_names), IGNORE, [metric_key(n) for n in class_names]),
-        Mean("loss", False, "mean pixel cross-entropy over labelled pixels"),
+        Mean("loss", False, "mean pixel cross-entropy over labelled pixels", (0.0, float("inf"))),
     ]
     if per_image:
         metrics.append(PerImageMIoU(len(class_names)))

@@ -66,12 +66,12 @@ def video_sr_metrics(params: "VideoSRParams") -> MetricSet:
     return MetricSet(
         [
             Mean("psnr", True, f"PSNR (dB) on {m}, mean over clips of the per-frame mean"),
-            Mean("ssim", True, f"SSIM on {m}, mean over clips of the per-frame mean"),
+            Mean("ssim", True, f"SSIM on {m}, mean over clips of the per-frame mean", (-1.0, 1.0)),
             Mean("psnr_y", True, "PSNR (dB) on BT.601 luma"),
-            Mean("ssim_y", True, "SSIM on BT.601 luma"),
+            Mean("ssim_y", True, "SSIM on BT.601 luma", (-1.0, 1.0)),
             Mean("psnr_rgb", True, "PSNR (dB) on RGB"),
-            Mean("ssim_rgb", True, "SSIM on RGB"),
-            Mean("loss", False, "mean Charbonnier loss per clip"),
+            Mean("ssim_rgb", True, "SSIM on RGB", (-1.0, 1.0)),
+            Mean("loss", False, "mean Charbonnier loss per clip", (0.0, float("inf"))),
         ],
         primary="psnr",
     )

@@ -168,6 +168,9 @@ class UploadContext:
     num_clients: int
     seed: int = 0
     task: Any = None
+    #: whether the replies carry shares of a secure sum (``fedsight.flower.secagg``: each client of a statistics
+    #: round: the group's summed statistics ride on its first reply, zeros on the others; checked as a sum there)
+    secure_sum: bool = False
 
     def shared_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of every shared trainable entry of the global model."""
