@@ -551,6 +551,74 @@ def test_clients_given_in_any_order_get_their_own_results():
             close(finals[i][k], v, atol=1e-12, rtol=1e-9)
 
 
+class _NoisedFirstLayer(Component):
+    """``dct_dp``'s kind of step: the DCT mechanism on layer ``3``'s output, each client's noise from its own
+    generator (``VectorStep.output_noise``), so that the step runs under vmap."""
+
+    name = "noised"
+    noises_a_layer = True
+
+    def __init__(self, gens):
+        self.gens = gens
+
+    def vector_step(self, ctx):
+        from fedsight.functional.dct import dct_mechanism, dct_noise
+        from fedsight.training import OutputNoise
+
+        gen = self.gens[ctx.client_id]
+        return VectorStep(output_noise=OutputNoise(
+            "3", lambda shape, dtype: dct_noise(shape, dtype, gen, "cpu"),
+            lambda out, noise: dct_mechanism(out, 2.0, 3, 0.1, None, noise=noise)))
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_group_norm_trains_under_vmap_from_stacks_laid_out_for_the_fused_forward(told):
+    """A step under vmap (a mechanism on a later layer's output) on a model with GroupNorm after a convolution of
+    3 input channels, from start stacks made by ``start_stacks`` not told the components (laid out for the fused
+    forward: channels-last convolution weights, on which vmap's convolution returns channels-last maps and
+    ``group_norm`` under vmap failed, "NYI: Tensor.clone(memory_format) inside vmap ... ChannelsLast": ``dct_dp``
+    on BiSeNetV2 with GroupNorm) or told them (contiguous stacks): each client ends where its own SGD steps with
+    the mechanism as a forward hook leave it."""
+    from fedsight.functional.dct import dct_mechanism, dct_noise
+    from fedsight.training import ClientContext
+    from fedsight.training.local import LocalTraining, prepare_model
+    from fedsight.training.vectorized import start_stacks, train_together
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+                          nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).double()
+    prepare_model(model, set())
+    local = LocalTraining(batch_size=2, lr=0.05, epochs=None, steps=2)
+    gen = torch.Generator().manual_seed(1)
+    task = _Batches([torch.randn(2, 3, 6, 6, generator=gen, dtype=torch.float64) for _ in range(3)])
+    starts = [{k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in model.state_dict().items()}
+              for _ in range(3)]
+    ctxs = [ClientContext(client_id=i, round=1, model=model, global_params={}, num_examples=2, num_steps=2,
+                          local=local, task=task) for i in range(3)]
+    noised = _NoisedFirstLayer([torch.Generator().manual_seed(20 + i) for i in range(3)])
+    stacks = start_stacks(model, model.state_dict(), 3, [noised] if told else [])
+    assert stacks["0.weight"][0].is_contiguous() == told  # (not told: the fused forward's layout)
+    with torch.no_grad():
+        for i, s in enumerate(starts):
+            for k, v in s.items():
+                stacks[k][i].copy_(v)
+    finals, _, finite = train_together(ctxs, stacks, [noised], [[noised.vector_step(c)] for c in ctxs])
+    assert finite == [True] * 3
+    for i in range(3):
+        model.load_state_dict(starts[i])
+        own = torch.Generator().manual_seed(20 + i)
+        hook = model[3].register_forward_hook(lambda m, a, out: dct_mechanism(
+            out, 2.0, 3, 0.1, None, noise=dct_noise(tuple(out.shape), out.dtype, own, "cpu")))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(2):
+            opt.zero_grad()
+            task.loss(model(task.inputs[i]), None).backward()
+            opt.step()
+        hook.remove()
+        for k, v in model.state_dict().items():
+            close(finals[i][k], v, atol=1e-12, rtol=1e-9)
+
+
 def _conformance_cases():
     from test_conformance import FAMILIES, MODEL_CASES
 

@@ -241,7 +241,8 @@ class ClientRuntime:
             # train_together's order, so that the start states go straight into its stacks (any order is right)
             group = sorted(queue.pop(0), key=lambda c: -local.num_steps(self.task.num_train_examples(c), self.seed,
                                                                          r, c))
-            stacks, started = {} if same_start else start_stacks(self.work_model, self._wstate, len(group)), []
+            stacks = {} if same_start else start_stacks(self.work_model, self._wstate, len(group), components)
+            started = []
             for cid in group:
                 try:
                     ctx, state = self.start(r, cid, gstate, broadcast_for(cid) if broadcast_for else None,

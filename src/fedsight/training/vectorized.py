@@ -354,13 +354,31 @@ def masked_mean(per_example, out: Any, y: Any, mask: torch.Tensor) -> torch.Tens
     return real_mean(vmap(per_example)(out, y), mask)
 
 
-def start_stacks(model: nn.Module, state: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+def start_stacks(model: nn.Module, state: Mapping[str, torch.Tensor], n: int,
+                 components: Sequence[Component] = ()) -> dict[str, torch.Tensor]:
     """Uninitialised stacks (n, ...) of ``state``'s entries, for ``train_together``'s ``starts``, in the memory
-    layout its step computes in (``FusedPlan.arrange``): writing each client's start state into its row is then
-    the only copy of it."""
+    layout its step computes in: the fused forward's (``FusedPlan.arrange``), or the ordinary contiguous one where
+    the step runs under vmap (no plan for the model, or one of ``components`` noises a layer's output or reruns
+    the model: ``vmapped_by``). Writing each client's start state into its row is then the only copy of it."""
     stacks = {k: torch.empty((n, *v.shape), dtype=v.dtype, device=v.device) for k, v in state.items()}
-    plan = fused_plan(model)
+    plan = None if vmapped_by(components) else fused_plan(model)
     return stacks if plan is None else plan.arrange(stacks, empty=True)
+
+
+def vmapped_by(components: Sequence[Component]) -> bool:
+    """Whether ``components`` make the vectorised step run under vmap rather than the fused forward: one noises a
+    layer's output (``Component.noises_a_layer``) or reruns the model (``Component.reruns_the_model``); both need
+    the model's modules called per client."""
+    return any(c.noises_a_layer or c.reruns_the_model for c in components)
+
+
+def vmap_layout(stack: torch.Tensor) -> torch.Tensor:
+    """``stack`` (n, ...) with each client's row in the ordinary contiguous layout (the same tensor where it is
+    so already, an expanded one included), for the step under vmap. A row in the fused forward's layout (a
+    convolution's weights channels-last, ``FusedPlan.arrange``) makes vmap's convolution return channels-last maps,
+    and ``group_norm`` under vmap then fails: it copies its input into the input's suggested memory format, and
+    vmap copies only into the contiguous one ("NYI: Tensor.clone(memory_format) inside vmap ... ChannelsLast")."""
+    return stack if stack.dim() < 2 or stack[0].is_contiguous() else stack.contiguous()
 
 
 class Trained(NamedTuple):
@@ -420,6 +438,8 @@ def train_together(
     outputs = [[vs.output_noise for vs in client if vs is not None and vs.output_noise is not None] for client in steps]
     # ... or where a component's term runs the model again (``VectorStep.forward_term``)
     plan = None if outputs[0] or any(vs.forward_term is not None for _, vs in hooks) else fused_plan(model)
+    if plan is None:  # (stacks laid out for the fused forward, by a caller that did not know: vmap's layout)
+        starts = {k: vmap_layout(v) for k, v in starts.items()}
     P = {k: starts[k] for k in trainable}
     rest = {k: v if k in per_client else v[0] for k, v in starts.items() if k not in P}
     rest_dims = {k: 0 if k in per_client else None for k in rest}
