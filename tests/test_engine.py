@@ -72,6 +72,44 @@ def test_one_client_one_round_equals_plain_local_training():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def test_round_zero_evaluates_the_initial_model_and_changes_no_later_round(tmp_path):
+    """Every run evaluates the model it starts from as round 0 (``eval.initial``): the row holds exactly what
+    an evaluation of the initial weights gives, and rounds 1.. are bit-identical to a run without it."""
+    raw = tiny(**{"server.rounds": 3, "server.clients_per_round": 3, "eval.initial": True})
+    on = execute(validate(raw), tmp_path / "on")
+    off = execute(validate(tiny(**{"server.rounds": 3, "server.clients_per_round": 3})), tmp_path / "off")
+    rows_on = [r for r in _final(on.run_dir)[2] if "event" not in r]
+    rows_off = [r for r in _final(off.run_dir)[2] if "event" not in r]
+    assert [r["round"] for r in rows_on] == [0, 1, 2, 3] and [r["round"] for r in rows_off] == [1, 2, 3]
+    assert rows_on[1:] == rows_off
+    sim = build_simulation(validate(raw))  # untrained: the seeded initial model
+    expected = sim.evaluate()
+    assert {k: v for k, v in rows_on[0].items() if "/" in k} == pytest.approx(expected, rel=0, abs=0)
+    assert rows_on[0]["test/acc"] != rows_on[-1]["test/acc"]
+    client_rounds = [r["round"] for r in RunDir(on.run_dir).read_client_metrics()]
+    assert client_rounds[0] == 0 and client_rounds == [r["round"] for r in rows_on if "test/acc" in r]
+
+
+def test_a_run_killed_after_its_round_zero_evaluation_resumes_without_a_second_one(tmp_path):
+    cfg = validate(tiny(**{"server.rounds": 2, "eval.initial": True}))
+    execute(cfg, tmp_path / "full")
+    run = RunDir(tmp_path / "cut")
+    seen = []
+
+    def kill_after_round_zero(r, row):
+        seen.append(r)
+        if r == 0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        execute(cfg, run.path, on_round=kill_after_round_zero)
+    assert seen == [0] and [r["round"] for r in run.read_metrics() if "event" not in r] == [0]
+    execute(cfg, run.path, resume=True)
+    full = [r for r in _final(tmp_path / "full")[2] if "event" not in r]
+    cut = [r for r in _final(run.path)[2] if "event" not in r]
+    assert [r["round"] for r in cut] == [0, 1, 2] and cut == full
+
+
 def _final(run_dir):
     run = RunDir(run_dir)
     rnd, state = run.load_latest_checkpoint()
@@ -80,7 +118,7 @@ def _final(run_dir):
 
 
 def test_resume_after_interruption_is_bit_identical(tmp_path):
-    raw = tiny(**{"server.optimizer": {"name": "fedadam", "lr": 0.01}, "server.rounds": 4})
+    raw = tiny(**{"server.optimizer": {"name": "fedadam", "lr": 0.01}, "server.rounds": 4, "eval.initial": True})
     cfg = validate(raw)
     execute(cfg, tmp_path / "full")
     out = execute(cfg, tmp_path / "cut", stop_after=2)
@@ -95,7 +133,7 @@ def test_resume_after_interruption_is_bit_identical(tmp_path):
     for k in ma:
         assert torch.equal(ma[k], mb[k]), k
     assert rows_a == rows_b
-    assert [r["round"] for r in rows_b] == [1, 2, 3, 4]
+    assert [r["round"] for r in rows_b] == [0, 1, 2, 3, 4]
 
 
 def test_same_seed_same_numbers_other_seed_differs(tmp_path):
@@ -206,11 +244,12 @@ def test_rejected_update_leaves_no_client_state():
 
 
 def test_metrics_and_artifacts_written(tmp_path):
-    out = execute(validate(tiny()), tmp_path / "r")
+    out = execute(validate(tiny(**{"eval.initial": True})), tmp_path / "r")
     rows = RunDir(out.run_dir).read_metrics()
-    assert [r["round"] for r in rows] == [1, 2, 3, 4]
-    assert "test/acc" in rows[1] and "test/acc" not in rows[0]  # eval every 2 rounds
-    assert {"local/wma", "local/worst10", "train/loss", "time/round_s"} <= set(rows[3])
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    # the initial model (round 0), then every 2 rounds
+    assert "test/acc" in rows[0] and "test/acc" in rows[2] and "test/acc" not in rows[1]
+    assert {"local/wma", "local/worst10", "train/loss", "time/round_s"} <= set(rows[4])
     for f in ("config.json", "config.toml", "summary.md", "plots/curves.png", "status.json"):
         assert (out.run_dir / f).is_file(), f
     assert json.loads((out.run_dir / "status.json").read_text())["state"] == "complete"

@@ -36,7 +36,7 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, clean_registr
     exec(compile(_readme_example(), "README.md", "exec"), namespace)
     result = namespace["result"]
     rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert result.status == "complete" and [r["round"] for r in result.history] == [1, 2, 3, 4, 5, 6]
+    assert result.status == "complete" and [r["round"] for r in result.history] == [0, 1, 2, 3, 4, 5, 6]
     assert result.final["test/acc"] == rows[-1]["test/acc"] > 0.5  # the API reads what the run wrote
     printed = capsys.readouterr().out
     assert f"test/acc {rows[-1]['test/acc']:.3f}" in printed

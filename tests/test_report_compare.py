@@ -318,3 +318,37 @@ def test_report_md_says_which_commit_command_and_machine_produced_its_numbers(tm
     assert "  - `AMD EPYC 7B13 (cpu_capability AVX2, blas mkl)` (2 runs)" in prov
     assert "  - `Intel Xeon (cpu_capability AVX512, blas mkl)` (2 runs)" in prov
     assert "- device, threads: `cpu, 1 thread`" in prov
+
+
+def test_the_comparison_says_where_the_dp_noise_came_from_and_where_runs_differ_in_it(tmp_path: Path) -> None:
+    """``privacy_noise`` of the runs' sessions (``[privacy] noise``: simulated or secret, and the parts drawing
+    it) heads the paired comparison, shared or group by group where the groups differ, and is a provenance line;
+    runs drawing no protecting noise say nothing of it."""
+    from fedsight.secret import SECRET_NOTE, SIMULATED_NOTE
+
+    dirs = method(tmp_path, "a", {0: 0.9, 1: 0.8}, lr=0.1) + method(tmp_path, "b", {0: 0.7, 1: 0.6}, lr=0.2)
+    plain = compare(dirs)
+    assert "rivacy noise" not in plain.comparison_note() + plain.comparison_markdown()
+
+    def noise(notes: list[str]) -> None:
+        for d, note in zip(dirs, notes):
+            meta = json.loads((d / "run.json").read_text())
+            meta["sessions"] = [{"backend": "in-process", "privacy_noise": f"{note} (dct_dp)"}]
+            (d / "run.json").write_text(json.dumps(meta))
+
+    noise([SIMULATED_NOTE] * 4)
+    table = compare(dirs)
+    assert f"Privacy noise (run.json), every run: {SIMULATED_NOTE} (dct_dp)." in table.comparison_markdown()
+    assert "differs" not in table.noise_note()
+    noise([SIMULATED_NOTE] * 2 + [SECRET_NOTE] * 2)
+    table = report(dirs, tmp_path / "out")
+    note = (f"Privacy noise differs between the compared runs (run.json): a: {SIMULATED_NOTE} (dct_dp); "
+            f"b: {SECRET_NOTE} (dct_dp).")
+    assert note in table.comparison_note(selection_column=False)
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert note in text[text.index("## Compared with the baseline"):text.index("## Groups")]
+    prov = text[text.index("## Provenance"):]
+    assert f"  - `{SIMULATED_NOTE} (dct_dp)` (2 runs)" in prov and f"  - `{SECRET_NOTE} (dct_dp)` (2 runs)" in prov
+    # on the command line too: the caption of the paired comparison's table
+    res = runner.invoke(app, ["report", *map(str, dirs), "--out", str(tmp_path / "cli")], terminal_width=300)
+    assert res.exit_code == 0 and "Privacy noise differs between the compared runs" in " ".join(res.output.split())

@@ -177,7 +177,7 @@ def raw(**over: Any) -> dict[str, Any]:
         "data": {"name": "toy_scenes"}, "model": {"name": "toy_fcn"},
         "partition": {"name": "classes", "classes_per_client": 1, "num_clients": 6, "local_test_fraction": 0.25},
         "train": {"epochs": 5, "batch_size": 8, "lr": 0.05, "momentum": 0.9}, "server": {"rounds": 3, "clients_per_round": 3},
-        "eval": {"every": 1}, "engine": {"threads": 1},
+        "eval": {"every": 1, "initial": False}, "engine": {"threads": 1},
     }
     for k, v in over.items():
         set_path(out, k.split("."), v)

@@ -91,12 +91,13 @@ def test_federated_run_reports_every_test_set(tmp_path):
     assert out.status == "complete"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "event" not in r]
-    assert [r["round"] for r in rows] == [1, 2]
+    assert [r["round"] for r in rows] == [0, 1, 2]  # round 0: the initial model
     metrics = ("psnr", "ssim", "psnr_y", "ssim_y", "psnr_rgb", "ssim_rgb", "loss")
     for split in ("test", "test_textures"):
         for m in metrics:
             assert all(np.isfinite(r[f"{split}/{m}"]) for r in rows), f"{split}/{m}"
-    assert all(np.isfinite(r["local/wma"]) and np.isfinite(r["train/loss"]) for r in rows)
+    assert all(np.isfinite(r["local/wma"]) for r in rows)
+    assert all(np.isfinite(r["train/loss"]) for r in rows[1:])
     # the logged numbers are the final global model's on each test set
     task = build_task(cfg)
     torch.manual_seed(0)

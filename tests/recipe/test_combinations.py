@@ -21,7 +21,7 @@ def toy_run(over: dict, rounds: int, clients_per_round: int | None = None):
     recipe = build_recipe(validate(tiny(**over)))
     task = ToyTask()
     local = LocalTraining(batch_size=1000, lr=LR, epochs=None, steps=STEPS)
-    sched = Schedule(rounds=rounds, clients_per_round=clients_per_round or task.num_clients, eval_local=False)
+    sched = Schedule(rounds=rounds, clients_per_round=clients_per_round or task.num_clients, eval_local=False, eval_initial=False)
     sim = Simulation(task, recipe, local, sched, seed=0)
     start = {k: v.detach().clone() for k, v in sim.global_model.state_dict().items()}
     sim.run()

@@ -110,7 +110,7 @@ def make_sim(components=(), share="global", task=None, lr=0.1, steps=1, rounds=1
              momentum=0.0, weighting="data_size", server_lr=1.0):
     task = task or PTask()
     local = LocalTraining(batch_size=1000, lr=lr, epochs=None, steps=steps, momentum=momentum)
-    schedule = Schedule(rounds=rounds, clients_per_round=cpr or task.num_clients, eval_local=True)
+    schedule = Schedule(rounds=rounds, clients_per_round=cpr or task.num_clients, eval_local=True, eval_initial=False)
     return Simulation(task, make_recipe(components, share, weighting, server_lr), local, schedule, seed)
 
 
@@ -394,7 +394,7 @@ def staged(ft_components, fed_components=(), ft_steps=3, lr=0.3):
         Stage("fed", 1, fed, LocalTraining(batch_size=1000, lr=lr, epochs=None, steps=1)),
         Stage("ft", 2, ft, LocalTraining(batch_size=1000, lr=lr, epochs=None, steps=ft_steps)),
     ]
-    schedule = Schedule(rounds=2, clients_per_round=3, eval_local=True)
+    schedule = Schedule(rounds=2, clients_per_round=3, eval_local=True, eval_initial=False)
     return Simulation(task, fed, stages[0].local, schedule, 0, stages=stages)
 
 

@@ -117,7 +117,7 @@ def test_the_style_bank_is_charged_once_before_round_one(style: str, entry_bytes
     and every client downloads, on top of round 1's model traffic; later rounds cost the same as without."""
     def costs(**over):
         rows = []
-        sim = build_simulation(validate(config(**{"server.rounds": 2, **over})))
+        sim = build_simulation(validate(config(**{"server.rounds": 2, "eval.initial": False, **over})))
         sim.run(on_round=lambda r, row, events: rows.append(row))
         return sim.task, rows
 

@@ -183,12 +183,28 @@ def run_round(server: Server, backend: Backend, r: int) -> tuple[dict[str, Any],
     return {"round": r, "stage": server.stage, **row}, events
 
 
+def evaluate_initial(server: Server, backend: Backend) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Round 0: the initial global model, before any training, evaluated as every evaluation round is (the
+    first stage's hooks, ``test/*`` and, with ``eval.local``, ``local/*``). Evaluation draws from no stream
+    that training reads, so rounds 1.. are the same with or without it. Returns the metrics row and events."""
+    server.enter_round(0)
+    backend.enter_round(0)
+    t0 = time.perf_counter()
+    evaluated, events = evaluate(server, backend, 0)
+    return {"round": 0, "stage": server.stage, **evaluated, "time/eval_s": time.perf_counter() - t0}, events
+
+
 OnRound = Callable[[int, dict[str, Any], list[dict[str, Any]]], None]
 
 
 def run_rounds(server: Server, backend: Backend, on_round: OnRound | None = None, stop_after: int | None = None) -> None:
-    """Rounds ``server.round + 1 .. schedule.rounds`` (or up to ``stop_after``)."""
+    """Round 0 (``evaluate_initial``, with ``eval.initial`` and no round done yet), then rounds
+    ``server.round + 1 .. schedule.rounds`` (or up to ``stop_after``)."""
     last = server.schedule.rounds if stop_after is None else min(server.schedule.rounds, stop_after)
+    if server.round == 0 and server.schedule.eval_initial and last > 0:
+        row, events = evaluate_initial(server, backend)
+        if on_round is not None:
+            on_round(0, row, events)
     while server.round < last:
         r = server.round + 1
         row, events = run_round(server, backend, r)

@@ -50,6 +50,8 @@ class Schedule:
     eval_every: int = 1
     eval_batch_size: int = 512
     eval_local: bool = True
+    #: evaluate the initial model as round 0 (``eval.initial``)
+    eval_initial: bool = True
     #: a round with fewer accepted updates is not aggregated (``too_few_clients`` and ``round_skipped`` events)
     min_clients: int = 1
     #: simulated client failure in-process (``engine.failures``): dropout probability, speed spread, deadline

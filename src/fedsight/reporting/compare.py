@@ -107,6 +107,9 @@ class ComparisonTable:
     #: the name the baselines were chosen by (a group's label, or a variant's name at each grid point)
     baseline: str | None = None
     comparisons: tuple[PairedComparison, ...] = ()
+    #: each group's privacy noise (``run.json``'s ``privacy_noise``: "simulated: ..." or "secret: ...", with the
+    #: parts that draw it), None for a group whose runs draw no protecting noise
+    noise: tuple[tuple[str, str | None], ...] = ()
 
     def _leaders(self) -> set[tuple[str, str]]:
         """(group, metric) of the group with the best mean selected value per metric with a direction, among
@@ -244,10 +247,24 @@ class ComparisonTable:
                 if c.metric not in metrics:
                     metrics.append(c.metric)
             values += "; ".join(f"{label} ({', '.join(ms)})" for label, ms in by_label.items()) + "."
-        return (f"Each row: the run minus the baseline, paired by seed (only the seeds both have; n pairs). {values} "
+        text = (f"Each row: the run minus the baseline, paired by seed (only the seeds both have; n pairs). {values} "
                 f"Δ = mean of the per-seed differences; {pct} CI = Student t interval of that mean (n − 1 degrees "
                 "of freedom). Verdict: better / worse when the interval excludes 0 (in the metric's direction), "
                 "within noise when it holds 0; no interval below 2 pairs.")
+        noise = self.noise_note()
+        return f"{text} {noise}" if noise else text
+
+    def noise_note(self) -> str:
+        """Where the compared runs' DP noise came from (``[privacy] noise``, ``run.json``), in one sentence: the
+        mode shared by every group, or each group's where they differ; empty when no run draws protecting noise."""
+        if not any(v for _, v in self.noise):
+            return ""
+        values = list(dict.fromkeys(v for _, v in self.noise))
+        if len(values) == 1:
+            return f"Privacy noise (run.json), every run: {values[0]}."
+        each = "; ".join(f"{label}: {v or 'none drawn'}" for label, v in self.noise)
+        return (f"Privacy noise differs between the compared runs (run.json): {each}. Runs with secret noise do not "
+                "reproduce from their seed, and their differences include their own noise draws.")
 
     def _comparison_cells(self, c: PairedComparison) -> tuple[str, str, str]:
         """(Δ, 95% CI, verdict) of one comparison, with the decimals of its metric's table rows."""
@@ -302,6 +319,14 @@ class ComparisonTable:
             cells += [escape(c.baseline)] if len(bases) > 1 else []
             table.add_row(*cells, str(c.stats.n), *self._comparison_cells(c), end_section=last)
         return table
+
+
+def _noise_of(runs: Sequence[_Run]) -> str | None:
+    """The ``privacy_noise`` the sessions of ``runs`` record (``fedsight.secret.privacy_note``), distinct values
+    joined by " | "; None when no session records one (nothing draws protecting noise, or a run predates it)."""
+    values = dict.fromkeys(s["privacy_noise"] for r in runs for s in r.sessions
+                           if isinstance(s.get("privacy_noise"), str))
+    return " | ".join(values) or None
 
 
 def _variant_name(g: RunGroup) -> str:
@@ -384,7 +409,7 @@ def _compare_runs(runs: Sequence[_Run], metrics: list[str] | None, baseline: str
                                       group.seeds, fm, fs, bm, bs, group.grid_point, sm, ss))
     comparisons = _paired(grouped, metrics, directions, selection, base)
     table = ComparisonTable(tuple(g for g, _ in grouped), tuple(metrics), tuple(rows), selection, name,
-                            tuple(comparisons))
+                            tuple(comparisons), tuple((g.label, _noise_of(members)) for g, members in grouped))
     return table, [members for _, members in grouped]
 
 
@@ -461,6 +486,7 @@ PROVENANCE = (
     ("device, threads", lambda s: f"{s.get('device')}, {s.get('threads')} thread{'s' if s.get('threads') != 1 else ''}"
      if s.get("device") else None),
     ("CPU", lambda s: _cpu(s.get("machine"))),
+    ("privacy noise", lambda s: s.get("privacy_noise") if isinstance(s.get("privacy_noise"), str) else None),
 )
 
 
