@@ -7,7 +7,8 @@ from typing import Any
 
 TINY: dict[str, Any] = {
     "seed": 0,
-    "run": {"name": "tiny", "output_dir": "runs", "checkpoint_keep": 0},
+    # no figures: drawing them is most of a tiny run's time; tests of the plots set run.plots
+    "run": {"name": "tiny", "output_dir": "runs", "checkpoint_keep": 0, "plots": False},
     "data": {"name": "digits"},
     "partition": {"name": "dirichlet", "alpha": 0.5, "num_clients": 6, "local_test_fraction": 0.2},
     "model": {"name": "cnn", "channels": [8], "hidden": 16},

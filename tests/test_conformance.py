@@ -168,6 +168,9 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "fedvg": {"validation.source": "carve", "validation.fraction": 0.2},
     "krum": {"recipe.aggregator": {"name": "krum", "byzantine": 1}},
     "fed3r": {"eval.local": False},
+    # a few source steps show the part runs; its defaults (100 a round) only cost the suite's time
+    "source_pretrain": {"recipe.components": [{"name": "source_pretrain", "steps": 4, "steps_per_round": 2,
+                                               "batch_size": 2}]},
     "norm_bound": {"recipe.components": [{"name": "norm_bound", "quantile": 0.5}]},
     "dp_sgd": {"recipe.components": [{"name": "dp_sgd", "noise_multiplier": 0.5}]},
     "watermark": {"recipe.components": [{"name": "watermark", "p": 0.5, "min_carriers": 100}]},

@@ -244,7 +244,7 @@ def test_rejected_update_leaves_no_client_state():
 
 
 def test_metrics_and_artifacts_written(tmp_path):
-    out = execute(validate(tiny(**{"eval.initial": True})), tmp_path / "r")
+    out = execute(validate(tiny(**{"eval.initial": True, "run.plots": True})), tmp_path / "r")
     rows = RunDir(out.run_dir).read_metrics()
     assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
     # the initial model (round 0), then every 2 rounds
@@ -253,6 +253,13 @@ def test_metrics_and_artifacts_written(tmp_path):
     for f in ("config.json", "config.toml", "summary.md", "plots/curves.png", "status.json"):
         assert (out.run_dir / f).is_file(), f
     assert json.loads((out.run_dir / "status.json").read_text())["state"] == "complete"
+
+
+def test_run_plots_false_draws_no_figure_and_the_summary_links_none(tmp_path):
+    out = execute(validate(tiny(**{"server.rounds": 1, "run.plots": False})), tmp_path / "r")
+    assert not list(out.run_dir.rglob("*.png"))
+    summary = (out.run_dir / "summary.md").read_text()
+    assert "## Metrics" in summary and "## Curves" not in summary and ".png" not in summary
 
 
 def test_final_model_is_saved_and_can_initialise_another_run(tmp_path):

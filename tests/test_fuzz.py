@@ -69,8 +69,9 @@ from fedsight.sweep import load
 # -- the world: runs that must survive every case ----------------------------------------------------
 
 #: the stopped run that damaged-run cases resume (SCAFFOLD: per-client state files; every checkpoint kept)
-RAW_S = tiny(**{"server.rounds": 4, "recipe.components": ["scaffold"], "eval.every": 1})
-RAW_F = tiny(**{"server.rounds": 2, "run.name": "fin", "eval.every": 1})  # a finished run (report, evaluate)
+RAW_S = tiny(**{"server.rounds": 4, "recipe.components": ["scaffold"], "eval.every": 1, "run.plots": True})
+# a finished run (report, evaluate), with its plots (cases damage them)
+RAW_F = tiny(**{"server.rounds": 2, "run.name": "fin", "eval.every": 1, "run.plots": True})
 S, F = Path("runs/tiny/seed0"), Path("runs/fin/seed0")
 
 

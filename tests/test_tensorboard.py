@@ -25,7 +25,7 @@ def _rows(run_dir):
 
 
 def test_every_rounds_metrics_plots_and_hparams_are_in_the_event_files(tmp_path):
-    cfg = validate(tiny(**{"server.rounds": 3, "eval.every": 1, "run.tensorboard": True}))
+    cfg = validate(tiny(**{"server.rounds": 3, "eval.every": 1, "run.tensorboard": True, "run.plots": True}))
     run_dir = tmp_path / "run"
     assert execute(cfg, run_dir).status == "complete"
     ea = _read(run_dir / "tensorboard")

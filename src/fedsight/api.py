@@ -423,6 +423,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
             run.write_status(state, sim.round, cfg.server.rounds)
             if state == "complete":
                 finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context,
+                       plots=cfg.run.plots,
                        facts=sim.server.facts, events=run.events)
         except Exception as exc:  # a full disk, a file-size limit: the status says what failed, and the run resumes
             _record_failure(run, sim.round, cfg.server.rounds, exc)
@@ -452,8 +453,10 @@ def _record_failure(run: RunDir, r: int, rounds: int, exc: BaseException) -> Non
 
 
 def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None,
-           hooks: Any = None, facts: dict[str, torch.Tensor] | None = None, events: Any = None) -> None:
-    """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first). ``hooks(model,
+           hooks: Any = None, facts: dict[str, torch.Tensor] | None = None, events: Any = None,
+           plots: bool = True) -> None:
+    """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first; ``plots`` False,
+    ``run.plots = false``: no figure at all, the summary and its tables only). ``hooks(model,
     split)``: the run's evaluation hooks, under which a task's visuals show the model as it was evaluated
     (SiloBN's test statistics); None shows the global model as it is. ``facts``: the run's facts, reported on
     by ``FACT_REPORTS`` (LADD's style clusters). A run with skipped rounds stays "complete" (every reader of
@@ -473,12 +476,12 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
             report(Path(run_dir), facts, task)
 
     save_visuals = getattr(task, "save_visuals", None) if task is not None else None
-    if save_visuals is not None and model is not None:  # video SR crops, segmentation overlays
+    if plots and save_visuals is not None and model is not None:  # video SR crops, segmentation overlays
         save_visuals(model, Path(run_dir) / "plots" / "visuals.png", hooks)
     fixed = weighting in ("data_size", "uniform")
-    if (Path(run_dir) / "client_weights.jsonl").is_file() and not fixed:
+    if plots and (Path(run_dir) / "client_weights.jsonl").is_file() and not fixed:
         plot_client_weights(run_dir)  # before the summary, which links it; skipped for data-fixed weights
-    write_summary(run_dir)
+    write_summary(run_dir, plot=plots)
     if events is not None:  # TensorBoard: the plots as images, the hparams with each metric's last value
         final = last_values(run.read_metrics())
         events.finish(run.path, run.read_config(), final, int(final.get("round", 0)))

@@ -70,6 +70,9 @@ class RunSection(Params):
     output_dir: str = "runs"
     checkpoint_keep: int = Field(2, ge=0, description="checkpoints kept on disk (0 = all)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard")
+    plots: bool = Field(True, description="draw RUN_DIR/plots/ (curves.png, the task's visuals, the client weights) "
+                        "when the run finishes; false: summary.md and its tables only (`fedsight report RUN_DIR "
+                        "--out DIR` draws the curves any time)")
 
     @field_validator("tensorboard")
     @classmethod

@@ -237,14 +237,14 @@ def deployments(tmp_path_factory):
     from concurrent.futures import ThreadPoolExecutor
 
     jobs = {"loopback": _loopback, "interrupted": _interrupted, "secagg": _secagg}
-    if os.environ.get("FEDSIGHT_SLOW", "") in ("", "0"):  # CI: the loopback equivalence runs with the slow flag
-        del jobs["loopback"]
+    if os.environ.get("FEDSIGHT_SLOW", "") in ("", "0"):  # CI: the loopback and SecAgg+ equivalences run with the
+        del jobs["loopback"], jobs["secagg"]  # slow flag (in-process: tests/flower/test_secagg.py)
     dirs = {name: tmp_path_factory.mktemp(name) for name in jobs}
     with ThreadPoolExecutor(len(jobs)) as pool:
         yield {name: (dirs[name], pool.submit(job, dirs[name])) for name, job in jobs.items()}
 
 
-@pytest.mark.slow  # FEDSIGHT_SLOW=1: the other two deployments and the Ray simulation run in CI
+@pytest.mark.slow  # FEDSIGHT_SLOW=1: the TLS + node-auth deployment and the Ray simulation run in CI
 def test_loopback_deployment_equals_in_process(deployments):
     """`fedsight flower local CONFIG --nodes 3`: final global parameters bit-identical to the in-process
     simulator, same metrics rows, progress streamed, client state only on the nodes, no process left."""
@@ -267,6 +267,7 @@ def test_loopback_deployment_equals_in_process(deployments):
     print(f"loopback deployment, 3 nodes, 2 rounds: {result['elapsed']:.1f} s (with two other deployments running)")
 
 
+@pytest.mark.slow  # FEDSIGHT_SLOW=1 (about 2 minutes): the same protocol in-process is tests/flower/test_secagg.py
 def test_secagg_deployment_equals_the_plain_in_process_run_to_the_quantisation(deployments):
     """SecAgg+ on a real loopback deployment (Flower's workflow on the SuperLink side, its mod in every
     ClientApp): the run completes with all three updates in the unmasked mean, and the final model is the

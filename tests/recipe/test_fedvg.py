@@ -525,7 +525,8 @@ def test_fedvg_combines_with_other_methods_from_config(over):
 
 def test_run_writes_partition_weights_and_plot(tmp_path):
     cfg = validate(tiny(**{"recipe.weighting": {"name": "fedvg", "granularity": "block"}, "validation.source": "carve",
-                           "server.rounds": 2, "eval.local": False, "model.norm": "batch"}))
+                           "server.rounds": 2, "eval.local": False, "model.norm": "batch",
+                           "run.plots": True}))
     out = execute(cfg, tmp_path / "run")
     part = json.loads((out.run_dir / "partition.json").read_text())
     assert len(part["client_label_counts"]) == 6 and part["validation"]["size"] == sum(part["validation"]["class_counts"])

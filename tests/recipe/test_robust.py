@@ -14,7 +14,7 @@ import pytest
 import scipy.stats
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -532,7 +532,10 @@ def test_krum_degrade_is_krum_with_the_largest_valid_f(fx) -> None:
     rows = [{"a": r} for r in x]
     agg = R.build(R.AGGREGATORS, "krum", {"byzantine": f, "too_few": "degrade"})
     out = agg.aggregate(results_from(rows, ids=list(range(k))), torch.ones(k))
-    _, ref, _ = brute_multi_krum(x, f2, 1)
+    _, ref, scores = brute_multi_krum(x, f2, 1)
+    # a tie of the best scores (equal pairwise distances) is broken by rounding, not by the rule
+    best, second = np.sort(scores)[:2]
+    assume(second - best > 1e-9 * max(1.0, abs(second)))
     np.testing.assert_allclose(out["a"].numpy(), ref, rtol=1e-9, atol=1e-9)
     assert agg.degraded and f"byzantine {f} -> {f2}" in agg.degraded
     with pytest.raises(TooFewUpdates):

@@ -635,6 +635,7 @@ class FlowerServer:
         atomic_write_text(run.path / "flower.json", json.dumps(info, indent=2) + "\n")
         run.write_status("complete", cfg.server.rounds, cfg.server.rounds)
         finish(run.path, server.task, server.global_model, server.recipe.weighting.name, facts=server.facts,
+               plots=cfg.run.plots,
                events=run.events)
         run.close_events()
         return run.path

@@ -264,7 +264,8 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
     else:
         lines += ["No metrics recorded.", ""]
     lines += _events_section(run.records)
-    lines += ["## Curves", "", f"![training curves](plots/{CURVES_FILE})", ""]
+    if (run.path / "plots" / CURVES_FILE).is_file():  # (run.plots = false draws none)
+        lines += ["## Curves", "", f"![training curves](plots/{CURVES_FILE})", ""]
     if (run.path / "plots" / CLIENT_WEIGHTS_FILE).is_file():
         lines += ["## Client weights", "", f"![client weights](plots/{CLIENT_WEIGHTS_FILE})", ""]
     path = run.path / SUMMARY_FILE
