@@ -143,6 +143,16 @@ def test_two_stages_with_one_name_are_refused() -> None:
 # -- silent acceptances: each refused naming both keys (issue 44, item 3) ------------------------------------
 
 
+def test_a_validation_dataset_of_another_task_is_refused_naming_it() -> None:
+    """Issue 44: a video dataset as a classification run's ``validation.dataset`` passed validation and the run
+    ended in ``AttributeError: 'VideoSet' object has no attribute 'shape'``."""
+    raw = tiny(**{"validation.source": "dataset", "validation.dataset": {"name": "synthetic_video"}})
+    with pytest.raises(ConfigError, match=r"validation\.dataset\.name = 'synthetic_video' is a video_sr dataset, but "
+                                          r"task is 'classification'; datasets for classification: digits"):
+        validate(raw)
+    validate(tiny(**{"validation.source": "dataset", "validation.dataset": {"name": "digits"}}))
+
+
 def test_an_attack_on_more_clients_than_the_federation_has_is_refused() -> None:
     """Before: accepted; attack.num_clients = 10 of 6 clients chose malicious ids no client has."""
     msg = refused(**{"recipe.components": [{"name": "attack", "fraction": 0.5, "num_clients": 10}]})

@@ -357,6 +357,14 @@ def config_model() -> type[BaseModel]:
                         f"{section}.name = {entry.name!r} is a {entry.task_family} {reg.kind}, but task is {family!r}; "
                         f"{reg.kind}s for {family}: {', '.join(e.name for e in reg.entries() if e.task_family == family)}"
                     )
+            v = self.validation
+            if v.source == "dataset" and v.dataset is not None:  # V is a split of a dataset of this task
+                entry = R.DATASETS.get(v.dataset["name"])
+                if entry.task_family != family:
+                    raise ValueError(
+                        f"validation.dataset.name = {entry.name!r} is a {entry.task_family} dataset, but task is "
+                        f"{family!r}; datasets for {family}: "
+                        f"{', '.join(e.name for e in R.DATASETS.entries() if e.task_family == family)}")
             if self.stages and sum(st.rounds for st in self.stages) != s.rounds:
                 raise ValueError(
                     f"server.rounds = {s.rounds} but the stages' rounds sum to {sum(st.rounds for st in self.stages)}"
