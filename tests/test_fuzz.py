@@ -420,12 +420,14 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
     verb = draw(st.sampled_from(sorted(VERBS)))
     good = {"run": ["c.toml"], "partition": ["c.toml"], "pretrain": ["c.toml"], "resume": [str(S)],
             "evaluate": [str(F)], "report": [str(F)], "list": []}[verb]
-    options = sorted({o for p in VERBS[verb].params for o in p.opts if o.startswith("--")})
+    # options that take a value (a flag alone, --overwrite, --force, --smoke, is a valid command line)
+    valued = sorted({o for p in VERBS[verb].params if not getattr(p, "is_flag", False)
+                     for o in (*p.opts, *p.secondary_opts) if o.startswith("--")})
     ints = sorted({o for p in VERBS[verb].params if getattr(p.type, "name", "") in ("integer", "integer range")
                    for o in p.opts if o.startswith("--")})
     kinds = ["unknown option", "missing path", "dir for file" if verb in ("run", "partition", "pretrain") else "file for dir",
              "not a run", "markup path", "long name"]
-    kinds += ["option without value"] if any(o not in ("--overwrite", "--force") for o in options) else []
+    kinds += ["option without value"] if valued else []
     kinds += ["bad int"] if ints else []
     kinds += ["missing argument", "extra argument"] if good else ["unknown kind"]
     kinds += {"resume": ["bad device"], "evaluate": ["training key"], "partition": ["out in run"],
@@ -435,7 +437,7 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
     if kind == "unknown option":
         args.append("--" + draw(st.sampled_from(["frobnicate", "seed", "set-x", "stop_after", "Overwrite", "dry-run"])))
     elif kind == "option without value":
-        args.append(draw(st.sampled_from([o for o in options if o not in ("--overwrite", "--force")])))
+        args.append(draw(st.sampled_from(valued)))
     elif kind == "bad int":
         opt = draw(st.sampled_from(ints))
         huge = [] if opt == "--stop-after" else [str(2**70)]  # stopping after more rounds than exist just completes

@@ -35,7 +35,8 @@ from helpers import tiny
 from fedsight.api import execute
 from fedsight.config import validate
 
-RAW = tiny(**{"server.rounds": 3, "recipe.components": ["scaffold"], "run.checkpoint_keep": 1, "eval.every": 1})
+RAW = tiny(**{"server.rounds": 3, "recipe.components": ["scaffold"], "run.checkpoint_keep": 1, "eval.every": 1,
+            "run.plots": True})  # (the kill moments include the plots)
 RUN = Path("runs") / "tiny" / "seed0"  # the run directory, relative to a case's folder
 
 #: name -> "op:glob:n:when" (fuzz_helpers.install_kill_hook). 3 rounds of 3 clients; per round: 3 client-state

@@ -45,27 +45,28 @@ class MetricSpec:
         return key == self.key or ("*" in self.key and fnmatch.fnmatchcase(key, self.key))
 
 
-def direction(specs: Iterable[MetricSpec], key: str) -> bool | None:
-    """The direction of ``key`` under ``specs``: an exact key wins over a family, a longer family over
-    a shorter one; None if no spec matches."""
+def spec_of(specs: Iterable[MetricSpec], key: str) -> MetricSpec | None:
+    """The spec of ``key`` under ``specs``: an exact key wins over a family, a longer family over a shorter
+    one; None if no spec matches."""
     best: MetricSpec | None = None
     for s in specs:
         if s.key == key:
-            return s.higher_is_better
+            return s
         if s.matches(key) and (best is None or len(s.key) > len(best.key)):
             best = s
-    return None if best is None else best.higher_is_better
+    return best
+
+
+def direction(specs: Iterable[MetricSpec], key: str) -> bool | None:
+    """The direction of ``key`` under ``specs`` (``spec_of``); None if no spec matches."""
+    s = spec_of(specs, key)
+    return None if s is None else s.higher_is_better
 
 
 def bounds_of(specs: Iterable[MetricSpec], key: str) -> tuple[float, float] | None:
-    """The range of ``key`` under ``specs`` (the spec ``direction`` would pick); None if none is declared."""
-    best: MetricSpec | None = None
-    for s in specs:
-        if s.key == key:
-            return s.bounds
-        if s.matches(key) and (best is None or len(s.key) > len(best.key)):
-            best = s
-    return None if best is None else best.bounds
+    """The range of ``key`` under ``specs`` (``spec_of``); None if none is declared."""
+    s = spec_of(specs, key)
+    return None if s is None else s.bounds
 
 
 class MetricState:
