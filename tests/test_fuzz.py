@@ -57,7 +57,7 @@ import fuzz_helpers as H
 import pytest
 import tomli_w
 from helpers import tiny
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -472,6 +472,7 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
 
 @H.fuzz_settings(fast=20, slow=120)
 @given(case=bad_command_lines())
+@example(case=(["resume", str(S), "--device", ""], "bad device"))  # found: an empty --device was ignored
 def test_bad_command_lines(world, case) -> None:
     args, kind = case
     H.count("command lines")

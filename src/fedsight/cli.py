@@ -231,7 +231,7 @@ def resume(
     from .reporting import write_summary
 
     try:
-        cfg = load_run_config(run_dir, {"device": device} if device else None)
+        cfg = load_run_config(run_dir, {"device": device} if device is not None else None)
         out = _execute_with_progress(cfg, run_dir, f"{cfg.run.name} seed {cfg.seed}", resume=True, stop_after=stop_after)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
