@@ -104,10 +104,15 @@ def _spec_label(spec: Any) -> str:
     return f"{spec.config.run.name} seed {spec.seed}"
 
 
+def _clients(row: dict[str, Any]) -> str:
+    """The progress's clients column: the round's aggregated clients; round 0 is the initial model's evaluation."""
+    return "initial model" if row.get("round") == 0 else f"{row.get('clients/aggregated', 0)} clients"
+
+
 def _log_line(label: str, r: int, total: int, row: dict[str, Any], keys: list[tuple[str, str]], start: float) -> None:
     """Progress off a terminal: a whole line for every evaluated round, every ``total // 50``-th and the last."""
     if any(key in row for key, _ in keys[:1]) or r % max(1, total // 50) == 0 or r == total:
-        _say(f"{label} round {r}/{total}  {row.get('clients/aggregated', 0)} clients  {_short(row, keys)}  "
+        _say(f"{label} round {r}/{total}  {_clients(row)}  {_short(row, keys)}  "
              f"{time.monotonic() - start:.1f} s")
 
 
@@ -125,8 +130,7 @@ def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
         task = progress.add_task(escape(label), total=cfg.server.rounds, completed=done, clients="", metrics="")
 
         def on_round(r: int, row: dict[str, Any]) -> None:
-            clients = f"{row.get('clients/aggregated', 0)} clients"
-            progress.update(task, completed=r, clients=clients, metrics=_short(row, keys))
+            progress.update(task, completed=r, clients=_clients(row), metrics=_short(row, keys))
 
         return execute(cfg, run_dir, on_round=on_round, **kwargs)
 
@@ -201,7 +205,7 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
         def on_message(msg: Any) -> None:
             _, i, r, row = msg
             if progress is not None:
-                progress.update(bars[i], completed=r, clients=f"{row.get('clients/aggregated', 0)} clients",
+                progress.update(bars[i], completed=r, clients=_clients(row),
                                 metrics=_short(row, keys))
             else:
                 _log_line(labels[i], r, specs[i].config.server.rounds, row, keys, start)

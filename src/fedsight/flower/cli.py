@@ -176,7 +176,8 @@ def _row_text(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
     if "event" in row:
         what = {k: v for k, v in row.items() if k not in ("event", "stage")}
         return f"[yellow]{row['event']}[/] {json.dumps(what)}"
-    parts = [f"round {row.get('round')}", f"{row.get('clients/aggregated', 0)}/{row.get('clients/sampled', 0)} clients"]
+    parts = [f"round {row.get('round')}", "initial model" if row.get("round") == 0 else
+             f"{row.get('clients/aggregated', 0)}/{row.get('clients/sampled', 0)} clients"]
     for key, label in [*keys, ("dp/epsilon", "eps")]:
         if key in row:
             parts.append(f"{label} {row[key]:.4f}")
