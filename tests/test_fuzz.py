@@ -440,7 +440,8 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
         args.append(draw(st.sampled_from(valued)))
     elif kind == "bad int":
         opt = draw(st.sampled_from(ints))
-        huge = [] if opt == "--stop-after" else [str(2**70)]  # stopping after more rounds than exist just completes
+        # stopping after more rounds than exist just completes; more jobs than runs runs them all at once
+        huge = [] if opt in ("--stop-after", "--jobs") else [str(2**70)]
         args += [opt, draw(st.sampled_from(["0", "-1", "abc", "1.5", "", "1e3", *huge]))]
     elif kind == "missing argument":
         args = []

@@ -284,6 +284,28 @@ def test_amplification_is_refused_when_a_component_picks_the_clients(tmp_path):
     assert install_central_dp(server(), noise_multiplier=1.0, clipping_norm=1.0, delta=None).num_sampled == 2
 
 
+def test_amplified_sampling_is_drawn_from_the_servers_secret_not_the_seed():
+    """Issue 43: amplification by sampling assumes a secret sample, but the server drew it from the run seed that
+    every node's run config holds. With ``without-replacement`` it comes from the server's OS-CSPRNG secret: a
+    party holding the seed predicts none of it (20 rounds of 2 of 6: the seed's sample matching every round has
+    probability 15**-20); without amplification the seed's sample stays (in-process equivalence)."""
+    from fedsight.api import build_server
+    from fedsight.engine.plan import sample_clients
+    from fedsight.flower.dp import install_central_dp
+
+    def rounds(sampling):
+        s = build_server(validate(tiny(**{**DP_RUN, "partition.num_clients": 6, "server.clients_per_round": 2})))
+        dp = install_central_dp(s, noise_multiplier=1.0, clipping_norm=1.0, delta=None, sampling=sampling)
+        return s, dp, [s.begin_round(r).sampled for r in range(1, 21)]
+
+    s, dp, got = rounds("without-replacement")
+    seeded = [sample_clients(s.seed, r, 6, 2) for r in range(1, 21)]
+    assert s.sample_secret == dp.secret and got == [sample_clients(s.seed, r, 6, 2, dp.secret) for r in range(1, 21)]
+    assert got != seeded and all(len(set(c)) == 2 for c in got)
+    s, _, plain = rounds("none")
+    assert s.sample_secret is None and plain == seeded
+
+
 @pytest.mark.parametrize("accountant,sampling", [("pld", "none"), ("rdp", "without-replacement")])
 def test_cli_accounting_options_reach_the_run(tmp_path, accountant, sampling):
     """`fedsight flower app --dp-accountant/--dp-sampling` -> the app's run config -> the ServerApp: every row's

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -68,11 +69,19 @@ def clients_per_round(num_clients: int, count: int | None, fraction: float | Non
     return num_clients
 
 
-def sample_clients(seed: int, round: int, num_clients: int, m: int) -> list[int]:
-    """m distinct clients, uniformly, from the stream ("sample", round)."""
+def sample_clients(seed: int, round: int, num_clients: int, m: int, secret: bytes | None = None) -> list[int]:
+    """m distinct clients, uniformly, from the stream ("sample", round); with ``secret`` (the server's, from the OS
+    CSPRNG: ``fedsight.secret``) from that secret's stream ("sample", round) instead, which no party holding the
+    seed can regenerate (central DP's amplification by sampling assumes a secret sample)."""
     if m >= num_clients:
         return list(range(num_clients))
-    return sorted(int(c) for c in np_rng(seed, "sample", round).choice(num_clients, size=m, replace=False))
+    if secret is not None:
+        from ..secret import secret_bytes
+
+        rng = np.random.default_rng(int.from_bytes(secret_bytes(secret, 32, "sample", round), "little"))
+    else:
+        rng = np_rng(seed, "sample", round)
+    return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
 
 
 def build_models(task: Any, stages: Sequence[Stage], seed: int, count: int) -> list[nn.Module]:

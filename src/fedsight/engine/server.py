@@ -74,6 +74,8 @@ class Server:
         self.totals = {"up_bytes": 0.0, "down_bytes": 0.0, "flops": 0.0}
         #: named tensors server-side parts establish for later rounds and stages (``ServerContext.facts``)
         self.facts: dict[str, torch.Tensor] = {}
+        #: the server's secret the client sample is drawn from (None: the seed; ``engine.plan.sample_clients``)
+        self.sample_secret: bytes | None = None
         self.round = 0
         #: (client ids, normalised weights) of the last aggregation, for logging
         self.last_weights: tuple[list[int], Any] | None = None
@@ -135,7 +137,7 @@ class Server:
             if sampled is not None:
                 break
         if sampled is None:
-            sampled = sample_clients(self.seed, r, self.task.num_clients, m)
+            sampled = sample_clients(self.seed, r, self.task.num_clients, m, self.sample_secret)
         sctx = ServerContext(
             round=r, model=self.global_model, num_clients=self.task.num_clients, sampled=sampled, seed=self.seed,
             rounds=self.schedule.rounds, task=self.task, facts=self.facts,

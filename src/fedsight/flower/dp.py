@@ -27,9 +27,13 @@ from Google's dp-accounting (the library behind Flower's ``RdpAccountant``):
   two valid (eps, delta) bounds is valid. ``dp/amplified`` says which gave it. The converse does not hold:
   add/remove-one (eps, delta) gives replace-one only by group privacy (2 eps, (1 + e^eps) delta), so
   ``dp/epsilon_replace_one`` is computed on its own, the smaller of the amplified bound and no amplification
-  under replace-one (``GaussianDpEvent(z / 2)``). Amplification also assumes that the sample is secret: FedSight draws
-  it from the run seed (``("sample", round)``), which ``config.json`` and the Flower app's run config hold;
-  whoever knows the seed knows the sample, and against them only ``"none"`` holds. Poisson sampling
+  under replace-one (``GaussianDpEvent(z / 2)``). Amplification also assumes that the sample is secret: with
+  ``"without-replacement"`` the server draws it from its own secret (``engine.plan.sample_clients(..., secret)``,
+  the stream ("sample", round) of the secret that also drives its noise), not from the run seed, which
+  ``config.json`` and every node's run config hold. The sampled nodes still learn the round's sample (the
+  training instruction lists it), so the bound is against the other parties and observers of the released
+  models, not against a coalition of sampled nodes. ``"none"`` draws it from the seed (a Flower run then samples as
+  the in-process one does). Poisson sampling
   (each client independently with probability ``q``) is not what FedSight does, so its bound is refused.
 * ``accountant``: ``"rdp"`` (default): Renyi DP (Mironov 2017) of each release at dp-accounting's default
   orders, composed additively and converted to (eps, delta) with Balle et al. 2020 ("Hypothesis Testing
@@ -463,4 +467,6 @@ def install_central_dp(sim: Any, *, noise_multiplier: float, clipping_norm: floa
     )
     for st in sim.stages:
         st.recipe.aggregator = dp
+    if sampling == "without-replacement":  # amplification assumes a secret sample: drawn from the server's secret
+        sim.sample_secret = dp.secret
     return dp
