@@ -145,3 +145,25 @@ def test_flower_commands_without_flower_installed_say_how_to_get_it(monkeypatch)
     monkeypatch.setitem(sys.modules, "flwr.app", None)
     res = CliRunner().invoke(app, ["flower", "simulate", "examples/quickstart.toml"])
     assert res.exit_code == 2 and 'pip install -e ".[flower]"' in res.output
+
+
+def _commands(group, path=()):
+    for info in group.registered_commands:
+        yield (*path, info.name or info.callback.__name__.removesuffix("_cmd").replace("_", "-")), info
+    for sub in group.registered_groups:
+        yield from _commands(sub.typer_instance, (*path, sub.name))
+
+
+def test_help_paragraphs_are_reflowed_so_help_at_80_columns_reads_evenly():
+    """Typer joins the lines of a command's first help paragraph only and kept the others' line breaks, which
+    ``--help`` at 80 columns wrapped again into ragged lines ("--set reaches every variant," alone on a line)."""
+    commands = dict(_commands(app))
+    assert ("run",) in commands and ("flower", "local") in commands
+    for name, info in commands.items():
+        for para in (info.help or "").split("\n\n"):
+            lines = para.splitlines()
+            assert len(lines) <= 1 or any(x[:1].isspace() or x.lstrip().startswith(("- ", "* ", "\b")) for x in lines), \
+                (name, para)
+    res = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "80", "TERM": "dumb"}, terminal_width=80)
+    assert res.exit_code == 0
+    assert any("--set reaches every variant, grid point" in line for line in res.output.splitlines()), res.output

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import ConfigError, FedSightError, OutputPathError
+from .help_text import reflow_help
 
 app = typer.Typer(
     add_completion=False,
@@ -538,6 +539,7 @@ app.add_typer(etlc_app, name="etlc")
 from .bench_cli import bench  # noqa: E402  (speed and memory of the engines)
 
 app.command()(bench)
+reflow_help(app)  # every command's help paragraphs joined (fedsight.help_text)
 
 
 #: set to show the traceback of an unexpected error instead of its one-line summary
