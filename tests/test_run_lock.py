@@ -110,7 +110,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
 
 def test_a_flower_run_of_a_directory_in_use_is_refused_before_anything_starts(tmp_path):
     pytest.importorskip("flwr")
-    from fedsight.flower.server_app import preflight
+    from fedsight.flower.options import preflight
 
     holder = _hold(tmp_path / "run")
     try:

@@ -497,7 +497,7 @@ def test_local_dp_noise_on_nodes_is_each_nodes_secret(tmp_path) -> None:
 
 def test_a_watermark_without_a_key_file_is_refused_on_flower(tmp_path) -> None:
     from fedsight.config import ConfigError
-    from fedsight.flower.server_app import preflight
+    from fedsight.flower.options import preflight
 
     wm = {"name": "watermark", "p": 0.2, "min_carriers": 20}
     for extra in ({}, {"key": "ab" * 16}):

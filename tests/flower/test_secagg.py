@@ -22,8 +22,8 @@ from fedsight.config import validate
 from fedsight.engine.simulation import sample_clients
 from fedsight.errors import ConfigError
 from fedsight.flower.client_app import make_client_app
-from fedsight.flower.secagg import is_secagg
-from fedsight.flower.server_app import preflight
+from fedsight.flower.secagg_node import is_secagg
+from fedsight.flower.options import preflight
 
 from flower_direct import run_direct
 from helpers import tiny
@@ -231,7 +231,7 @@ def test_recipes_that_need_each_update_are_refused_before_anything_starts(tmp_pa
 @pytest.mark.parametrize("given,want", [(0.5, 0.5), (1.0, 1.0), (3.0, 3), (4, 4)])
 def test_share_options_stay_a_count_or_a_fraction_through_the_app(tmp_path, given, want) -> None:
     from fedsight.flower.app import app_config
-    from fedsight.flower.server_app import ServerOptions
+    from fedsight.flower.options import ServerOptions
 
     rc = app_config(validate(tiny(**CFG)), tmp_path, {"secagg": True, "secagg-num-shares": given,
                                                       "secagg-reconstruction-threshold": 0.5})

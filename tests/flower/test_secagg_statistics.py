@@ -1,6 +1,6 @@
 """Fed3R's and FedNCM's statistics under SecAgg+ (issue 43, item 4), on FedSight's real ServerApp and ClientApp with
 messages through Flower's serialisation (``flower_direct.DirectGrid``): each client's statistics go into Flower's
-masked sum as two limbs on Flower's own quantisation grid (``secagg.encode_statistic``), the server unmasks only
+masked sum as two limbs on Flower's own quantisation grid (``secagg_stats.encode_statistic``), the server unmasks only
 their sum (``decode_sum``), which is within ``m * bound / Q**2`` per entry of the plain sum (counts exact), and the
 classifier is the plain run's; a sum no honest group can give is rejected for the whole group; statistics the
 server needs one by one are refused before anything starts."""
@@ -23,17 +23,10 @@ from safetensors.torch import load_file
 from fedsight.config import validate
 from fedsight.errors import ConfigError
 from fedsight.flower.client_app import make_client_app
-from fedsight.flower.secagg import (
-    MODULUS,
-    SecAggSettings,
-    check_secagg,
-    decode_sum,
-    encode_statistic,
-    is_secagg,
-    stats_levels,
-    sum_error,
-)
-from fedsight.flower.server_app import preflight
+from fedsight.flower.secagg import SecAggSettings, check_secagg
+from fedsight.flower.secagg_node import is_secagg
+from fedsight.flower.secagg_stats import MODULUS, decode_sum, encode_statistic, stats_levels, sum_error
+from fedsight.flower.options import preflight
 from fedsight.recipe.fed3r import pow2_at_least
 
 from flower_direct import run_direct

@@ -19,7 +19,7 @@ import tomli_w
 
 from ..safe_write import atomic_write_text
 from .secagg import COUNT_OR_FRACTION, count_or_fraction
-from .server_app import OPTIONS
+from .options import OPTIONS
 
 PACKAGE = "fedsight_app"
 

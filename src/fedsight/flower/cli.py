@@ -107,7 +107,7 @@ def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, 
              overwrite: bool = False, dp_accountant: str = "rdp", dp_sampling: str = "none", secagg: bool = False,
              secagg_shares: float = 3, secagg_threshold: float = 2, secagg_clip: float = 8.0,
              provisioning: Path | None = None) -> dict[str, Any]:
-    from .server_app import ServerOptions
+    from .options import ServerOptions
 
     out: dict[str, Any] = {"round-timeout": round_timeout, "min-clients": min_clients, "overwrite": overwrite}
     if provisioning is not None:  # read and checked here (ServerOptions.checked_for), again by the ServerApp
@@ -139,7 +139,7 @@ def _preflight(cfg: Any, opts: dict[str, Any], run_dir: Path, *, data_here: bool
     ``data_here=False`` (an app for other hosts): data this host lacks leaves those checks to the ServerApp,
     which runs them before it writes anything."""
     from ..errors import ConfigError
-    from .server_app import preflight
+    from .options import preflight
 
     try:
         preflight(cfg, opts, run_dir)

@@ -9,7 +9,7 @@ Two handlers, no algorithm logic of their own:
   entries, the stage's trainer runs, and the node's ``ClientStateStore`` holds the client's persistent
   state (SCAFFOLD's ``c_i`` ...). Personal entries and state are kept only if the update is finite. A
   node whose client is not sampled this round replies with its partition only. Under secure aggregation
-  the same training runs inside Flower's SecAgg+ protocol (``secagg.secagg_train``).
+  the same training runs inside Flower's SecAgg+ protocol (``secagg_node.secagg_train``).
 * ``evaluate``: the client's local-test metric state (``Task.eval_state``) on the model the simulator
   would use (the global model, or global shared + personal entries, inside the recipe's evaluation
   hooks), for the server's WMA / worst-10% summary and merged metrics.
@@ -39,7 +39,7 @@ from ..errors import ModelRefused
 from ..records import ClientResult
 from ..state import PERSONAL, ClientStateStore
 from . import records as FR
-from .secagg import is_secagg, secagg_train
+from .secagg_node import is_secagg, secagg_train
 from .node import build_node_task, node_config_model, restore_index, state_root
 
 
@@ -130,7 +130,7 @@ def train_content(content: RecordDict, context: Context, settings: Mapping[str, 
 
 
 def handle_train(msg: Message, context: Context, settings: Mapping[str, Any] | None = None) -> Message:
-    """A training instruction, or a message of the SecAgg+ protocol (``secagg.secagg_train``, which trains
+    """A training instruction, or a message of the SecAgg+ protocol (``secagg_node.secagg_train``, which trains
     through ``train_instruction`` in its masked-vector stage)."""
     if is_secagg(msg.content):
         return secagg_train(msg, context, lambda content: train_instruction(content, context, settings))

@@ -397,7 +397,7 @@ def check_central_dp(sim: Any, sampling: str = "none") -> int:
     (the mechanism clips and noises a model update), share no buffers and upload no extra tensors (they
     would leave un-noised), and sample one number of clients; amplification (``sampling =
     "without-replacement"``) needs FedSight's own uniform sampling (no component that picks the clients).
-    Reads the server only: the same checks run before anything starts (``server_app.preflight``) and in the
+    Reads the server only: the same checks run before anything starts (``options.preflight``) and in the
     ServerApp."""
     from ..engine.plan import stage_layout
     from ..training.component import Component

@@ -470,7 +470,7 @@ def run_local(
     ``data_dirs``: node ``k`` reads its own data from ``data_dirs[k]`` instead of its partition."""
     from ..errors import ConfigError
     from .app import write_app
-    from .server_app import preflight
+    from .options import preflight
 
     n_clients = int(cfg.partition.num_clients)
     n = nodes or n_clients

@@ -56,8 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,8 +64,10 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from .secagg_node import META, instruction_fitins
+from .secagg_stats import MODULUS, Statistics, statistics_component, stats_levels
 
-#: run-config keys of secure aggregation (``server_app.OPTIONS``) and their defaults
+#: run-config keys of secure aggregation (``options.OPTIONS``) and their defaults
 OPTIONS: dict[str, Any] = {
     "secagg": False,  # true: SecAgg+ through Flower's workflow
     "secagg-num-shares": 3,  # int >= 3: shares (neighbours + itself) per secret; float in (0, 1]: fraction of m
@@ -75,7 +76,6 @@ OPTIONS: dict[str, Any] = {
     "secagg-quantization-range": 1 << 22,  # quantisation levels
     "secagg-feature-bound": 1024.0,  # |phi(x)_i| a Fed3R/FedNCM client's statistics are scaled for (rounded up to 2**k)
 }
-MODULUS = 1 << 32  # Flower's modulus_range (its maximum)
 WEIGHTINGS = ("uniform", "data_size")
 #: the options that are a count (int) or a fraction of the sampled clients (float), as Flower reads them
 COUNT_OR_FRACTION = ("secagg-num-shares", "secagg-reconstruction-threshold")
@@ -197,166 +197,10 @@ def check_secagg(sim: Any, settings: SecAggSettings, *, dp: bool = False) -> Non
                               f"{m} clients a round{where}: their quantised sum must stay below 2**32")
 
 
-def statistics_component(stage: Any) -> Any:
-    """The component whose statistics a statistics stage's clients upload, if they can be securely summed (it
-    declares ``secure_fields``: Fed3R, FedNCM), else None (LADD's client styles, which the server clusters one by
-    one)."""
-    comp = getattr(stage.recipe.trainer, "component", None)
-    return comp if callable(getattr(comp, "secure_fields", None)) else None
-
-
-# -- sums of statistics (Fed3R, FedNCM): two limbs on Flower's quantisation grid ----------------------
-
-#: Flower's stochastic rounding casts the levels to int32, so a round's levels stay at or below 2**30
-STATS_LEVELS_MAX = 1 << 30
-
-
-def stats_levels(m: int) -> int:
-    """The quantisation levels ``Q`` of a statistics round of ``m`` clients: the largest power of two at most
-    ``2**30`` whose sum over ``m`` clients stays below the modulus (``m * Q < 2**32``)."""
-    q = STATS_LEVELS_MAX
-    while q > 2 and m * q >= MODULUS:
-        q //= 2
-    return q
-
-
-def encode_statistic(x: np.ndarray, bound: float, levels: int) -> tuple[np.ndarray, int]:
-    """One client's statistic ``x`` (float64) as two limbs on the grid Flower quantises to, and how many of its
-    entries were clipped (``|x| > bound``). ``bound`` and ``levels`` (``Q``) are powers of two, so ``u = x / bound``
-    is exact; ``u`` (clipped to [-1, 1]) is rounded to the nearest of Flower's levels ``hi = n_h / (Q / 2)``, and the
-    residual ``u - hi`` (at most ``1 / Q``, computed exactly) is scaled by ``Q`` and rounded the same way: ``lo =
-    n_l / (Q / 2)``. Both lie on Flower's grid (clipping range 1: level ``n + Q / 2``), so its stochastic rounding
-    has nothing to round and the protocol sums the integers ``n`` exactly; ``u = hi + lo / Q`` within ``1 / Q**2``,
-    i.e. ``x`` within ``bound / Q**2``. Returns ``[hi, lo]`` stacked (shape ``(2, *x.shape)``)."""
-    u = np.asarray(x, dtype=np.float64) / bound
-    clipped = int((np.abs(u) > 1.0).sum())
-    u = np.clip(u, -1.0, 1.0)
-    half = levels / 2
-    n_hi = np.rint(u * half)
-    n_lo = np.rint((u - n_hi / half) * levels * half)
-    return np.stack([n_hi / half, n_lo / half]), clipped
-
-
-def decode_sum(mean: np.ndarray, m: int, bound: float, levels: int) -> np.ndarray:
-    """The sum of ``m`` clients' statistics from the unmasked mean of their ``encode_statistic`` limbs: the limbs'
-    integer sums ``N_h``, ``N_l`` are recovered exactly (``rint(mean * m * Q / 2)``: the mean's float error is far
-    below half a level), and the sum is ``bound (N_h Q + N_l) / (Q**2 / 2)``, the float64 nearest that exact value.
-    It differs from the clients' true sum by at most ``m * bound / Q**2`` per entry (``sum_error``) when nothing was
-    clipped."""
-    half = levels / 2
-    n = np.rint(np.asarray(mean, dtype=np.float64) * m * half).astype(np.int64)
-    return (n[0] * levels + n[1]).astype(np.float64) * (bound / (half * levels))
-
-
-def sum_error(m: int, bound: float, levels: int) -> float:
-    """The largest error per entry of ``decode_sum`` over ``m`` clients: each client's ``lo`` limb is rounded to
-    half a level, ``bound / Q**2`` (one step of the two-limb grid, ``2 bound / Q**2``, halved)."""
-    return m * bound / float(levels) ** 2
-
-
 def stage_sample_sizes(sim: Any) -> list[tuple[str, int]]:
     """(stage name, clients sampled per round) of each stage of ``sim``."""
     n = sim.task.num_clients
     return [(st.name, min(n, st.clients_per_round or sim.schedule.clients_per_round)) for st in sim.stages]
-
-
-# -- the instruction as a legacy FitIns, and back ---------------------------------------------------
-
-INSTRUCTION = "fedsight"  # the FitIns config key holding the instruction's records and config (JSON)
-
-
-def instruction_fitins(content: Any) -> Any:
-    """A FedSight instruction (``records.instruction_content``) as a legacy ``FitIns``: every array of every
-    array record in order as the parameters, and the records' names, keys and the config as JSON."""
-    from flwr.common import FitIns, ndarrays_to_parameters
-
-    entries, arrays = [], []
-    for name, record in content.array_records.items():
-        for key, arr in record.items():
-            entries.append([name, key])
-            arrays.append(arr.numpy())
-    meta = {"entries": entries, "config": dict(content["config"])}
-    return FitIns(ndarrays_to_parameters(arrays), {INSTRUCTION: json.dumps(meta)})
-
-
-def fitins_instruction(fitins: Any) -> Any:
-    """The instruction ``RecordDict`` of a ``FitIns`` written by ``instruction_fitins``."""
-    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
-    from flwr.common import parameters_to_ndarrays
-
-    meta = json.loads(str(fitins.config[INSTRUCTION]))
-    arrays = parameters_to_ndarrays(fitins.parameters)
-    content = RecordDict()
-    for (name, key), arr in zip(meta["entries"], arrays, strict=True):
-        if name not in content.array_records:
-            content[name] = ArrayRecord()
-        content[name][key] = Array(np.ascontiguousarray(arr))
-    content["config"] = ConfigRecord(meta["config"])
-    return content
-
-
-# -- the node side ----------------------------------------------------------------------------------
-
-META = "meta/"  # prefix of the reply's plain scalars (client-id, num-examples, ...) among the FitRes metrics
-
-
-def secagg_train(msg: Any, context: Any, train: Callable[[Any], Any]) -> Any:
-    """A node's answer to a SecAgg+ message: Flower's ``secaggplus_mod`` runs the protocol; its masked-vector
-    stage calls ``train(instruction RecordDict)``, FedSight's training (``client_app.train_instruction``: the
-    result, whether it is finite, the global state it started from); a refusal of the model, a client that was
-    not sampled or a non-finite update raises, and the node drops out."""
-    from flwr.app import Message
-    from flwr.client.mod import secaggplus_mod
-    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
-
-    from ..errors import ModelRefused
-    from ..rng import derive_seed
-
-    def call_next(m: Any, ctx: Any) -> Any:
-        import flwr.compat.common.recorddict_compat as compat
-
-        instruction = fitins_instruction(compat.recorddict_to_fitins(m.content, keep_input=True))
-        cfg = dict(instruction["config"])
-        try:
-            trained = train(instruction)
-        except ModelRefused as exc:
-            raise RuntimeError(f"refused the global model: {exc}") from None
-        res, gstate = trained.result, trained.global_state
-        if res is None:
-            raise RuntimeError("this node's client was not sampled")
-        if not trained.accepted:
-            raise RuntimeError("non-finite update (dropped out of the secure aggregation)")
-        if cfg.get("secagg-stats"):  # a statistics pass: its statistics (all C classes), two limbs each
-            from ..functional.ridge import dense_statistics
-
-            stats = dense_statistics(res.extras[str(cfg["secagg-stats"])], int(cfg["secagg-classes"]))
-            encoded = [encode_statistic(stats[k].detach().to(torch.float64).cpu().numpy(), float(bound),
-                                        int(cfg["secagg-levels"]))
-                       for k, bound in zip(cfg["secagg-stat-names"], cfg["secagg-stat-bounds"], strict=True)]
-            vector, clipped, weight = [v for v, _ in encoded], sum(c for _, c in encoded), 1
-        else:
-            vector = [res.delta[k] for k in cfg["secagg-params"]] + [res.buffers[k] - gstate[k] for k in cfg["secagg-buffers"]]
-            vector = [v.detach().to(torch.float64).numpy() for v in vector]
-            weight = 1 if cfg["secagg-weighting"] == "uniform" else int(res.num_examples)
-            ratio = weight / float(cfg["secagg-max-weight"])
-            clipped = sum(int((np.abs(v * ratio) > float(cfg["secagg-clipping-range"])).sum()) for v in vector)
-        metrics: dict[str, Any] = {k: float(v) for k, v in res.metrics.items()}
-        metrics.update({f"{META}client-id": int(res.client_id), f"{META}num-examples": int(res.num_examples),
-                        f"{META}num-steps": int(res.num_steps), f"{META}flops": float(res.flops),
-                        f"{META}secagg-clipped": clipped})
-        # the mod's stochastic rounding draws from NumPy's global generator right after this returns
-        np.random.seed(derive_seed(int(cfg["secagg-seed"]), "secagg", int(cfg["round"]), int(res.client_id)) % (2**32))
-        fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(vector), weight, metrics)
-        return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=m)
-
-    return secaggplus_mod(msg, context, call_next)
-
-
-def is_secagg(content: Any) -> bool:
-    """Whether a message is one of the SecAgg+ protocol's (it carries the protocol's config record)."""
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-
-    return RECORD_KEY_CONFIGS in content.config_records
 
 
 # -- the server side --------------------------------------------------------------------------------
@@ -558,7 +402,7 @@ class SecAggRound:
         server.secure_sum = True  # the reply contract: a statistics reply carries its share of the group's sum
 
     def statistics(self, m: int) -> Any:
-        """How a statistics stage's clients add their statistics to the sum (``_Statistics``), None in a training
+        """How a statistics stage's clients add their statistics to the sum (``secagg_stats.Statistics``), None in a training
         stage. ``m``: the clients of the round (the levels depend on it)."""
         server = self.backend.server
         comp = statistics_component(server.stages[server.stage_index]) if not server.recipe.trainer.trains else None
@@ -567,7 +411,7 @@ class SecAggRound:
         model = server.global_model
         classes = comp.classes_of(model, server.task)
         fields = comp.secure_fields(model, classes, self.max_examples, self.settings.feature_bound)
-        return _Statistics(comp, classes, fields, stats_levels(m))
+        return Statistics(comp, classes, fields, stats_levels(m))
 
     def train(self, plan: Any) -> tuple[list[Any], list[dict[str, Any]]]:
         from flwr.server.workflow import SecAggPlusWorkflow
@@ -629,7 +473,8 @@ class SecAggRound:
             why, arrays = self._check_mean(strategy.results, shapes, max_weight, weighting, s)
             group: dict[str, torch.Tensor] = {}
             if why is None and stats is not None:
-                why, group = stats.group_sum(arrays, strategy.results, server.task.num_clients)
+                total = sum(int(f.metrics[f"{META}num-examples"]) for _, f in strategy.results)
+                why, group = stats.group_sum(arrays, len(strategy.results), total, server.task.num_clients)
             carrier = (min((client_of[int(p.node_id)] for p, _ in strategy.results), key=plan.sampled.index)
                        if stats is not None else None)
             for proxy, fitres in strategy.results:
@@ -700,31 +545,3 @@ class SecAggRound:
             return (f"the unmasked mean reaches {top:.3g}, outside the +-{bound:.3g} that {len(results)} clipped updates "
                     "can give (a key share or masked vector was wrong)"), []
         return None, arrays
-
-
-@dataclass(frozen=True)
-class _Statistics:
-    """A statistics round under SecAgg+: ``component`` (Fed3R, FedNCM) names its fields, each ``(name, shape,
-    bound)`` in the fixed all-classes form (``secure_fields``), summed as two limbs each (``encode_statistic``)
-    on a grid of ``levels`` (``stats_levels``)."""
-
-    component: Any
-    classes: int
-    fields: list[tuple[str, tuple[int, ...], float]]
-    levels: int
-
-    def config(self) -> dict[str, Any]:
-        """What a node needs to encode its statistics (instruction config)."""
-        return {"secagg-stats": self.component.name, "secagg-classes": self.classes, "secagg-levels": self.levels,
-                "secagg-stat-names": [n for n, _, _ in self.fields],
-                "secagg-stat-bounds": [float(b) for _, _, b in self.fields]}
-
-    def group_sum(self, arrays: list[np.ndarray], results: list[tuple[Any, Any]],
-                  num_clients: int) -> tuple[str | None, dict[str, torch.Tensor]]:
-        """(why the unmasked sum cannot be the statistics of these clients, or None; the group's statistics, which
-        the component checks as a sum, ``ClosedFormClassifier.secure_sum``, within ``sum_error``)."""
-        m = len(results)
-        sums = {n: torch.from_numpy(decode_sum(a, m, b, self.levels)) for (n, _, b), a in zip(self.fields, arrays)}
-        errors = {n: sum_error(m, b, self.levels) for n, _, b in self.fields}
-        total = sum(int(f.metrics[f"{META}num-examples"]) for _, f in results)
-        return self.component.secure_sum(sums, total, m, num_clients, errors)

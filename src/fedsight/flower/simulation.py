@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .server_app import preflight
+from .options import preflight
 
 
 def flower_simulate(
@@ -39,9 +39,9 @@ def flower_simulate(
 
     ``num_cpus`` / ``num_gpus``: resources of one client (Ray's ``client_resources``); ``ray_cpus``:
     CPUs Ray may use in all (default: all of this machine's); ``options``: ServerApp run-config keys
-    (``server_app.OPTIONS``: ``round-timeout``, ``min-clients``, ``dp-noise-multiplier``, ...). Options that do not fit
+    (``options.OPTIONS``: ``round-timeout``, ``min-clients``, ``dp-noise-multiplier``, ...). Options that do not fit
     the config (central DP's requirements, ``min-clients``) raise ``ConfigError`` before Ray starts
-    (``server_app.preflight``)."""
+    (``options.preflight``)."""
     from flwr.simulation import run_simulation
 
     from ..api import resolved
