@@ -30,9 +30,11 @@ from Google's dp-accounting (the library behind Flower's ``RdpAccountant``):
   under replace-one (``GaussianDpEvent(z / 2)``). Amplification also assumes that the sample is secret: with
   ``"without-replacement"`` the server draws it from its own secret (``engine.plan.sample_clients(..., secret)``,
   the stream ("sample", round) of the secret that also drives its noise), not from the run seed, which
-  ``config.json`` and every node's run config hold. The sampled nodes still learn the round's sample (the
-  training instruction lists it), so the bound is against the other parties and observers of the released
-  models, not against a coalition of sampled nodes. ``"none"`` draws it from the seed (a Flower run then samples as
+  ``config.json`` and every node's run config hold. Each training instruction names only the receiving node's
+  own client (``records.instructions_per_node``), so a sampled node learns that it was sampled, not who else was;
+  a node the server cannot yet identify (no provisioning file, a new or restarted SuperNode) is told the
+  sampled clients that have no online node. The bound is still against the other parties and observers of the
+  released models, not against a coalition of sampled nodes (which together know their part of the sample). ``"none"`` draws it from the seed (a Flower run then samples as
   the in-process one does). Poisson sampling
   (each client independently with probability ``q``) is not what FedSight does, so its bound is refused.
 * ``accountant``: ``"rdp"`` (default): Renyi DP (Mironov 2017) of each release at dp-accounting's default

@@ -440,7 +440,7 @@ class SecAggRound:
         fitins = {}
         for c, n in nodes.items():
             own = {c: plan.client_broadcast[c]} if c in plan.client_broadcast else None
-            content = FR.instruction_content(r, plan.sampled, gstate, plan.broadcast, own, **b.task_info, **extra)
+            content = FR.instruction_content(r, [c], gstate, plan.broadcast, own, **b.task_info, **extra)  # its own only
             fitins[n] = instruction_fitins(content)
         shapes = ([tuple(gstate[k].shape) for k in params + buffers] if stats is None else
                   [(2, *shape) for _, shape, _ in stats.fields])
