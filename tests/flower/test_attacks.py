@@ -722,3 +722,19 @@ def test_a_node_is_told_only_its_own_client(tmp_path) -> None:
     assert set(b0) == {"b", "k"} and torch.equal(b0["k"]["a"], torch.zeros(2))
     assert not [k for k in contents[10].keys() if k.endswith("@1")]  # client 1's broadcast is not in node 10's
     assert FR.read_instruction(contents[11], 1)[0]["sampled"] == [] and "broadcast:k@1" not in contents[11]
+
+
+def test_psnr_and_oks_metrics_declare_their_ranges() -> None:
+    """Issue 43: PSNR and OKS AP/AR had no declared range, so an evaluation reply could claim any finite value.
+    PSNR of clamped 8-bit outputs is >= 0 dB (+inf for a perfect image); OKS AP/AR are percentages. Unquantised SR
+    outputs may leave [0, 1] and so declare no PSNR range."""
+    from fedsight.metrics.state import bounds_of
+    from fedsight.tasks.image_sr import ImageSRParams, image_sr_metrics
+    from fedsight.tasks.keypoints import KeypointParams, keypoint_metrics
+    from fedsight.tasks.video_sr import VideoSRParams, video_sr_metrics
+
+    for metrics in (image_sr_metrics(ImageSRParams()), video_sr_metrics(VideoSRParams())):
+        assert [bounds_of(metrics.specs(), k) for k in ("psnr", "psnr_y", "psnr_rgb")] == [(0.0, float("inf"))] * 3
+    assert bounds_of(image_sr_metrics(ImageSRParams(quantize=False)).specs(), "psnr_y") is None
+    specs = keypoint_metrics(KeypointParams(), num_joints=2).specs()
+    assert [bounds_of(specs, k) for k in ("ap", "ap50", "ap75", "ar", "pckh")] == [(0.0, 100.0)] * 5

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -86,13 +87,16 @@ class ImageSRParams(Params):
 def image_sr_metrics(params: ImageSRParams) -> MetricSet:
     """psnr/ssim (on the channel ``params.metric`` picks), the same on Y and RGB, and the loss: means over images."""
     m = params.metric
+    # outputs clamped to [0, 1] and ground truth in [0, 1]: MSE <= 255^2 on the 0..255 scale, so PSNR >= 0 dB (+inf
+    # for a perfect image); unquantised outputs may leave [0, 1], so then no range is declared (finite values only)
+    psnr_range = (0.0, math.inf) if params.quantize else None
     return MetricSet(
         [
-            Mean("psnr", True, f"PSNR (dB) on {m}, mean over images"),
+            Mean("psnr", True, f"PSNR (dB) on {m}, mean over images", psnr_range),
             Mean("ssim", True, f"SSIM on {m}, mean over images", (-1.0, 1.0)),
-            Mean("psnr_y", True, "PSNR (dB) on BT.601 luma"),
+            Mean("psnr_y", True, "PSNR (dB) on BT.601 luma", psnr_range),
             Mean("ssim_y", True, "SSIM on BT.601 luma", (-1.0, 1.0)),
-            Mean("psnr_rgb", True, "PSNR (dB) on RGB"),
+            Mean("psnr_rgb", True, "PSNR (dB) on RGB", psnr_range),
             Mean("ssim_rgb", True, "SSIM on RGB", (-1.0, 1.0)),
             Mean("loss", False, f"mean {params.loss} loss per image", (0.0, float("inf"))),
         ],
