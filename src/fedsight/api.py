@@ -24,7 +24,8 @@ from .engine.plan import Recipe, Schedule, Stage, clients_per_round
 from .engine.server import Server
 from .engine.simulation import Simulation
 from .metric_table import metric_directions
-from .models.base import detect_capabilities, load_weights, save_weights
+from .models.base import detect_capabilities, save_weights
+from .weights import load_checkpoint
 from .plugins import load_builtin
 from .provenance import provenance
 from .errors import FedSightError, RunFileError
@@ -171,7 +172,7 @@ def _kind(capability: str) -> str:
 def initial_weights(cfg: Any, model: torch.nn.Module, task: Task, device: torch.device) -> None:
     """Load ``[init] weights`` or the server's pre-trained extractor (pre-training it when missing)."""
     if cfg.init.weights is not None:
-        load_weights(model, cfg.init.weights, strict=cfg.init.strict)
+        load_checkpoint(model, cfg.init.weights, cfg.init.layout, strict=cfg.init.strict, exclude=cfg.init.exclude)
     elif cfg.pretrain.source != "none":  # the server's pre-trained extractor phi (fedsight.pretrain)
         from .pretrain import ensure_pretrained, load_backbone
 

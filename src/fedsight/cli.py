@@ -536,6 +536,10 @@ from .etlc_cli import etlc_app  # noqa: E402  (encryption-then-lossy-compression
 
 app.add_typer(etlc_app, name="etlc")
 
+from .weights_cli import weights_app  # noqa: E402  (published checkpoints into FedSight's names)
+
+app.add_typer(weights_app, name="weights")
+
 from .bench_cli import bench  # noqa: E402  (speed and memory of the engines)
 
 app.command()(bench)

@@ -179,10 +179,26 @@ class PrivacySection(Params):
 
 
 class InitSection(Params):
-    """Start the global model from a safetensors file instead of the seeded initialisation."""
+    """Start the global model from a checkpoint instead of the seeded initialisation (``fedsight.weights``)."""
 
-    weights: str | None = Field(None, description="safetensors file with the model's state_dict")
-    strict: bool = Field(True, description="require exactly the model's keys")
+    weights: str | None = Field(None, description="checkpoint to start from: .safetensors, or .pth/.pt/.bin read "
+                                "with torch.load(weights_only=True)")
+    layout: Literal["fedsight", "torchvision"] = Field(
+        "fedsight", description="whose key names the checkpoint uses: fedsight (a run's model.safetensors) or "
+        "torchvision (ResNets -> resnet*_imagenet, MobileNetV2 -> mobilenetv2 with cifar_stem = false)")
+    exclude: list[str] = Field(default_factory=list, description='FedSight keys left out, fnmatch patterns: '
+                               '["head.*"] keeps the model\'s own classifier (another number of classes)')
+    strict: bool = Field(True, description="require every model key not excluded; a checkpoint key the model does "
+                         "not have is refused either way")
+
+    @model_validator(mode="after")
+    def _needs_weights(self) -> "InitSection":
+        unused = [k for k in ("layout", "exclude", "strict") if self.weights is None
+                  and getattr(self, k) != type(self).model_fields[k].get_default(call_default_factory=True)]
+        if unused:
+            raise ValueError(f"init.{unused[0]} is set but init.weights is not (it would do nothing); set init.weights "
+                             f"or remove init.{unused[0]}")
+        return self
 
 
 STAGE_OVERRIDABLE = ("train", "server", "recipe")
