@@ -108,3 +108,13 @@ def test_every_registered_dataset_partitioner_and_model_is_on_the_data_page():
     assert missing == [], f"docs/data_and_models.md does not name: {missing}"
     missing = [f"{reg.kind} {n}" for reg in (DATASETS, MODELS) for n in reg.names() if f"`{n}`" not in readme]
     assert missing == [], f"README.md's task table does not name: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_example_benchmark_and_test_file_named_in_code_exists(page):
+    """A path in inline code (`examples/raf.toml`, `benchmarks/drift.py`, `tests/test_kill.py`) names a file of
+    the repository; wildcards and placeholders (`examples/*_table.py`, `<name>`) are patterns, not paths."""
+    text = page.read_text(encoding="utf-8")
+    named = set(re.findall(r"`((?:examples|benchmarks|tests)/[\w./-]+\.(?:toml|py|sh))", text))
+    missing = sorted(p for p in named if not (ROOT / p).is_file())
+    assert missing == [], f"{page.relative_to(ROOT)} names files that do not exist: {missing}"
