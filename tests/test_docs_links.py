@@ -118,3 +118,10 @@ def test_every_example_benchmark_and_test_file_named_in_code_exists(page):
     named = set(re.findall(r"`((?:examples|benchmarks|tests)/[\w./-]+\.(?:toml|py|sh))", text))
     missing = sorted(p for p in named if not (ROOT / p).is_file())
     assert missing == [], f"{page.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    """The README is the way in: a page under docs/ it does not link is a page no reader finds."""
+    targets = {(ROOT / t.partition("#")[0]).resolve() for _, t in links(ROOT / "README.md")}
+    orphans = [p.name for p in PAGES[1:] if p.resolve() not in targets]
+    assert orphans == [], f"docs pages the README does not link: {orphans}"
