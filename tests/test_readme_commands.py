@@ -22,8 +22,12 @@ span that starts with ``fedsight``, ``python`` or ``pytest``, is CHECKED without
 every option exist and their values parse (click's parser, as the command line would); a config file path that
 exists in the repository is expanded and validated with the command's ``--set`` and ``--variant`` values (every
 key validates, every variant exists); ``python SCRIPT`` names a file of the repository; ``pytest`` names test
-files (and ``::`` test names) that exist. A span with a placeholder (``...``, ``|``, ``[OPTION]``) is a pattern,
-not a command, and is not checked.
+files (and ``::`` test names) that exist. A span with a placeholder (``...``, ``|``, ``[OPTION]``, ``<name>``,
+``fedsight COMMAND``) is a pattern, not a command, and is not checked; in a sentence, a command may leave out its
+arguments or an option's value, and what it gives is checked. No docs command is run: those that need a GPU
+(``fedsight bench --device cuda``), a dataset on disk (``data.root``) or Flower deployments across machines
+(``fedsight flower app``, ``flwr run``) are checked exactly like the others, and the examples behind the docs run
+under ``--smoke`` in ``tests/test_examples_smoke.py``.
 """
 
 from __future__ import annotations
