@@ -26,8 +26,8 @@ files (and ``::`` test names) that exist. A span with a placeholder (``...``, ``
 ``fedsight COMMAND``) is a pattern, not a command, and is not checked; in a sentence, a command may leave out its
 arguments or an option's value, and what it gives is checked. No docs command is run: those that need a GPU
 (``fedsight bench --device cuda``), a dataset on disk (``data.root``) or Flower deployments across machines
-(``fedsight flower app``) are checked like the others (other programs, ``flwr`` or ``tensorboard``, are not), and the examples behind the docs run
-under ``--smoke`` in ``tests/test_examples_smoke.py``.
+(``fedsight flower app``) are checked like the others (other programs' commands, ``flwr`` or ``tensorboard``, are
+not), and the examples behind the docs run under ``--smoke`` in ``tests/test_examples_smoke.py``.
 """
 
 from __future__ import annotations
