@@ -403,7 +403,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
     if not resume:
         for path in (run.metrics_path, run.weights_path, run.path / CLIENT_METRICS_FILE):
             path.unlink(missing_ok=True)
-    for note in notes:  # a run_repaired event for each repair and each swept leftover (README)
+    for note in notes:  # a run_repaired event for each repair and each swept leftover (docs/guarantees.md)
         run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
     last: dict[str, Any] = {}
 
