@@ -58,6 +58,8 @@ class Panel:
     x: str = "round"
     xticks: list[str] = field(default_factory=list)
     spans: list[tuple[float, float, str]] = field(default_factory=list)
+    #: the metric keys drawn (round panels)
+    keys: list[str] = field(default_factory=list)
 
 
 def _prefix(key: str) -> str:
@@ -86,13 +88,15 @@ def duplicate_channels(keys: Sequence[str], series: dict[str, _Series]) -> dict[
     return out
 
 
-def channel_label(key: str) -> str:
-    """``test/psnr_y (Y)``, ``test/ssim_rgb (RGB)``; other keys as they are."""
+def channel_label(key: str, unit: str = "") -> str:
+    """``test/psnr_y (Y)``, ``test/ssim_rgb (RGB)``; with ``unit`` (``%`` or ``dB``, shown in a label) first:
+    ``test/psnr_y (dB, Y)``, ``test/pckh (%)``; other keys as they are."""
     leaf = key.rsplit("/", 1)[-1]
+    parts = [unit] if unit in ("%", "dB") else []
     for ch, name in _CHANNELS.items():
         if leaf.endswith(f"_{ch}") and leaf[: -len(ch) - 1] in ("psnr", "ssim"):
-            return f"{key} ({name})"
-    return key
+            parts.append(name)
+    return f"{key} ({', '.join(parts)})" if parts else key
 
 
 def constant_series(keys: Sequence[str], series: dict[str, _Series]) -> list[str]:
@@ -172,18 +176,22 @@ def plan_panels(keys: Sequence[str], series: dict[str, _Series], direction: Call
         keys = [k for k in keys if k not in taken]
 
     bytes_keys = [k for k in keys if _prefix(k) == "cost" and "bytes" in k]
-    if bytes_keys:
-        panels += _bytes_panels(bytes_keys, series, style)
-        keys = [k for k in keys if k not in bytes_keys]
+    keys = [k for k in keys if k not in bytes_keys]
+    rest: list[Panel] = []
     for title, ks in groups(keys):
         unit = {metric_unit(k, task, primary) for k in ks}
         u = unit.pop() if len(unit) == 1 else ""
         lines = [Line(channel_label(k), series[k].rounds, series[k].values, style(i)) for i, k in enumerate(ks)]
-        ylabel = "seconds" if u == "s" else (ks[0] if len(ks) == 1 else "value")
+        stems = {k.rsplit("/", 1)[-1].split("_")[0] for k in ks}
+        ylabel = "seconds" if u == "s" else (ks[0] if len(ks) == 1 else stems.pop() if len(stems) == 1 else "value")
         if u in ("%", "dB"):
             ylabel = f"{ylabel} ({u})"
-        panels.append(_scaled(Panel(title, ylabel, lines), u))
-    return panels, notes
+        rest.append(_scaled(Panel(title, ylabel, lines, keys=list(ks)), u))
+    if bytes_keys:  # where the cost panels are, else before training and time, else last
+        at = next((i for i, p in enumerate(rest) if p.keys and _prefix(p.keys[0]) in ("cost", "train", "time")),
+                  len(rest))
+        rest[at:at] = _bytes_panels(bytes_keys, series, style)
+    return panels + rest, notes
 
 
 def _scaled(panel: Panel, unit: str) -> Panel:
@@ -220,7 +228,7 @@ def _bytes_panels(keys: Sequence[str], series: dict[str, _Series], style: Callab
         downs = [k for k in ks if "down" in k.rsplit("/", 1)[-1]]
         if len(ups) == 1 and len(downs) == 1 and _same(series[ups[0]], series[downs[0]]):
             title = title.replace(" (", " (up = down, ")
-        out.append(_scaled(Panel(title, "value", lines), "B"))
+        out.append(_scaled(Panel(title, "value", lines, keys=list(ks)), "B"))
     return out
 
 

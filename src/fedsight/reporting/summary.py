@@ -14,7 +14,7 @@ from .fmt import _fmt_duration, _md_escape, _metric_label
 from .partition import read_partition
 from .plots import CURVES_FILE, plot_run
 from .run_panels import channel_label, duplicate_channels
-from .units import human, metric_unit, unit_label
+from .units import human, metric_unit
 from .runs_view import StrPath, _best_direction, _display_order, _Run
 
 SUMMARY_FILE = "summary.md"
@@ -262,7 +262,7 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
             fv, fr = s.final()
             bv, br = s.best(_best_direction(k, higher))
             unit = metric_unit(k, task_name, run.primary)
-            label = _metric_label(channel_label(k) + unit_label(unit), higher)
+            label = _metric_label(channel_label(k, unit), higher)
             if k in twins:
                 label += f", = {twins[k]}"
             lines.append(f"| {_md_escape(label)} | {human(fv, unit)} | {fr} | {'—' if bv is None else human(bv, unit)} | "

@@ -80,8 +80,3 @@ def _sig3(x: float) -> str:
     decimals = max(0, 2 - math.floor(math.log10(abs(x))))
     text = f"{x:.{decimals}f}"
     return text if float(text) < 1000 or decimals else f"{x:.0f}"
-
-
-def unit_label(unit: str) -> str:
-    """What a metric label carries: `` (%)`` or `` (dB)``; nothing for units the values carry themselves."""
-    return f" ({unit})" if unit in ("%", "dB") else ""
