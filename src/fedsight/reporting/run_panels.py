@@ -163,11 +163,13 @@ def plan_panels(keys: Sequence[str], series: dict[str, _Series], direction: Call
 
     part = partition or {}
     test_sizes = {}
-    for split, info in (part.get("test_sets") or {}).items():
+    sets = part.get("test_sets")
+    for split, info in (sets if isinstance(sets, dict) else {}).items():
         size = info.get("size") if isinstance(info, dict) else None
         if isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) for v in size):
             test_sizes[str(split)] = (size[0], size[1])
-    ladder = [tuple(s) for s in part.get("ladder") or [] if isinstance(s, list) and len(s) == 2]
+    rungs = part.get("ladder")
+    ladder = [tuple(s) for s in (rungs if isinstance(rungs, list) else []) if isinstance(s, list) and len(s) == 2]
     fams = sized_keys(keys, test_sizes)
     panels: list[Panel] = []
     if fams:
