@@ -3,6 +3,7 @@ at several input sizes (one panel per metric, PCKh against input size, PCKh in p
 
 from __future__ import annotations
 
+import matplotlib.colors
 import numpy as np
 import pytest
 import torch
@@ -74,6 +75,30 @@ def test_skeleton_overlays_at_every_rung_score_a_perfect_model_100(tmp_path):
     shapes = [ax.get_images()[0].get_array().shape[:2] for ax in fig.axes if ax.get_images()]
     assert shapes[:3] == [tuple(s) for s in LADDER]
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["ground truth", "prediction"]
+
+
+class Peak(nn.Module):
+    """Every joint's heatmap peaks at heatmap pixel (row 2, column 3), at any input size."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        out = torch.zeros(x.shape[0], 16, x.shape[-2] // 4, x.shape[-1] // 4) + 0 * self.w
+        out[..., 2, 3] = 1.0
+        return out
+
+
+def test_the_red_skeleton_is_the_prediction_and_the_green_one_the_truth(tmp_path):
+    task = build_task(validate(raw_config(tmp_path, flip_test=False, refine=False, visual_instances=1)))
+    fig = keypoint_figure(task, Peak())
+    for ax in fig.axes:
+        dots = {tuple(np.round(c.get_facecolor()[0][:3], 3)): c.get_offsets() for c in ax.collections}
+        red = np.asarray(dots[tuple(np.round(matplotlib.colors.to_rgb(PRED_COLOUR), 3))])
+        green = np.asarray(dots[tuple(np.round(matplotlib.colors.to_rgb(GT_COLOUR), 3))])
+        assert np.allclose(red, [3 * 4, 2 * 4])  # every predicted joint at the peak, in input pixels (stride 4)
+        assert green.std(0).min() > 1  # the true joints are spread over the person
 
 
 def test_person_score_counts_labelled_joints_within_the_threshold():

@@ -128,7 +128,7 @@ def integer_rounds(ax: Any) -> None:
     if hi - lo < 1:
         mid = round((lo + hi) / 2)
         ax.set_xlim(mid - 1, mid + 1)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _fold_offset_texts(fig: Any) -> None:
