@@ -1,7 +1,7 @@
-"""Golden fixtures for ``tests/models/test_golden_weights.py``: reference models built by torchvision itself, one
-fixed input and their outputs, saved as small safetensors files.
+"""Golden fixtures for ``tests/models/test_golden_weights.py``: reference models built by torchvision and timm
+themselves, one fixed input and their outputs, saved as small safetensors files.
 
-Run it once where torchvision imports (not with this project's CPU torch wheel: a GPU machine's image has it):
+Run it once where torchvision and timm import (not with this project's CPU torch wheel: a GPU machine's image has it):
 
     python benchmarks/golden_weights.py --out tests/fixtures/golden
 
@@ -24,12 +24,25 @@ from pathlib import Path
 
 import torch
 
-#: fixture -> (torchvision builder, FedSight model, its params, classes)
+#: fixture -> (library (its layout), its builder, FedSight model, its params, classes)
 CASES = {
-    "tv_resnet18": ("resnet18", "resnet18_imagenet", {}, 10),
-    "tv_resnet50": ("resnet50", "resnet50_imagenet", {}, 10),
-    "tv_mobilenet_v2": ("mobilenet_v2", "mobilenetv2", {"cifar_stem": False}, 10),
+    "tv_resnet18": ("torchvision", "resnet18", "resnet18_imagenet", {}, 10),
+    "tv_resnet50": ("torchvision", "resnet50", "resnet50_imagenet", {}, 10),
+    "tv_mobilenet_v2": ("torchvision", "mobilenet_v2", "mobilenetv2", {"cifar_stem": False}, 10),
+    "timm_vit_s16": ("timm", "vit_small_patch16_224", "vit_s16", {}, 10),
 }
+SIDE = 64  # the fixed input's side (timm's ViT is built for it: a 4 x 4 patch grid)
+
+
+def reference(library: str, builder: str, classes: int):
+    """The reference model, randomly initialised (nothing downloaded), in eval mode."""
+    if library == "timm":
+        import timm
+
+        return timm.create_model(builder, pretrained=False, num_classes=classes, img_size=SIDE).eval()
+    import torchvision
+
+    return getattr(torchvision.models, builder)(weights=None, num_classes=classes).eval()
 
 
 def seeded_state(shapes: dict[str, list[int]], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -54,25 +67,25 @@ def seeded_state(shapes: dict[str, list[int]], seed: int = 0) -> dict[str, torch
 
 
 def main() -> None:
-    import torchvision
+    from importlib.metadata import version
+
     from safetensors.torch import save_file
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("tests/fixtures/golden"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, (builder, model, params, classes) in CASES.items():
-        net = getattr(torchvision.models, builder)(weights=None, num_classes=classes).eval()
+    for name, (library, builder, model, params, classes) in CASES.items():
+        net = reference(library, builder, classes)
         shapes = {k: list(v.shape) for k, v in net.state_dict().items()}
         net.load_state_dict(seeded_state(shapes))
-        x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(2, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             y = net(x)
-        meta = {"torchvision": torchvision.__version__, "torch": torch.__version__, "model": model,
-                "params": json.dumps(params), "classes": str(classes), "layout": "torchvision",
-                "shapes": json.dumps(shapes)}
+        meta = {library: version(library), "torch": torch.__version__, "model": model, "params": json.dumps(params),
+                "classes": str(classes), "layout": library, "shapes": json.dumps(shapes)}
         save_file({"input": x, "output": y.contiguous()}, str(args.out / f"{name}.safetensors"), metadata=meta)
-        print(f"wrote {args.out / name}.safetensors: {name} {tuple(y.shape)} from torchvision {torchvision.__version__}")
+        print(f"wrote {args.out / name}.safetensors: {name} {tuple(y.shape)} from {library} {version(library)}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ prefix that ``DataParallel`` adds.
 Layouts (``LAYOUTS``; ``convert``):
 
 * ``fedsight``: FedSight's own keys (a ``model.safetensors`` or checkpoint of a run).
+* ``timm``: timm's ``VisionTransformer`` (``vit_small_patch16_*``, ``vit_base_patch16_*``) onto ``vit_s16`` /
+  ``vit_b16`` (``backbone.<key>``, ``head`` stays); a position embedding for another image size is resampled by
+  the model (``models.vit.VisionTransformer.adapt_checkpoint``).
 * ``torchvision``: torchvision's classification models. ResNets (``conv1``, ``bn1``, ``layer1..4``, ``fc``) map
   onto ``resnet18_imagenet`` / ``resnet34_imagenet`` / ``resnet50_imagenet`` (``backbone.<key>``, ``fc`` ->
   ``head``); MobileNetV2 (``features.N``, ``classifier.1``) onto ``mobilenetv2`` with ``cifar_stem = false``
@@ -109,10 +112,17 @@ def _torchvision(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     raise ValueError("not a torchvision ResNet or MobileNetV2 state dict (no 'layer1.*' or 'features.*' keys)")
 
 
+def _timm(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not any(k.startswith("blocks.") for k in state) or "cls_token" not in state:
+        raise ValueError("not a timm VisionTransformer state dict (no 'cls_token' and 'blocks.*' keys)")
+    return _rename(state, [(r"^head\.", "head."), (r"^", "backbone.")])
+
+
 #: layout name -> key conversion into FedSight's names
 LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = {
     "fedsight": dict,
     "torchvision": _torchvision,
+    "timm": _timm,
 }
 
 
@@ -163,6 +173,8 @@ def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "fedsight"
     except ValueError as exc:
         raise ValueError(str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}") from None
     state = {k: v for k, v in state.items() if kept(k)}
+    if hasattr(model, "adapt_checkpoint"):  # e.g. a ViT's position embedding resampled to the model's patch grid
+        state = model.adapt_checkpoint(state)
     own = model.state_dict()
     problems = fit_problems(model, state, [k for k in own if kept(k)] if strict else ())
     if problems:

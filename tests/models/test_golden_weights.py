@@ -30,7 +30,7 @@ def check_fixture(path: Path) -> None:
         x, want = f.get_tensor("input"), f.get_tensor("output")
     torch.manual_seed(0)
     model = build_model(meta["model"], json.loads(meta["params"]), num_classes=int(meta["classes"]), in_channels=3,
-                        image_size=64).eval()
+                        image_size=x.shape[-1]).eval()
     state = convert(seeded_state(json.loads(meta["shapes"])), meta["layout"])
     assert fit_problems(model, state, list(model.state_dict())) == []  # every key, every shape
     model.load_state_dict(state)
@@ -43,7 +43,7 @@ def test_fedsight_model_with_reference_weights_gives_the_reference_outputs(name)
     path = GOLDEN / f"{name}.safetensors"
     if not path.is_file():
         pytest.skip(f"no golden fixture {path.relative_to(ROOT)}: run `python benchmarks/golden_weights.py` where "
-                    "torchvision imports (a GPU session's image) and commit its files")
+                    "torchvision imports (a GPU session's image has torchvision and timm) and commit its files")
     check_fixture(path)
 
 

@@ -248,3 +248,50 @@ def test_weights_convert_command(tmp_path) -> None:
         res = run(*args)
         assert res.exit_code == 2 and msg in res.output, res.output
     assert dst.read_bytes() == before and not (tmp_path / "y.safetensors").exists()
+
+
+def timm_vit(dim: int, depth: int, num_classes: int = 1000, grid: int = 14, patch: int = 16) -> dict[str, torch.Tensor]:
+    """timm's ``VisionTransformer`` state dict (class token, absolute position embedding over 1 + grid^2 tokens,
+    pre-norm blocks with one qkv linear, MLP ratio 4, final norm, linear head)."""
+    g, s = torch.Generator().manual_seed(2), {}
+    shapes = {"cls_token": (1, 1, dim), "pos_embed": (1, 1 + grid * grid, dim), "patch_embed.proj.weight": (dim, 3, patch, patch),
+              "patch_embed.proj.bias": (dim,)}
+    for i in range(depth):
+        b = f"blocks.{i}"
+        shapes.update({f"{b}.norm1.weight": (dim,), f"{b}.norm1.bias": (dim,), f"{b}.attn.qkv.weight": (3 * dim, dim),
+                       f"{b}.attn.qkv.bias": (3 * dim,), f"{b}.attn.proj.weight": (dim, dim), f"{b}.attn.proj.bias": (dim,),
+                       f"{b}.norm2.weight": (dim,), f"{b}.norm2.bias": (dim,), f"{b}.mlp.fc1.weight": (4 * dim, dim),
+                       f"{b}.mlp.fc1.bias": (4 * dim,), f"{b}.mlp.fc2.weight": (dim, 4 * dim), f"{b}.mlp.fc2.bias": (dim,)})
+    shapes.update({"norm.weight": (dim,), "norm.bias": (dim,), "head.weight": (num_classes, dim), "head.bias": (num_classes,)})
+    for k, shape in shapes.items():
+        s[k] = torch.randn(shape, generator=g) * 0.02
+    return s
+
+
+@pytest.mark.parametrize(("model", "dim", "published"), [("vit_s16", 384, 22_050_664), ("vit_b16", 768, 86_567_656)])
+def test_a_timm_vit_checkpoint_loads_every_key_and_its_position_embedding_follows_the_image_size(model, dim, published,
+                                                                                             tmp_path) -> None:
+    state = timm_vit(dim, 12)
+    assert _params(state) == published  # timm's published count for vit_*_patch16_224
+    path = tmp_path / "vit.safetensors"
+    save_file(state, str(path))
+    full = _model(model, None)
+    assert set(load_checkpoint(full, path, "timm")) == set(full.state_dict())
+    assert torch.equal(full.backbone.pos_embed, state["pos_embed"]) and torch.equal(full.head.weight, state["head.weight"])
+    # built for 32 x 32 images (a 2 x 2 grid): the 14 x 14 embedding is resampled, the class token's entry kept
+    small = build_model(model, None, num_classes=1000, in_channels=3, image_size=32)
+    load_checkpoint(small, path, "timm")
+    pos = small.backbone.pos_embed
+    assert pos.shape == (1, 5, dim) and torch.equal(pos[:, 0], state["pos_embed"][:, 0])
+    assert small(torch.randn(2, 3, 32, 32)).shape == (2, 1000)
+
+
+def test_position_embedding_resampling_keeps_a_constant_field_and_is_the_identity_on_its_own_grid() -> None:
+    from fedsight.models.vit import resample_pos_embed
+
+    pos = torch.randn(1, 1 + 14 * 14, 8)
+    assert resample_pos_embed(pos, 14) is pos
+    const = torch.cat([torch.zeros(1, 1, 8), torch.full((1, 196, 8), 0.7)], dim=1)
+    torch.testing.assert_close(resample_pos_embed(const, 3)[:, 1:], torch.full((1, 9, 8), 0.7))
+    with pytest.raises(ValueError, match="not a class token and a square grid"):
+        resample_pos_embed(torch.zeros(1, 7, 8), 2)
