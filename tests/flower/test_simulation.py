@@ -21,7 +21,7 @@ from helpers import tiny
 pytestmark = pytest.mark.flower
 
 
-def test_ray_simulation_equals_in_process(tmp_path, monkeypatch):
+def test_ray_simulation_equals_in_process(tmp_path, monkeypatch, capfd, recwarn):
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))  # Flower writes nothing to ~/.flwr
     raw = tiny(**{"partition.num_clients": 3, "server.clients_per_round": 2, "server.rounds": 2, "eval.every": 1,
                   "recipe.components": ["scaffold"], "recipe.weighting": "uniform", "engine.threads": 1})
@@ -31,6 +31,10 @@ def test_ray_simulation_equals_in_process(tmp_path, monkeypatch):
     result = CliRunner().invoke(flower_app, ["simulate", str(cfg_file), "--run-dir", str(tmp_path / "ray"),
                                              "--cpus-per-client", "1", "--ray-cpus", "1"])
     assert result.exit_code == 0, result.output
+    printed = capfd.readouterr().err + result.output  # Flower logs to the process's stderr
+    assert "DEPRECATED FEATURE" not in printed and "Ray will no longer override" not in printed, printed  # issue 45
+    assert "FedSight: client identity not authenticated" in printed  # Flower's other log lines still show
+    assert not [w for w in recwarn if "Ray will no longer override" in str(w.message)]
     a, b = load_file(str(tmp_path / "inproc" / "model.safetensors")), load_file(str(tmp_path / "ray" / "model.safetensors"))
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
