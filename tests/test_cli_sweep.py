@@ -160,7 +160,8 @@ def test_jobs_runs_the_sweep_in_processes_with_the_serial_numbers(tmp_path, monk
     (tmp_path / "c.toml").write_text(tomli_w.dumps(raw))
     res = runner.invoke(app, ["run", "c.toml", "--jobs", "2", "--set", "run.output_dir=par"])
     assert res.exit_code == 0, res.output
-    assert "tiny seed 1 round 2/2" in res.output and "par/tiny/report.md" in res.output
+    assert "run 2/2 tiny seed 1 round 2/2" in res.output and "par/tiny/report.md" in res.output
+    assert "run 2/2 tiny seed 1: loading data" in res.output  # a worker's phases reach the parent (issue 45)
     assert runner.invoke(app, ["run", "c.toml", "--set", "run.output_dir=ser"]).exit_code == 0
 
     def rows(root, seed):

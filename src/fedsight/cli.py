@@ -17,7 +17,6 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from .errors import ConfigError, FedSightError, OutputPathError
@@ -81,59 +80,32 @@ def _guard(check: Any, *args: Any, **kwargs: Any) -> Path:
         raise  # unreachable: _fail exits
 
 
-def _short(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
-    """The progress line's metrics: ``keys`` from ``api.progress_keys`` (the task's primary metric first)."""
-    return "  ".join(f"{label} {row[key]:.4f}" for key, label in keys if key in row)
+def _progress():
+    """The progress display (``fedsight.live``): two lines a run, readable at 80 columns."""
+    from .live import make_progress
+
+    return make_progress(console)
 
 
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[clients]}"),
-        TextColumn("{task.fields[metrics]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    )
+def _spec_label(spec: Any, index: int | None = None, count: int = 1) -> str:
+    """A sweep member as the progress shows it: ``run k/N`` in a sweep, its run name (the variant and grid point)
+    and seed."""
+    from .live import run_label
 
-
-def _spec_label(spec: Any) -> str:
-    """A sweep member as the progress shows it: its run name (the variant and grid point) and seed."""
-    return f"{spec.config.run.name} seed {spec.seed}"
-
-
-def _clients(row: dict[str, Any]) -> str:
-    """The progress's clients column: the round's aggregated clients; round 0 is the initial model's evaluation."""
-    return "initial model" if row.get("round") == 0 else f"{row.get('clients/aggregated', 0)} clients"
-
-
-def _log_line(label: str, r: int, total: int, row: dict[str, Any], keys: list[tuple[str, str]], start: float) -> None:
-    """Progress off a terminal: a whole line for every evaluated round, every ``total // 50``-th and the last."""
-    if any(key in row for key, _ in keys[:1]) or r % max(1, total // 50) == 0 or r == total:
-        _say(f"{label} round {r}/{total}  {_clients(row)}  {_short(row, keys)}  "
-             f"{time.monotonic() - start:.1f} s")
+    return run_label(spec.config.run.name, spec.seed, index, count)
 
 
 def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
+    """``api.execute`` with live progress (``fedsight.live``): a bar and a phase line on a terminal; off one
+    (nohup, SLURM, a pipe), whole lines, never a bar cut to the width."""
     from .api import execute, progress_keys
+    from .live import RunView
     from .runs import RunDir
 
     done = int(RunDir(run_dir).read_status().get("round", 0)) if RunDir(run_dir).exists() else 0
-    keys = progress_keys(cfg)
-    if not console.is_terminal:  # nohup, SLURM, a pipe: whole lines, never a bar cut to the width with "..."
-        start = time.monotonic()
-        return execute(cfg, run_dir, on_round=lambda r, row: _log_line(label, r, cfg.server.rounds, row, keys, start),
-                       **kwargs)
-    with _progress() as progress:
-        task = progress.add_task(escape(label), total=cfg.server.rounds, completed=done, clients="", metrics="")
-
-        def on_round(r: int, row: dict[str, Any]) -> None:
-            progress.update(task, completed=r, clients=_clients(row), metrics=_short(row, keys))
-
-        return execute(cfg, run_dir, on_round=on_round, **kwargs)
+    with _progress() if console.is_terminal else contextlib.nullcontext() as progress:
+        view = RunView(progress, _say, label, cfg.server.rounds, progress_keys(cfg), done=done)
+        return execute(cfg, run_dir, on_round=view.round, on_phase=view.phase, **kwargs)
 
 
 @app.command()
@@ -167,8 +139,8 @@ def run(
     dirs = []
     if jobs > 1 and len(specs) > 1:
         dirs = _run_jobs(config, set_ or [], variant or [], specs, jobs, overwrite, stop_after, smoke)
-    for spec in specs if not dirs else []:
-        label = _spec_label(spec)
+    for i, spec in enumerate(specs if not dirs else []):
+        label = _spec_label(spec, i, len(specs))
         try:
             out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
@@ -195,21 +167,22 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
     """``run --jobs``: the sweep's runs in ``jobs`` processes (``fedsight.parallel``), with a bar per run (or,
     off a terminal, a line per round); the run directories, or exit 1 naming every run that failed."""
     from .api import progress_keys
+    from .live import RunView
     from .parallel import run_parallel
 
-    labels = [_spec_label(s) for s in specs]
+    labels = [_spec_label(s, i, len(specs)) for i, s in enumerate(specs)]
     keys, start = progress_keys(specs[0].config), time.monotonic()
     with _progress() if console.is_terminal else contextlib.nullcontext() as progress:
-        bars = [progress.add_task(escape(label), total=s.config.server.rounds, clients="", metrics="")
-                for label, s in zip(labels, specs)] if progress is not None else []
+        views = [RunView(progress, _say, label, s.config.server.rounds, keys, start=start,
+                         phase="waiting for a worker" if progress is not None else "")
+                 for label, s in zip(labels, specs)]
 
         def on_message(msg: Any) -> None:
-            _, i, r, row = msg
-            if progress is not None:
-                progress.update(bars[i], completed=r, clients=_clients(row),
-                                metrics=_short(row, keys))
+            kind, i, r, row = msg
+            if kind == "phase":
+                views[i].phase(str(row["phase"]))
             else:
-                _log_line(labels[i], r, specs[i].config.server.rounds, row, keys, start)
+                views[i].round(r, row)
 
         results = run_parallel(config, sets, variants, len(specs), jobs, overwrite=overwrite, stop_after=stop_after,
                                smoke=smoke, on_message=on_message)
@@ -507,10 +480,10 @@ def pretrain_(
         try:
             task = build_task(cfg)  # data errors surface before the progress bar
             with _progress() as progress:
-                bar = progress.add_task(escape(label), total=cfg.pretrain.epochs, clients="", metrics="")
+                bar = progress.add_task(escape(label), total=cfg.pretrain.epochs, detail="pre-training")
 
                 def on_epoch(epoch: int, loss: float) -> None:
-                    progress.update(bar, completed=epoch, metrics=f"loss {loss:.4f}")
+                    progress.update(bar, completed=epoch, detail=f"epoch {epoch}: train loss {loss:.4f}")
 
                 res = pretrain(cfg, task, out=path, progress=on_epoch)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
