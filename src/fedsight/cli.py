@@ -328,15 +328,16 @@ def list_(
 def partition(
     config: Annotated[Path, typer.Argument(help="TOML config (its [data] and [partition] sections are used).")],
     set_: SetOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: partition.png in the sweep's folder; "
-                                                     "one per distinct partition of a sweep).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: the sweep's folder: partition.png, "
+                                                     "or partition-POINT.png per distinct partition).")] = None,
     variant: Annotated[Optional[list[str]], typer.Option(help="Only this variant of the config (repeatable).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out file.")] = False,
 ) -> None:
     """Show how a config partitions its data: per-client statistics and a clients x classes heatmap.
 
     A sweep shows every distinct partition of its variants and grid points (of its first seed), each with its
-    own heatmap in that point's folder; points with the same data and partition share one.
+    own heatmap in the sweep's folder, named by the point (partition-alpha=0.1.png); points with the same data
+    and partition (the variants of a grid point) share one.
     """
     import json
 
@@ -359,18 +360,21 @@ def partition(
         key = json.dumps({k: dump.get(k) for k in ("seed", "data", "partition", "task", "validation", "pretrain")},
                          sort_keys=True)
         points.setdefault(key, []).append(spec)
-    paths = []
+    paths, shown = [], []
     for same in points.values():
-        where = same[0].run_dir.parent.relative_to(group)
+        wheres = [s.run_dir.parent.relative_to(group) for s in same]
+        slug, point = _shared_point(wheres, len(points))
+        if any(path.name == f"partition-{slug}.png" for path in paths):  # two partitions, one name: the full one
+            slug = "-".join(wheres[0].parts)
+        shown.append(point)
         if len(points) == 1:
             path = out or group / "partition.png"
-        else:
-            slug = "-".join(where.parts)
-            path = out.with_name(f"{out.stem}-{slug}{out.suffix}") if out else same[0].run_dir.parent / "partition.png"
+        else:  # the sweep's folder, where every variant sharing it finds it
+            path = out.with_name(f"{out.stem}-{slug}{out.suffix}") if out else group / f"partition-{slug}.png"
         for target in (path, path.with_name(path.stem + "_classes.png")):  # all checked before anything is written
             _guard(check_output, target, "--out" if target == out else "", force=force, exists_ok=out is None)
         paths.append(path)
-    for same, path in zip(points.values(), paths):
+    for same, path, point in zip(points.values(), paths, shown):
         spec = same[0]
         names = [str(s.run_dir.parent.relative_to(group)) for s in same if s.run_dir.parent != group]
         if names:
@@ -379,7 +383,21 @@ def partition(
             task = build_task(spec.config)  # the same data, validation carve-out and partition a run uses
         except (ConfigError, FileNotFoundError, ValueError) as exc:
             _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1)
-        _show_partition(spec.config, task, path, ", ".join(names) if len(points) > 1 else "")
+        _show_partition(spec.config, task, path, point)
+
+
+def _shared_point(wheres: list[Path], distinct: int) -> tuple[str, str]:
+    """A partition shared by the sweep points ``wheres`` (their folders under the sweep's): its file-name slug and
+    the words its heatmap's title gives it. The variants of one grid point (``fedavg/alpha=0.1``,
+    ``prox/alpha=0.1``) share the grid point: ``alpha=0.1``, "alpha=0.1, shared by fedavg, prox"."""
+    parts = [w.parts for w in wheres]
+    common: tuple[str, ...] = ()
+    while len(common) < min(map(len, parts)) and len({p[len(p) - len(common) - 1:] for p in parts}) == 1:
+        common = parts[0][len(parts[0]) - len(common) - 1:]
+    if len(parts) > 1 and common:
+        heads = ["/".join(p[:len(p) - len(common)]) for p in parts]
+        return "-".join(common), f"{'/'.join(common)}, shared by {', '.join(h for h in heads if h)}"
+    return "-".join(parts[0]) or "all", ", ".join("/".join(p) for p in parts) if distinct > 1 else ""
 
 
 def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
@@ -407,7 +425,9 @@ def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
         summary = {k.replace("classes", f"{key}s").replace("label", key): v for k, v in summary.items()}
     _say("  ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()))
     if info.get("validation"):
-        _say(f"server validation set: {info['validation']}")
+        from .reporting.partition import describe_split
+
+        _say(f"server validation set: {describe_split(info['validation'])}")
     path.parent.mkdir(parents=True, exist_ok=True)
     title = f"{cfg.data.name} / {p.name}" + (f" ({point})" if point else "")
     plot_partition_heatmap(counts, path, class_names=info.get("class_names"), title=title, key=key)
