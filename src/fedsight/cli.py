@@ -326,7 +326,7 @@ def list_(
 
 @app.command()
 def partition(
-    config: Annotated[Path, typer.Argument(help="TOML config (its [data] and [partition] sections are used).")],
+    config: Annotated[Path, typer.Argument(help="TOML config (its data, validation and partition sections are used).")],
     set_: SetOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: the sweep's folder: partition.png, "
                                                      "or partition-POINT.png per distinct partition).")] = None,

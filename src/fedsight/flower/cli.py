@@ -47,8 +47,8 @@ def _say(text: str) -> None:
     console.print(escape(text), highlight=False)
 
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a config value: key.path=value. Repeatable.")]
-RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the in-process run's with "
-                                                        "-flower-COMMAND: output_dir/run.name/seed<N>-flower-local).")]
+RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the in-process run's, its name "
+                                                        "followed by -flower-COMMAND).")]
 RoundTimeout = Annotated[float, typer.Option(help="Seconds to wait for a round's replies; later ones count as lost.")]
 MinClients = Annotated[int, typer.Option(min=1, help="Fewer accepted updates in a round: the round is not aggregated.")]
 DpNoise = Annotated[float, typer.Option(min=0.0, help="Central DP noise multiplier z (0: off). Needs weighting 'uniform'.")]
