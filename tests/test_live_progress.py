@@ -90,4 +90,4 @@ def test_a_run_on_a_terminal_shows_the_bar_and_the_last_round(tmp_path, monkeypa
     text = con.export_text()
     acc = json.loads((tmp_path / "runs/tiny/seed1/metrics.jsonl").read_text().splitlines()[-1])["test/acc"]
     assert re.search(r"run 2/2 tiny seed 1 +━{20} +2/2 +\d:\d\d:\d\d +\d:\d\d:\d\d\n", text), text
-    assert f"  round 2: 3 clients  acc {acc:.4f}" in text
+    assert f"  complete  |  round 2: 3 clients  acc {acc:.4f}" in text  # the last frame: complete, not a phase

@@ -105,7 +105,9 @@ def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
     done = int(RunDir(run_dir).read_status().get("round", 0)) if RunDir(run_dir).exists() else 0
     with _progress() if console.is_terminal else contextlib.nullcontext() as progress:
         view = RunView(progress, _say, label, cfg.server.rounds, progress_keys(cfg), done=done)
-        return execute(cfg, run_dir, on_round=view.round, on_phase=view.phase, **kwargs)
+        out = execute(cfg, run_dir, on_round=view.round, on_phase=view.phase, **kwargs)
+        view.finish(out.status)
+        return out
 
 
 @app.command()
@@ -186,6 +188,8 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
 
         results = run_parallel(config, sets, variants, len(specs), jobs, overwrite=overwrite, stop_after=stop_after,
                                smoke=smoke, on_message=on_message)
+        for i, status, _ in results:
+            views[i].finish(status)
     failed = [(labels[i], err) for i, status, err in results if status == "failed"]
     for i, status, _ in results:
         if status == "skipped":

@@ -108,6 +108,13 @@ class RunView:
         elif not text.startswith("round "):  # a round's own line follows it (round 0's: "initial model")
             self.say(f"{self.label}: {text}")
 
+    def finish(self, status: str) -> None:
+        """The run ended (``api.Outcome.status``, or a ``--jobs`` worker's): its last frame on a terminal says so
+        instead of its last phase; off one the round lines have said it."""
+        if self.progress is not None:
+            self._phase = {"complete": "complete", "skipped": "already complete"}.get(status, status)
+            self.progress.update(self.task, detail=self._detail())
+
     def round(self, r: int, row: dict[str, Any]) -> None:
         self._last = f"round {r}: {clients(row)}  {short(row, self.keys)}".rstrip()
         self._phase = f"round {r + 1}: training" if r < self.total else ""
