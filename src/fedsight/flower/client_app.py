@@ -153,7 +153,7 @@ def handle_evaluate(msg: Message, context: Context, settings: Mapping[str, Any] 
 
 
 def make_client_app(settings: Mapping[str, Any] | None = None) -> ClientApp:
-    """A FedSight ``ClientApp``; ``settings`` override the run config (e.g. ``fedsight-config``)."""
+    """A FedSight ``ClientApp``; ``settings`` override the run config (e.g. the ``fedsight.*`` config keys)."""
     app = ClientApp()
     fixed = dict(settings or {})
 
