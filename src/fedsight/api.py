@@ -179,11 +179,16 @@ def initial_weights(cfg: Any, model: torch.nn.Module, task: Task, device: torch.
         load_backbone(model, ensure_pretrained(cfg, task, device))  # pre-trains when the file is missing
 
 
-def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | None = None, cost: Any = None) -> Simulation:
+def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | None = None, cost: Any = None,
+                     on_phase: OnPhase | None = None) -> Simulation:
     """The in-process simulation of ``cfg``; with ``run_dir``, per-client state spills to
-    ``run_dir/client_state``; ``cost``: a known ``ModelCost`` (skips measuring it)."""
+    ``run_dir/client_state``; ``cost``: a known ``ModelCost`` (skips measuring it); ``on_phase`` hears
+    "loading data" and "building the model"."""
     device = engine_device(cfg)
-    task = task or build_task(cfg)
+    if task is None:
+        (on_phase or _no_phase)("loading data")
+        task = build_task(cfg)
+    (on_phase or _no_phase)("building the model")
     store = ClientStateStore(Path(run_dir) / "client_state") if run_dir is not None else None
     sim = Simulation(task, None, None, build_schedule(cfg, task), cfg.seed, store, build_stages(cfg, task),
                      cost=cost, device=device, vectorize=vectorize_mode(cfg.engine.vectorize, device),
@@ -256,6 +261,12 @@ class Outcome:
 
 
 OnRound = Callable[[int, dict[str, Any]], None]
+#: what a run does now, for a progress display ("loading data", "building the model", ...: ``execute``)
+OnPhase = Callable[[str], None]
+
+
+def _no_phase(text: str) -> None:
+    pass
 
 
 def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True,
@@ -314,8 +325,13 @@ def execute(
     overwrite: bool = False,
     stop_after: int | None = None,
     on_round: OnRound | None = None,
+    on_phase: OnPhase | None = None,
 ) -> Outcome:
     """Run (or resume) one configured run in ``run_dir``.
+
+    ``on_round(r, row)`` hears every recorded round; ``on_phase(text)`` what the run does while no round is
+    recorded: "loading data", "building the model", "round 0: evaluating the initial model" (or "round k:
+    training", the first round it runs), "writing the model, plots and summary".
 
     An existing run directory of the same resolved config is resumed from its last checkpoint (or
     skipped if complete); one of a different config is an error unless ``overwrite``. The run directory is
@@ -325,14 +341,15 @@ def execute(
     check_run_dir(run_dir)  # not inside another run, not a symbolic link or special file: before anything is built
     with PROCESS_STREAM:
         sim = None
+        phase = on_phase or _no_phase
         if not os.path.lexists(run_dir):  # a new run: data loaded and everything built before the lock file is
-            sim = build_simulation(cfg, run_dir=Path(run_dir))  # made, so a kill meanwhile leaves nothing behind
+            sim = build_simulation(cfg, run_dir=Path(run_dir), on_phase=phase)  # made: a kill leaves nothing behind
         with RunLock(run_dir):
-            return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round, sim)
+            return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round, sim, phase)
 
 
 def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: int | None,
-             on_round: OnRound | None, sim: Simulation | None = None) -> Outcome:
+             on_round: OnRound | None, sim: Simulation | None = None, phase: OnPhase = _no_phase) -> Outcome:
     res = experiment(resolved(cfg))
     if run.exists() and not overwrite:
         old = experiment(run.read_config())
@@ -355,7 +372,7 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
     # load data and build everything first: bad input must fail before a run directory is written (a new run's
     # simulation is built before its lock is taken: ``execute``)
     if sim is None:
-        sim = build_simulation(cfg, run_dir=run.path)
+        sim = build_simulation(cfg, run_dir=run.path, on_phase=phase)
     status = run.read_status() if resume else {}
     if status.get("state") == "complete" and status["round"] >= cfg.server.rounds:
         rows = [r for r in run.read_metrics() if "event" not in r] if run.metrics_path.is_file() else []
@@ -367,7 +384,7 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
     # --overwrite: the old run is set aside now and deleted once the new one has recorded a round
     replaced = Replacement(run.path) if overwrite and not resume else None
     try:
-        return _execute_built(cfg, run, sim, resume, stop_after, on_round, replaced)
+        return _execute_built(cfg, run, sim, resume, stop_after, on_round, replaced, phase)
     except BaseException:
         if replaced is not None:
             replaced.undo()
@@ -384,7 +401,7 @@ def _finished(run: RunDir, rows: list[dict[str, Any]], cfg: Any) -> bool:
 
 
 def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: int | None,
-                   on_round: OnRound | None, replaced: Replacement | None) -> Outcome:
+                   on_round: OnRound | None, replaced: Replacement | None, phase: OnPhase = _no_phase) -> Outcome:
     notes: list[str] = []
     run.check_layout()
     if resume:  # everything read and checked before anything is written
@@ -417,8 +434,11 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
             on_round(r, row)
 
     try:
+        initial = sim.round == 0 and sim.server.schedule.eval_initial
+        phase("round 0: evaluating the initial model" if initial else f"round {sim.round + 1}: training")
         sim.run(on_round=_on_round, stop_after=stop_after)
         state = "complete" if sim.round >= cfg.server.rounds else "stopped"
+        phase("writing the model, plots and summary" if state == "complete" else "writing the model")
         try:
             save_weights(sim.global_model, run.path / "model.safetensors")
             run.write_status(state, sim.round, cfg.server.rounds)

@@ -235,6 +235,7 @@ def test_app_command_writes_a_flower_app_that_flwr_builds(tmp_path):
     from typer.testing import CliRunner
 
     from fedsight.flower.cli import flower_app
+    from fedsight.flower.run_config import config_from_run_config
 
     raw = tiny(**SCAFFOLD)
     (tmp_path / "run.toml").write_text(tomli_w.dumps(raw))
@@ -246,7 +247,8 @@ def test_app_command_writes_a_flower_app_that_flwr_builds(tmp_path):
     assert app["components"] == {"serverapp": "fedsight_app.server_app:app", "clientapp": "fedsight_app.client_app:app"}
     assert project["project"]["dependencies"] == ["flwr>=1.41.0"]  # no torch: no per-run install of it
     conf = app["config"]
-    assert validate(json.loads(conf["fedsight-config"])).model_dump() == validate(raw).model_dump()
+    assert validate(config_from_run_config(conf)).model_dump() == validate(raw).model_dump()
+    assert conf["fedsight"]["server"]["rounds"] == raw["server"]["rounds"]  # one key per value (run_config)
     assert (conf["run-dir"], conf["round-timeout"], conf["min-clients"]) == (str(tmp_path / "rd"), 90.0, 2)
     env = {**os.environ, "FLWR_HOME": str(tmp_path / "home")}
     flwr = os.path.join(os.path.dirname(sys.executable), "flwr")

@@ -326,7 +326,7 @@ def test_cli_accounting_options_reach_the_run(tmp_path, accountant, sampling):
     rc = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert (rc["dp-accountant"], rc["dp-sampling"]) == (accountant, sampling)
     run_direct(validate(raw), tmp_path / "run", tmp_path / "nodes",
-               options={k: v for k, v in rc.items() if k not in ("fedsight-config", "run-dir")})
+               options={k: v for k, v in rc.items() if k not in ("fedsight", "run-dir")})
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     [event] = [r for r in rows if r.get("event") == "dp_accounting"]
     assert (event["accountant"], event["sampling"], event["round"]) == (accountant, sampling, 0)

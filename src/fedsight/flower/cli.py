@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from . import INSTALL
+
 flower_app = typer.Typer(
     help="Run FedSight recipes on Flower: a Flower app for real SuperLink/SuperNode deployments, a loopback "
     "deployment, Flower's Ray simulation engine, TLS material.",
@@ -31,19 +33,22 @@ def _require_flower() -> None:
         import flwr  # noqa: F401
         import flwr.app  # noqa: F401
     except ImportError:
-        _fail('Flower is not installed: pip install -e ".[flower]" (flwr[simulation,dp]==1.41.0)')
+        _fail(f"Flower is not installed: in your FedSight clone, {INSTALL} (flwr[simulation,dp] 1.41)")
 
 
-console = Console()
+# soft_wrap: a line is never broken at the console's width (80 columns off a terminal: a log file, a pipe, SLURM),
+# so every progress line stays one line, whole, for grep and for the reader
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _say(text: str) -> None:
     """Plain text (paths, run names): never read as markup, never wrapped."""
-    console.print(escape(text), highlight=False, soft_wrap=True)
-err = Console(stderr=True)
+    console.print(escape(text), highlight=False)
 
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a config value: key.path=value. Repeatable.")]
-RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the config's, output_dir/run.name/seed<N>).")]
+RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the in-process run's, its name "
+                                                        "followed by -flower-COMMAND).")]
 RoundTimeout = Annotated[float, typer.Option(help="Seconds to wait for a round's replies; later ones count as lost.")]
 MinClients = Annotated[int, typer.Option(min=1, help="Fewer accepted updates in a round: the round is not aggregated.")]
 DpNoise = Annotated[float, typer.Option(min=0.0, help="Central DP noise multiplier z (0: off). Needs weighting 'uniform'.")]
@@ -75,7 +80,14 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
+def flower_run_dir(in_process: Path, command: str) -> Path:
+    """A Flower run's default directory: the in-process run's (``output_dir/run.name/seed<N>``) with
+    ``-flower-<command>``, so that ``fedsight run``, ``flower simulate`` and ``flower local`` of one config
+    never take each other's directory (each writes a whole run there; ``fedsight report`` compares them)."""
+    return in_process.with_name(f"{in_process.name}-flower-{command}")
+
+
+def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None, command: str):
     from ..config import ConfigError
     from ..sweep import load
 
@@ -86,7 +98,7 @@ def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
     if len(specs) != 1:
         _fail(f"{config} defines {len(specs)} runs (a sweep); a Flower run takes one config (pick with --set)")
     spec = specs[0]
-    return spec.config, (run_dir or spec.run_dir).absolute()
+    return spec.config, (run_dir or flower_run_dir(spec.run_dir, command)).absolute()
 
 
 #: run-config keys of the ServerApp -> the flags that set them
@@ -175,7 +187,7 @@ def _row_text(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
     """One progress line: the round, its clients, ``keys`` (``api.progress_keys``) and DP's epsilon."""
     if "event" in row:
         what = {k: v for k, v in row.items() if k not in ("event", "stage")}
-        return f"[yellow]{row['event']}[/] {json.dumps(what)}"
+        return f"[yellow]{escape(str(row['event']))}[/] {escape(json.dumps(what))}"
     parts = [f"round {row.get('round')}", "initial model" if row.get("round") == 0 else
              f"{row.get('clients/aggregated', 0)}/{row.get('clients/sampled', 0)} clients"]
     for key, label in [*keys, ("dp/epsilon", "eps")]:
@@ -184,6 +196,13 @@ def _row_text(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
     if "time/round_s" in row:
         parts.append(f"{row['time/round_s']:.1f} s")
     return "  ".join(parts)
+
+
+def _print_row(row: dict[str, Any], keys: list[tuple[str, str]], elapsed: float | None = None) -> None:
+    """A progress line (``_row_text``), after the seconds since the start when ``elapsed`` is given; one line
+    whatever its length (the consoles soft-wrap)."""
+    head = f"[dim]{elapsed:7.1f} s[/]  " if elapsed is not None else ""
+    console.print(head + _row_text(row, keys), highlight=False)
 
 
 APP_MODULES = ("__init__.py", "server_app.py", "client_app.py")
@@ -226,7 +245,7 @@ def app_cmd(
     from .app import PACKAGE, write_app
 
     _guard_folder(directory, ("pyproject.toml", "README.md", *(f"{PACKAGE}/{f}" for f in APP_MODULES)), force)
-    cfg, rd = _one_config(config, set_, run_dir)
+    cfg, rd = _one_config(config, set_, run_dir, "app")
     # a provisioning file that is here is checked now; one only on the SuperLink host, by the ServerApp at start
     here = provisioning is not None and (provisioning.exists() or provisioning.is_symlink())
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
@@ -286,7 +305,7 @@ def local_cmd(
     if provisioning is not None and not node_auth:
         _fail(f"--provisioning {provisioning} binds clients to node keys: add --node-auth (SuperNodes without keys get "
               "temporary keys that no provisioning file lists)")
-    cfg, rd = _one_config(config, set_, run_dir)
+    cfg, rd = _one_config(config, set_, run_dir, "local")
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
                     secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning)
     _preflight(cfg, opts, rd)  # before the first line of progress (run_local checks again, for its Python callers)
@@ -300,7 +319,7 @@ def local_cmd(
     keys = progress_keys(cfg)
 
     def on_row(row: dict[str, Any], dep: Any) -> None:
-        console.print(f"[dim]{time.monotonic() - t0:7.1f} s[/]  {_row_text(row, keys)}", highlight=False)
+        _print_row(row, keys, time.monotonic() - t0)
 
     _say(f"starting a SuperLink and {nodes or cfg.partition.num_clients} SuperNodes on 127.0.0.1 ...")
     try:
@@ -342,7 +361,7 @@ def simulate_cmd(
     from ..errors import ConfigError
     from .simulation import flower_simulate
 
-    cfg, rd = _one_config(config, set_, run_dir)
+    cfg, rd = _one_config(config, set_, run_dir, "simulate")
     opts = _options(cfg, 600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
                     secagg, secagg_shares, secagg_threshold, secagg_clip)
     _check_free(rd, overwrite)
@@ -356,7 +375,7 @@ def simulate_cmd(
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     keys = progress_keys(cfg)
     for row in rows:
-        console.print(_row_text(row, keys), highlight=False)
+        _print_row(row, keys)
     _say(f"done in {time.monotonic() - t0:.1f} s; run directory: {out}")
 
 

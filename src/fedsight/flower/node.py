@@ -52,7 +52,7 @@ def node_config_model(config_text: str) -> Any:
 
     raw = json.loads(config_text)
     raw["init"] = {}
-    return validate(raw, "flower run config (fedsight-config)")
+    return validate(raw, "flower run config (fedsight.*)")
 
 
 # -- per-client state on the node's disk ----------------------------------------------------------

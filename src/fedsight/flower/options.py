@@ -12,7 +12,7 @@ from ..errors import ConfigError
 from .secagg import OPTIONS as SECAGG_OPTIONS
 
 
-#: run-config keys of the ServerApp (with their defaults); ``fedsight-config`` and ``run-dir`` are required
+#: run-config keys of the ServerApp (with their defaults); the ``fedsight.*`` keys (``run_config``) and ``run-dir`` are required
 OPTIONS: dict[str, Any] = {
     "round-timeout": 600.0,  # seconds to wait for the replies of one round
     "min-clients": 1,  # fewer accepted updates: the round is not aggregated

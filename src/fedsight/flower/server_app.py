@@ -472,11 +472,10 @@ class FlowerServer:
 def server_main(grid: Grid, context: Context, settings: Mapping[str, Any] | None = None) -> Path:
     """The ServerApp's main: read the run config (``settings`` override it) and run."""
     from ..config import validate
+    from .run_config import config_from_run_config
 
     rc = {**dict(context.run_config), **dict(settings or {})}
-    if "fedsight-config" not in rc:
-        raise KeyError("run config has no 'fedsight-config' (write the app with `fedsight flower app`)")
-    cfg = validate(json.loads(str(rc["fedsight-config"])), "flower run config (fedsight-config)")
+    cfg = validate(config_from_run_config(rc), "flower run config (fedsight.*)")
     return FlowerServer(cfg, ServerOptions.from_run_config(rc)).run(grid)
 
 
