@@ -167,21 +167,24 @@ def test_a_sweep_times_two_sites_matrix_equals_direct_evaluations(sweep, tmp_pat
     sites = ["--site", "own", *[a for o in OTHER for a in ("--site", f"other:{o}")]]
     lines = {name: len((run / "evaluations.jsonl").read_text().splitlines()) if (run / "evaluations.jsonl").exists()
              else 0 for name, run in sweep.items()}
-    res = runner.invoke(app, ["evaluate", str(folder), *sites, "--out", "xe"])
+    res = runner.invoke(app, ["evaluate", str(folder), str(sweep["fedavg"]), *sites, "--out", "xe"])  # named twice
     assert res.exit_code == 0, res.output
     with open("xe/crosseval.csv") as fh:
-        table = {(r["run"], r["site"], r["metric"]): float(r["value"]) for r in csv.DictReader(fh)}
-    assert len(table) == 2 * 2 * 2  # runs x sites x (test/acc, local/wma)
+        table = {(r["run"], r["site"], r["client"], r["metric"]): float(r["value"]) for r in csv.DictReader(fh)}
+    assert len(table) == 2 * 2 * 2 + 2 * (4 + 3)  # runs x sites x (test/acc, local/wma), runs x clients of the sites
     for name, run in sweep.items():
         for site, sets in (("own", []), ("other", OTHER)):
             _, ev = evaluate_one(run, sets)
-            assert table[name, site, "test/acc"] == ev.metrics["test/acc"], (name, site)
-            assert table[name, site, "local/wma"] == ev.metrics["local/wma"], (name, site)
+            assert table[name, site, "", "test/acc"] == ev.metrics["test/acc"], (name, site)
+            assert table[name, site, "", "local/wma"] == ev.metrics["local/wma"], (name, site)
+            for c, values in ev.clients.items():  # each client of each site, a site of its own
+                assert table[name, site, c, "local/acc"] == values["acc"], (name, site, c)
         rows = [json.loads(x) for x in (run / "evaluations.jsonl").read_text().splitlines()[lines[name]:]]
         assert [(r["site"], r["clients"]) for r in rows[:2]] == [("own", "own"), ("other", "global model only")]
     md = Path("xe/crosseval.md").read_text()
     assert "| model \\ site | own | other |" in md and "## Provenance of the runs" in md and "FedSight commit" in md
     assert "`data.split_seed=1`, `partition.num_clients=3`" in md
+    assert "| model \\ client | own 0 | own 1 | own 2 | own 3 | other 0 | other 1 | other 2 |" in md
     data = json.loads(Path("xe/crosseval.json").read_text())
     assert data["headline"] == "test/acc" and len(data["evaluations"]) == 4
     assert sorted(data["evaluations"][1]["client_metrics"]) == ["0", "1", "2"]
@@ -201,6 +204,12 @@ def test_a_refused_site_in_a_matrix_writes_nothing(sweep, tmp_path, monkeypatch)
     assert not Path("xe").exists()
     assert before == {n: (r / "evaluations.jsonl").read_bytes() if (r / "evaluations.jsonl").exists() else None
                       for n, r in sweep.items()}
+
+
+def test_site_data_that_cannot_be_loaded_is_one_error_naming_the_keys(sweep, tmp_path):
+    with pytest.raises(ConfigError, match=r"^--set data.name, data.train_dir: the site's data \(imagefolder\): image "
+                                          r"folder '.*nowhere' does not exist$"):
+        evaluate_run(sweep["fedavg"], ["data.name=imagefolder", f"data.train_dir={tmp_path / 'nowhere'}"])
 
 
 @pytest.mark.parametrize("text", ["data.split_seed=1", "o th:data.split_seed=1", "other:split_seed", ":x=1"])

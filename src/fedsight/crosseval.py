@@ -257,10 +257,18 @@ def check(run: RunDir, overrides: Sequence[str], site: str = "", model: str = "l
                                 "eval.select = \"best\"); evaluate the last checkpoint with --model last")
     out = Checked(run, site, cfg, {".".join(p): v for p, v, _ in changes}, own and model == "last", model=model)
     if not own:
-        out.run_task, out.task = tasks.get(run_cfg), tasks.get(cfg)
+        keys = [".".join(p) for p, _, s in changes if s]
+        out.run_task = tasks.get(run_cfg)
+        try:
+            out.task = tasks.get(cfg)
+        except ConfigError:
+            raise
+        except (ValueError, FileNotFoundError) as exc:  # the site's data cannot be loaded or partitioned so
+            first = " ".join(str(exc).split())
+            raise ConfigError(f"--set {', '.join(dict.fromkeys(keys))}: the site's data ({cfg.data.name}"
+                              f"{f', site {site}' if site else ''}): {first}") from None
         diff = signature_difference(model_signature(out.run_task), model_signature(out.task))
         if diff is not None:
-            keys = [".".join(p) for p, _, s in changes if s]
             keys = [k for k in keys if k.startswith("data.")] or keys  # the data's keys, where some are set
             raise ConfigError(f"--set {', '.join(dict.fromkeys(keys))}: the site's data ({cfg.data.name}"
                               f"{f', site {site}' if site else ''}) {diff}, trained on {run_cfg.data.name}: "
@@ -430,7 +438,10 @@ def cross_evaluate(run_dirs: Sequence[str | Path], sites: Sequence[Site], common
     ``append_matrix`` appends the rows to the runs' ``evaluations.jsonl``."""
     from .metric_table import metric_directions
 
-    runs = [RunDir(p) for p in run_dirs]
+    seen: dict[Path, Path] = {}
+    for p in run_dirs:  # a run named twice (a folder and a run inside it) is one row
+        seen.setdefault(Path(p).resolve(), Path(p))
+    runs = [RunDir(p) for p in seen.values()]
     if not sites:
         raise ConfigError("no site to evaluate on: give --site NAME:KEY=VALUE (or --site NAME for the runs' own data)")
     tasks = _Tasks()
@@ -477,6 +488,37 @@ def _table(matrix: Matrix, key: str) -> list[str]:
     return lines
 
 
+#: the most client columns ``crosseval.md`` shows (every client's value is in the CSV and JSON)
+MAX_CLIENT_COLUMNS = 12
+
+
+def _client_columns(matrix: Matrix) -> list[tuple[int, str]]:
+    """(site index, client id) of every client with a local test set on any run's evaluation of the site."""
+    cols = []
+    for j in range(len(matrix.sites)):
+        ids = {c for i in range(len(matrix.runs)) for c in matrix.cells[i, j][1].clients}
+        cols += [(j, c) for c in sorted(ids, key=int)]
+    return cols
+
+
+def _client_table(matrix: Matrix) -> list[str]:
+    """Each client of each site as a site of its own (NVFlare's sites): the primary metric on its local test set."""
+    cols = _client_columns(matrix)
+    if not cols:
+        return []
+    key = matrix.headline.split("/", 1)[1]
+    if len(cols) > MAX_CLIENT_COLUMNS:
+        return ["## Each client", "", f"`{key}` of every model on each of the sites' {len(cols)} clients' local test "
+                "sets: in crosseval.csv and crosseval.json.", ""]
+    head = ["model \\ client", *[f"{matrix.sites[j].name} {c}" for j, c in cols]]
+    lines = ["## Each client", "", f"`{key}` on each site's client's local test set.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, label in enumerate(matrix.labels):
+        vals = [_fmt(matrix.cells[i, j][1].clients.get(c, {}).get(key)) for j, c in cols]
+        lines.append("| " + " | ".join([f"`{label}`", *vals]) + " |")
+    return lines + [""]
+
+
 def matrix_markdown(matrix: Matrix, command: Sequence[str] | None = None) -> str:
     """``crosseval.md``: the headline metric of every model on every site, WMA over the sites' clients, what
     each site is, the client-state rule and the provenance of the runs and of this evaluation."""
@@ -492,6 +534,7 @@ def matrix_markdown(matrix: Matrix, command: Sequence[str] | None = None) -> str
         lines += ["## Over the site's clients", "",
                   "`local/wma`: the example-weighted mean of the primary metric over each site's clients' local test "
                   "sets.", "", *_table(matrix, "local/wma"), ""]
+    lines += _client_table(matrix)
     lines += ["## Sites", ""]
     common = f" (and for every site: {', '.join(f'`{c}`' for c in matrix.common)})" if matrix.common else ""
     for j, site in enumerate(matrix.sites):
@@ -524,15 +567,22 @@ def matrix_rows(matrix: Matrix) -> list[dict[str, Any]]:
 
 
 def matrix_csv(matrix: Matrix) -> str:
-    """Long format: run, site, model, round, clients, metric, value, for the headline metric and ``local/wma``."""
+    """Long format: run, site, client, model, round, clients (the client-state rule), metric, value: the headline
+    metric and ``local/wma`` of each site (client empty), then the primary metric on each client's local test set
+    (metric ``local/<primary>``)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["run", "site", "model", "round", "clients", "metric", "value"])
+    w.writerow(["run", "site", "client", "model", "round", "clients", "metric", "value"])
+    primary = matrix.headline.split("/", 1)[1]
     for (i, j), (_, ev) in sorted(matrix.cells.items()):
+        where = [matrix.labels[i], matrix.sites[j].name]
         for key in (matrix.headline, "local/wma"):
             if key in ev.metrics:
-                w.writerow([matrix.labels[i], matrix.sites[j].name, matrix.model, ev.round, ev.client_rule, key,
-                            repr(float(ev.metrics[key]))])
+                w.writerow([*where, "", matrix.model, ev.round, ev.client_rule, key, repr(float(ev.metrics[key]))])
+        for c in sorted(ev.clients, key=int):
+            if primary in ev.clients[c]:
+                w.writerow([*where, c, matrix.model, ev.round, ev.client_rule, f"local/{primary}",
+                            repr(float(ev.clients[c][primary]))])
     return buf.getvalue()
 
 

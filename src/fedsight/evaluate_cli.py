@@ -63,7 +63,8 @@ def evaluate(
         except (ConfigError, FileNotFoundError, ValueError) as exc:
             _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
         what = f" with {', '.join(set_)}" if set_ else ""
-        table = Table(title=escape(f"{runs[0]} ({model} model) at round {ev.round}{what}"))
+        _say(f"{runs[0]}: the {model} model, round {ev.round}{what}")
+        table = Table()
         table.add_column("metric")
         table.add_column("value", justify="right")
         for k, v in ev.metrics.items():
@@ -85,7 +86,8 @@ def evaluate(
         append_matrix(matrix)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
-    table = Table(title=escape(f"{matrix.headline} of each model (rows) on each site (columns)"))
+    _say(f"{matrix.headline} of each run's {model} model (rows) on each site (columns):")
+    table = Table()
     table.add_column("model \\ site")
     for s in matrix.sites:
         table.add_column(escape(s.name), justify="right")
