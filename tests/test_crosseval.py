@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -167,7 +168,8 @@ def test_a_sweep_times_two_sites_matrix_equals_direct_evaluations(sweep, tmp_pat
     sites = ["--site", "own", *[a for o in OTHER for a in ("--site", f"other:{o}")]]
     lines = {name: len((run / "evaluations.jsonl").read_text().splitlines()) if (run / "evaluations.jsonl").exists()
              else 0 for name, run in sweep.items()}
-    res = runner.invoke(app, ["evaluate", str(folder), str(sweep["fedavg"]), *sites, "--out", "xe"])  # named twice
+    again = os.path.relpath(sweep["fedavg"])  # the FedAvg run named twice, the second time by a relative path
+    res = runner.invoke(app, ["evaluate", str(folder), again, *sites, "--out", "xe"])
     assert res.exit_code == 0, res.output
     with open("xe/crosseval.csv") as fh:
         table = {(r["run"], r["site"], r["client"], r["metric"]): float(r["value"]) for r in csv.DictReader(fh)}
