@@ -241,3 +241,29 @@ def test_the_selected_best_model_is_evaluated_when_the_run_has_one(sweep):
     assert metrics["test/acc"] != last["test/acc"]  # round 1's model, not the last
     row = json.loads((run / "evaluations.jsonl").read_text().splitlines()[-1])
     assert row["model"] == "best" and row["clients"] == "global model only"
+
+
+@pytest.mark.parametrize("task, sets, says", [
+    ("image_sr", ["data.scale=4"], "has an upscaling factor of 4, the model 2"),
+    ("video_sr", ["data.num_frames=3"], "has 3 frames per clip, the model 2"),
+    ("keypoints", ["data.data_seed=1"], None),  # other figures, the same 16 MPII joints: a site of its own
+])
+def test_other_tasks_compare_scale_frames_and_joints(tmp_path, task, sets, says):
+    """SR and video SR refuse a site of another upscaling factor or clip length; keypoint data generated from
+    another seed keeps the model's joints and is accepted as another site. Checked from the run's config alone,
+    before any checkpoint is read."""
+    from fedsight.api import resolved
+    from fedsight.crosseval import check
+    from fedsight.runs import RunDir
+    from test_conformance import TASKS
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(resolved(validate(TASKS[task]))))
+    if says is None:
+        checked = check(RunDir(run), sets)
+        assert not checked.own_clients and len(checked.run_task.skeleton.joint_names) == 16
+        return
+    with pytest.raises(ConfigError, match=f"^--set {sets[0].split('=')[0]}: the site's data .*{says}"):
+        evaluate_run(run, sets)
+    assert not (run / "evaluations.jsonl").exists()
