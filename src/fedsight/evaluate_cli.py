@@ -41,11 +41,14 @@ def evaluate(
     out: Annotated[Path, typer.Option(help="Folder of the models x sites matrix.")] = Path("crosseval"),
     force: Annotated[bool, typer.Option(help="Replace an existing matrix in --out.")] = False,
 ) -> None:
-    """Evaluate trained models again; nothing is trained. --set may change evaluation settings (e.g.
-    recipe.sharing.test_stats=domain) and the data: data.*, partition.*, validation.*, pretrain.* evaluate on
-    another dataset's or partition's clients, refused when its inputs or classes differ from the model's. One run:
-    its metrics, appended to RUN_DIR/evaluations.jsonl. Several runs or --site: a models x sites matrix of the
-    primary metric in --out (crosseval.md, .csv, .json). See docs/evaluation.md."""
+    """Evaluate trained models again, nothing trained: on their own data, on another site's data, or as a
+    models x sites matrix.
+
+    --set may change evaluation settings (e.g. recipe.sharing.test_stats=domain) and the data: data.*,
+    partition.*, validation.*, pretrain.* evaluate on another dataset's or partition's clients, refused when its
+    inputs or classes differ from the model's. One run: its metrics, appended to RUN_DIR/evaluations.jsonl.
+    Several runs or --site: a models x sites matrix of the primary metric in --out (crosseval.md, .csv, .json),
+    each evaluation appended to its run's evaluations.jsonl. See docs/evaluation.md."""
     from .cli import _fail, _find_runs, _guard, _say, console
     from .crosseval import MATRIX_FILES, SITE_KEYS, Site, append_matrix, cross_evaluate, evaluate_one, parse_sites, \
         write_matrix
