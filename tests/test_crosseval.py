@@ -231,10 +231,13 @@ def test_the_selected_best_model_is_evaluated_when_the_run_has_one(sweep):
     marker = json.loads((run / "checkpoints" / "round-000001.json").read_text())
     round1 = unpack_state(marker["state"], load_file(str(run / "checkpoints" / "round-000001.safetensors")))["model"]
     save_file({k: v.contiguous() for k, v in round1.items()}, str(run / "best.safetensors"))
+    (run / "best.json").write_text(json.dumps({"round": 1, "metric": "val/acc"}))
     try:
-        _, metrics = evaluate_run(run, model="best")
+        r, metrics = evaluate_run(run, model="best")
     finally:
         (run / "best.safetensors").unlink()
+        (run / "best.json").unlink()
+    assert r == 1  # the round it was selected at (best.json)
     task = build_task(validate(json.loads((run / "config.json").read_text())))
     assert metrics["test/acc"] == pytest.approx(task.evaluate(_model(run, task, round1), "test")["acc"], abs=1e-12)
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])

@@ -324,7 +324,9 @@ def _global_model_only(checked: Checked, sim: Any, state: dict[str, Any]) -> Non
         gstate[k].copy_(v)
 
 
-def _load_best(checked: Checked, sim: Any) -> None:
+def _load_best(checked: Checked, sim: Any) -> int | None:
+    """Load ``best.safetensors`` into ``sim``'s global model (the whole state dict, strictly); the round it was
+    selected at when ``best.json`` beside it says so (else None)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -335,6 +337,12 @@ def _load_best(checked: Checked, sim: Any) -> None:
     except (OSError, SafetensorError, RuntimeError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RunFileError(f"{path}: not the run's global model ({first[:200]})") from None
+    try:
+        meta = json.loads((checked.run.path / "best.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    rnd = meta.get("round") if isinstance(meta, dict) else None
+    return rnd if isinstance(rnd, int) and not isinstance(rnd, bool) else None
 
 
 @dataclass
@@ -363,7 +371,7 @@ def evaluate_checked(checked: Checked) -> Evaluation:
         sim = build_simulation(checked.cfg, task=checked.task or None)
         rnd, state = _load_checkpoint(run, sim, client_state=False)
         if checked.model == "best":
-            _load_best(checked, sim)
+            rnd = _load_best(checked, sim) or rnd  # the round it was selected at, where best.json says
         _global_model_only(checked, sim, state)
     metrics, events = evaluate(sim.server, sim.backend, sim.round)
     clients = next((e["clients"] for e in events if e.get("event") == "client_metrics"), {})
