@@ -270,3 +270,32 @@ def test_other_tasks_compare_scale_frames_and_joints(tmp_path, task, sets, says)
     with pytest.raises(ConfigError, match=f"^--set {sets[0].split('=')[0]}: the site's data .*{says}"):
         evaluate_run(run, sets)
     assert not (run / "evaluations.jsonl").exists()
+
+
+def test_the_documented_commands_run_as_written(tmp_path, monkeypatch):
+    """docs/evaluation.md's commands and its Python example on the quickstart (shrunk to one round of four clients),
+    with a folder of digit images as site_b: each exits 0 (the commands on a run of another kind, RUN_DIR, are
+    run elsewhere: tests/segmentation/test_feddrive.py)."""
+    import re
+    import shlex
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "evaluation.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```\n(.*?)```", docs, re.S)
+    commands = [line.split("  #")[0] for b in blocks for line in b.splitlines()
+                if line.startswith("fedsight evaluate") and "RUN_DIR" not in line]
+    assert len(commands) == 4
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").mkdir()
+    quickstart = Path(__file__).resolve().parents[1] / "examples" / "quickstart.toml"
+    (tmp_path / "examples" / "quickstart.toml").write_text(quickstart.read_text())
+    shrink = ["server.rounds=1", "sweep.seeds=[0]", "partition.num_clients=6", "server.clients_per_round=6",
+              "train.epochs=1", "eval.initial=false", "run.plots=false", "engine.threads=1"]
+    res = runner.invoke(app, ["run", "examples/quickstart.toml", *[a for s in shrink for a in ("--set", s)]])
+    assert res.exit_code == 0, res.output
+    _tree(tmp_path / "site_b", [str(d) for d in range(10)])
+    for line in commands:
+        res = runner.invoke(app, shlex.split(line)[1:])
+        assert res.exit_code == 0, (line, res.output)
+    python = re.search(r"```python\n(.*?)```", docs, re.S).group(1)
+    exec(compile(python, "docs/evaluation.md", "exec"), {"__name__": "docs"})
+    assert (tmp_path / "crosseval" / "crosseval.md").is_file()
