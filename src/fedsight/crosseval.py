@@ -28,8 +28,9 @@ Choices made:
   the global model as the run evaluates its own global test set. For FedBN/SiloBN that is the global model with
   the personal entries replaced by the example-weighted average over the run's clients (weights: their numbers
   of training examples in the run, ``NormSharing.client_average``); with ``test_stats = "fresh"`` the statistics
-  are then recomputed on each site split (AdaBN), as in the run. For a personal head or body (``personal``,
-  ``local`` sharing) it is the global model's own entries. Each evaluation records which rule applied
+  are then recomputed on each site split (AdaBN), as in the run; with ``"domain"`` every domain of the site is
+  evaluated as the run evaluates an unseen one (fresh statistics on its images). For a personal head or body
+  (``personal``, ``local`` sharing) it is the global model's own entries. Each evaluation records which rule applied
   (``clients`` in ``evaluations.jsonl``: ``"own"`` or ``"global model only"``).
 * **Inputs are standardised with the site's own training pool's statistics**, as the run's clients standardise
   theirs: each site preprocesses its own data.
@@ -289,7 +290,8 @@ def _load_checkpoint(run: RunDir, sim: Any, client_state: bool) -> tuple[int, di
         return rnd, {}
     ckpt = run.load_latest_checkpoint()
     if ckpt is None:
-        raise FileNotFoundError(f"{run.path}: no intact checkpoint to evaluate (run it first, with run.checkpoint_keep >= 1)")
+        raise FileNotFoundError(f"{run.path}: no intact checkpoint to evaluate (run it first, with "
+                                "run.checkpoint_keep >= 1)")
     rnd, state = ckpt
     try:
         sim.load_state_dict({**state, "client_state": {}})
@@ -536,8 +538,9 @@ def matrix_markdown(matrix: Matrix, command: Sequence[str] | None = None) -> str
     better = {True: "higher is better", False: "lower is better"}.get(matrix.higher_is_better, "")
     model = "the selected best global model (best.safetensors)" if matrix.model == "best" else "the last checkpoint"
     lines = ["# Cross-site evaluation", "",
-             f"Rows: each run's model ({model}); columns: sites (data configurations). Each cell is `{matrix.headline}` "
-             f"on the site's global test set" + (f" ({better})." if better else "."), "", *_table(matrix, matrix.headline), ""]
+             f"Rows: each run's model ({model}); columns: sites (data configurations). Each cell is "
+             f"`{matrix.headline}` on the site's global test set" + (f" ({better})." if better else "."), "",
+             *_table(matrix, matrix.headline), ""]
     if any("local/wma" in ev.metrics for _, ev in matrix.cells.values()):
         lines += ["## Over the site's clients", "",
                   "`local/wma`: the example-weighted mean of the primary metric over each site's clients' local test "
