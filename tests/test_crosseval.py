@@ -214,6 +214,15 @@ def test_site_data_that_cannot_be_loaded_is_one_error_naming_the_keys(sweep, tmp
         evaluate_run(sweep["fedavg"], ["data.name=imagefolder", f"data.train_dir={tmp_path / 'nowhere'}"])
 
 
+@pytest.mark.parametrize("text", ["seed=1", "train.lr=0.5", "model.hidden=8", "pretrain.epochs=3", "pretrain.weights=w"])
+def test_what_made_the_model_stays_refused(sweep, text):
+    """The seed, the model, training and the pre-training's own settings made the model: still refused, with
+    the data keys now named among what may change."""
+    with pytest.raises(ConfigError, match=rf"^--set {text.split('=')[0]}: changes what was trained; .* and the data "
+                                          r"it evaluates on \(data, partition, validation, pretrain.source"):
+        evaluate_run(sweep["fedavg"], [text])
+
+
 @pytest.mark.parametrize("text", ["data.split_seed=1", "o th:data.split_seed=1", "other:split_seed", ":x=1"])
 def test_a_malformed_site_is_one_error(text):
     with pytest.raises(ConfigError, match="--site"):

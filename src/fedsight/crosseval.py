@@ -2,8 +2,8 @@
 matrix of models x sites over several runs (NVFlare's cross-site evaluation: every model on every site's data).
 
 A *site* is a data configuration: the run's config with its ``data``, ``partition``, ``validation`` or
-``pretrain`` settings changed (``SITE_KEYS``): another dataset of the same task, the same dataset read from
-another folder, another partition into clients. The evaluation is the one a run does on its evaluation rounds
+``pretrain`` data settings changed (``SITE_KEYS``): another dataset of the same task, the same dataset read
+from another folder, another partition into clients. The evaluation is the one a run does on its evaluation rounds
 (``sim.evaluate()``: ``test/*`` of the site's global test set and, with ``eval.local``, ``local/*`` over the
 site's clients' local test sets), with nothing trained.
 
@@ -60,8 +60,11 @@ from .config import ConfigError, parse_override, set_path, validate
 from .errors import RunFileError
 from .runs import RunDir, RunLock
 
-#: config sections that choose a site's data: what a cross-site evaluation may change besides evaluation settings
-SITE_KEYS = ("data", "partition", "validation", "pretrain")
+#: config sections that choose a site's data
+SITE_SECTIONS = ("data", "partition", "validation", "pretrain")
+#: what a cross-site evaluation may change besides evaluation settings: the data sections, of ``[pretrain]`` only
+#: which examples the server's pre-training split takes from the pool (its training settings made the model)
+SITE_KEYS = ("data", "partition", "validation", "pretrain.source", "pretrain.fraction", "pretrain.classes")
 
 #: ``data`` parameters that change how the data is read, not which examples: ignored when deciding whether a
 #: site's clients are the run's own
@@ -151,7 +154,7 @@ def site_config(raw: dict[str, Any], changes: Sequence[tuple[list[str], Any, boo
 
 
 def _data_sections(cfg: Any) -> dict[str, Any]:
-    out = {s: getattr(cfg, s).model_dump(mode="json") for s in SITE_KEYS}
+    out = {s: getattr(cfg, s).model_dump(mode="json") for s in SITE_SECTIONS}
     out["data"] = {k: v for k, v in out["data"].items() if k not in NEUTRAL_DATA_KEYS}
     return out
 
@@ -233,7 +236,7 @@ class _Tasks:
         from .api import build_task
 
         key = json.dumps({s: getattr(cfg, s).model_dump(mode="json") if hasattr(getattr(cfg, s), "model_dump")
-                          else getattr(cfg, s) for s in ("task", "model", "seed", *SITE_KEYS)}, sort_keys=True)
+                          else getattr(cfg, s) for s in ("task", "model", "seed", *SITE_SECTIONS)}, sort_keys=True)
         if key not in self.cache:
             self.cache[key] = build_task(cfg)
         return self.cache[key]

@@ -45,13 +45,13 @@ def evaluate(
     models x sites matrix.
 
     --set may change evaluation settings (e.g. recipe.sharing.test_stats=domain) and the data: data.*,
-    partition.*, validation.*, pretrain.* evaluate on another dataset's or partition's clients, refused when its
-    inputs or classes differ from the model's. One run: its metrics, appended to RUN_DIR/evaluations.jsonl.
+    partition.*, validation.* evaluate on another dataset's or partition's clients, refused when its inputs or
+    classes differ from the model's. One run: its metrics, appended to RUN_DIR/evaluations.jsonl.
     Several runs or --site: a models x sites matrix of the primary metric in --out (crosseval.md, .csv, .json),
     each evaluation appended to its run's evaluations.jsonl. See docs/evaluation.md."""
     from .cli import _fail, _find_runs, _guard, _say, console
-    from .crosseval import MATRIX_FILES, SITE_KEYS, Site, append_matrix, cross_evaluate, evaluate_one, parse_sites, \
-        write_matrix
+    from .crosseval import MATRIX_FILES, SITE_SECTIONS, Site, append_matrix, cross_evaluate, evaluate_one, \
+        parse_sites, write_matrix
     from .errors import ConfigError, OutputPathError
     from .safe_write import check_output_folder
 
@@ -80,7 +80,7 @@ def evaluate(
         _say(f"appended to {runs[0] / 'evaluations.jsonl'}")
         return
     if not sites:  # several runs, one site: what --set makes of each run's data
-        named = any(s.split("=", 1)[0].strip().split(".")[0] in SITE_KEYS for s in set_ or [])
+        named = any(s.split("=", 1)[0].strip().split(".")[0] in SITE_SECTIONS for s in set_ or [])
         sites = [Site("set" if named else "own")]
     _guard(check_output_folder, out, "--out", files=MATRIX_FILES, force=force)
     try:
