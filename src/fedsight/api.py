@@ -18,7 +18,7 @@ import torch
 from . import __version__
 from . import registry as R
 from .capabilities import missing
-from .config import ConfigError, provided, requirements, set_path, stage_configs, validate
+from .config import ConfigError, provided, requirements, stage_configs, validate
 from .device import configure_determinism, configure_threads, describe, keep_freed_memory, resolve_device
 from .engine.plan import Recipe, Schedule, Stage, clients_per_round
 from .engine.server import Server
@@ -30,9 +30,9 @@ from .plugins import load_builtin
 from .provenance import provenance
 from .errors import FedSightError, RunFileError
 from .rng import PROCESS_STREAM
-from .safe_write import check_output, check_run_dir
+from .safe_write import check_run_dir
 from .secret import privacy_note, server_side
-from .runs import (CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, EVALUATIONS_FILE, INTERRUPTED, Replacement, RunDir,
+from .runs import (CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, INTERRUPTED, Replacement, RunDir,
                    RunLock, atomic_write_text, last_values, read_run_meta)
 from .state import ClientStateStore
 from .tasks.base import Task
@@ -523,42 +523,19 @@ EVALUATION_KEYS = ("eval", "engine", "recipe.sharing.test_stats", "task.per_imag
                    "task.visual_images", "task.workers", "task.backend")
 
 
-def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[int, dict[str, float]]:
-    """Evaluate a run's trained model again, from its last checkpoint (the global model and the clients'
-    state), with evaluation settings changed by ``overrides`` (``--set`` syntax, e.g.
-    ``recipe.sharing.test_stats=domain``: SiloBN's statistics by domain instead of fresh ones). Nothing is
-    trained; the metrics go to ``RUN_DIR/evaluations.jsonl`` and are returned with the checkpoint's round.
-    Overrides of anything that would change what was trained are refused."""
-    run = RunDir(run_dir)
-    if not (run.path / "config.json").is_file():
-        raise FileNotFoundError(f"{run.path}: not a run directory (no config.json)")
-    check_run_dir(run.path)  # the output guard: not inside another run, not a symbolic link
-    check_output(run.path / EVALUATIONS_FILE, owner=run.path, exists_ok=True)  # appended to: a regular file or nothing
-    with RunLock(run.path):  # not while the run itself is training (or evaluated by another process)
-        return _evaluate_run(run, overrides)
+def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = (), *, model: str = "last") -> tuple[int, dict[str, float]]:
+    """Evaluate a run's trained model again, from its last checkpoint (``model = "best"``: its selected best global
+    model), with nothing trained. ``overrides`` (``--set`` syntax) may change evaluation settings
+    (``EVALUATION_KEYS``, e.g. ``recipe.sharing.test_stats=domain``: SiloBN's statistics by domain instead of fresh
+    ones) and the data evaluated on (``fedsight.crosseval.SITE_KEYS``: another dataset of the task, another
+    partition: a cross-site evaluation, refused when the data's model inputs or classes differ from the model's;
+    ``fedsight.crosseval`` says what happens to per-client state). The metrics go to ``RUN_DIR/evaluations.jsonl``
+    and are returned with the checkpoint's round. Overrides of anything that would change what was trained are
+    refused, before anything is evaluated or written."""
+    from .crosseval import evaluate_one
 
-
-def _evaluate_run(run: RunDir, overrides: Sequence[str]) -> tuple[int, dict[str, float]]:
-    from .config import parse_override
-
-    raw = run.read_config()
-    changes: dict[str, Any] = {}
-    for text in overrides:
-        path, value = parse_override(text)
-        key = ".".join(path)
-        if not any(key == k or key.startswith(k + ".") for k in EVALUATION_KEYS):
-            raise ConfigError(f"--set {key}: changes what was trained; evaluate may change only "
-                              f"{', '.join(EVALUATION_KEYS)}")
-        set_path(raw, path, value)
-        changes[key] = value
-    cfg = validate(raw, f"{run.path / 'config.json'} with --set")
-    sim = build_simulation(cfg, run_dir=run.path)
-    rnd = restore(run, sim)
-    if rnd is None:
-        raise FileNotFoundError(f"{run.path}: no intact checkpoint to evaluate (run it first, with run.checkpoint_keep >= 1)")
-    metrics = sim.evaluate()
-    run.append_evaluation({"round": rnd, "stage": sim.server.stage, "set": changes, **metrics})
-    return rnd, metrics
+    _, ev = evaluate_one(run_dir, overrides, model)
+    return ev.round, ev.metrics
 
 
 def restore(run: RunDir, sim: Any, notes: list[str] | None = None) -> int | None:

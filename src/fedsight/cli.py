@@ -227,27 +227,9 @@ def resume(
         console.print(f"stopped at round {out.last_row['round'] if out.last_row else 0}")
 
 
-@app.command()
-def evaluate(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `fedsight run`.")],
-    set_: SetOpt = None,
-) -> None:
-    """Evaluate a run's trained model again from its last checkpoint, with evaluation settings changed by
-    --set (e.g. recipe.sharing.test_stats=domain); appends to RUN_DIR/evaluations.jsonl. Nothing is trained."""
-    from .api import evaluate_run
+from .evaluate_cli import evaluate  # noqa: E402  (a run's model again: its own data, other sites, a matrix)
 
-    try:
-        r, metrics = evaluate_run(run_dir, set_ or [])
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
-    table = Table(title=escape(f"{run_dir} at round {r}" + (f" with {', '.join(set_)}" if set_ else "")))
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k, v in metrics.items():
-        if k.count("/") <= 1:  # headline metrics; per-class families are in evaluations.jsonl
-            table.add_row(k, f"{v:.4g}")
-    console.print(table)
-    _say(f"appended to {Path(run_dir) / 'evaluations.jsonl'}")
+app.command()(evaluate)
 
 
 def _find_runs(paths: list[Path]) -> list[Path]:
