@@ -255,7 +255,7 @@ def test_a_resumed_run_without_its_key_is_refused_naming_the_file(tmp_path):
 @needs_flower
 def test_simulated_noise_is_the_seeds_and_the_run_says_so(tmp_path):
     """``noise = "simulated"``: anyone with the config regenerates the noise (two runs, one model), no secret is
-    kept, and run.json and summary.md say so."""
+    kept, and run.json and summary.md say so; a comparison of the runs shows their epsilon by default."""
     cfg = _cfg("simulated")
     for name in ("a", "b"):
         execute(cfg, tmp_path / name)
@@ -264,6 +264,9 @@ def test_simulated_noise_is_the_seeds_and_the_run_says_so(tmp_path):
     note = f"{SIMULATED_NOTE} (central_dp)"
     assert json.loads((tmp_path / "a" / "run.json").read_text())["sessions"][-1]["privacy_noise"] == note
     assert note in (tmp_path / "a" / "summary.md").read_text()
+    from fedsight.reporting.compare import compare
+
+    assert compare([tmp_path / "a", tmp_path / "b"]).metrics[-1] == "dp/epsilon"  # the report's privacy column
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
