@@ -230,11 +230,15 @@ def test_resume_releases_the_uninterrupted_runs_noise(tmp_path, noise):
         (tmp_path / "split" / "private" / "central_dp.key").write_bytes(
             (tmp_path / "whole" / "private" / "central_dp.key").read_bytes())
     assert execute(cfg, tmp_path / "split", stop_after=2).status == "stopped"
+    if noise == "secret":  # a temporary of a draw a kill interrupted holds a secret: the resume sweeps it
+        (tmp_path / "split" / "private" / ".central_dp.key.1.ab.tmp").write_bytes(bytes(SECRET_BYTES))
     assert execute(cfg, tmp_path / "split").status == "complete"
+    private = tmp_path / "split" / "private"
+    assert (sorted(p.name for p in private.iterdir()) == ["central_dp.key"]) if noise == "secret" else not private.exists()
     assert _same(_model(tmp_path / "whole"), _model(tmp_path / "split"))
 
     def numbers(d):
-        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _rows(d)]
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _rows(d) if r.get("event") != "run_repaired"]
 
     assert numbers(tmp_path / "whole") == numbers(tmp_path / "split")
     assert [r["dp/releases"] for r in _rows(tmp_path / "split") if "event" not in r] == [1, 2, 3]
