@@ -399,3 +399,13 @@ def test_dp_options_that_disagree_with_the_config_section_are_refused_in_one_lin
     assert "--dp-noise = 2.0 differs from the config's privacy.central_dp.noise_multiplier = 1.0" in " ".join(
         res.output.split())
     assert not (tmp_path / "app").exists()
+
+
+def test_the_progress_line_shows_epsilon_once_with_the_config_section():
+    from fedsight.api import progress_keys
+    from fedsight.flower.cli import _row_text
+
+    cfg = validate(_with_section(tiny(**DP_RUN)))
+    line = _row_text({"round": 1, "clients/aggregated": 3, "clients/sampled": 3, "train/loss": 1.0, "dp/epsilon": 4.5},
+                     progress_keys(cfg))
+    assert line.count("eps 4.5000") == 1, line
