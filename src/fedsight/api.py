@@ -16,6 +16,7 @@ import tomli_w
 import torch
 
 from . import __version__
+from . import central_dp
 from . import registry as R
 from .capabilities import missing
 from .config import ConfigError, provided, requirements, stage_configs, validate
@@ -195,6 +196,7 @@ def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | N
                      max_clients_per_batch=cfg.engine.max_clients_per_batch, noise=cfg.privacy.noise)
     check_model(cfg, sim.global_model)
     initial_weights(cfg, sim.global_model, task, device)
+    central_dp.install(sim, cfg)  # [privacy.central_dp]: the recipe checked against the mechanism (a ConfigError)
     return sim
 
 
@@ -217,7 +219,8 @@ def progress_keys(cfg: Any) -> list[tuple[str, str]]:
     keys = [(primary, primary.split("/", 1)[1]), ("local/wma", "wma")]
     if "test/loss" in metrics:
         keys.append(("test/loss", "loss"))
-    return keys + [("train/loss", "train")]
+    keys.append(("train/loss", "train"))
+    return keys + ([("dp/epsilon", "eps")] if cfg.privacy.central_dp is not None else [])
 
 
 def session_info(device: torch.device) -> dict[str, Any]:
@@ -413,15 +416,20 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
             raise RunFileError(f"{run.ckpt_dir}: no intact checkpoint of the {done} rounds recorded "
                                f"({'; '.join(notes) or 'none left'}); nothing was changed: pass --overwrite to start "
                                "the run over")
+        central_dp.keep_server_secret(sim, run.path, resumed=True)  # read back (a RunFileError if lost)
         notes += run.truncate_metrics(sim.round)
+    else:
+        central_dp.keep_server_secret(sim, run.path, resumed=False)  # drawn and kept in RUN_DIR/private
     notes += _swept(run)  # also for a new run in a folder a killed run left before its config was written
     start_run_dir(run, cfg, sim.task, sim.server.device, vectorize=sim.runtime.vectorize,
-                  privacy_noise=privacy_note(sim.stages, cfg.privacy.noise))
+                  privacy_noise=privacy_note(sim.stages, cfg.privacy.noise, ("central_dp",) if sim.backend.dp else ()))
     if not resume:
         for path in (run.metrics_path, run.weights_path, run.path / CLIENT_METRICS_FILE):
             path.unlink(missing_ok=True)
     for note in notes:  # a run_repaired event for each repair and each swept leftover (docs/guarantees.md)
         run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
+    if sim.backend.dp is not None and not resume:  # which accountant and assumption give the rows' dp/epsilon
+        run.append_metrics(central_dp.accounting_event(sim.backend.dp, sim.server.stage))
     last: dict[str, Any] = {}
 
     def _on_round(r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:

@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from . import registry as R
 from .errors import ConfigError
+from .central_dp import CentralDPSection
 from .config_messages import format_validation_error
 from .registry import Params
 from .rng import check_seed
@@ -176,6 +177,9 @@ class PrivacySection(Params):
         'research; anyone with the config can regenerate them, and run.json and summary.md say so); "secret": each '
         "party draws a secret from the OS CSPRNG and keeps it in its private state (client_state/secret); a Flower "
         "run is always secret")
+    central_dp: CentralDPSection | None = Field(
+        None, description="central DP (DP-FedAvg, server-side clipping, Gaussian noise, RDP/PLD accounting) on every "
+        "path: fedsight.central_dp, docs/flower.md (central DP)")
 
 
 class InitSection(Params):

@@ -475,7 +475,7 @@ class RunDir:
     OUTPUTS = {"file": ("config.json", "config.toml", METRICS_FILE, "client_weights.jsonl", CLIENT_METRICS_FILE, STATUS_FILE, RUN_META_FILE,
                         "partition.json", "model.safetensors", "summary.md", "plots/curves.png",
                         "plots/client_weights.png"),
-               "folder": (CKPT_DIR, "client_state", "plots", "tensorboard")}
+               "folder": (CKPT_DIR, "client_state", "plots", "tensorboard", "private")}
 
     def check_layout(self) -> None:
         """A ``RunFileError`` if something other than a file (a folder) stands where the run writes a file, or
@@ -552,7 +552,8 @@ class RunDir:
         on resume nothing is mid-write): temporary files of atomic writes and checkpoints, and a checkpoint's
         tensor file or marker without the other. Returns the names deleted."""
         gone = []
-        leftovers = [*self.path.glob(".*.tmp"), *self.path.glob("client_state/*/.*.tmp"), *self.path.glob("plots/.*.tmp")]
+        leftovers = [*self.path.glob(".*.tmp"), *self.path.glob("client_state/*/.*.tmp"), *self.path.glob("plots/.*.tmp"),
+                     *self.path.glob("private/.*.tmp")]  # (the server's central-DP secret: fedsight.central_dp)
         if self.ckpt_dir.is_dir():
             leftovers += self.ckpt_dir.glob(".*.tmp")
             for f in self.ckpt_dir.glob("round-*.safetensors"):

@@ -68,6 +68,9 @@ class InProcessBackend:
 
     def __init__(self, server: Server, runtime: ClientRuntime):
         self.server, self.runtime = server, runtime
+        #: central DP (``fedsight.central_dp``, the Flower path's ``CentralDP``): admits only full releases, and each
+        #: round's row has its privacy spent
+        self.dp: Any = None
         #: the stages whose sequential training (``engine.vectorize`` on, but not possible) was reported
         self.said: set[int] = set()
 
@@ -124,10 +127,10 @@ class InProcessBackend:
         return cid, res, state
 
     def admit(self, plan: RoundPlan, results: list[ClientResult], events: list[dict[str, Any]]) -> list[ClientResult]:
-        return results
+        return self.dp.admit(plan.round, results, events) if self.dp is not None else results
 
     def round_metrics(self) -> dict[str, Any]:
-        return {}
+        return self.dp.privacy_spent() if self.dp is not None else {}
 
     def client_evaluation(self, r: int, *, local: bool, personal: bool) -> ClientEvaluation:
         out = ClientEvaluation(store=self.runtime.store)

@@ -190,7 +190,7 @@ def _row_text(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
         return f"[yellow]{escape(str(row['event']))}[/] {escape(json.dumps(what))}"
     parts = [f"round {row.get('round')}", "initial model" if row.get("round") == 0 else
              f"{row.get('clients/aggregated', 0)}/{row.get('clients/sampled', 0)} clients"]
-    for key, label in [*keys, ("dp/epsilon", "eps")]:
+    for key, label in dict.fromkeys([*keys, ("dp/epsilon", "eps")]):  # (keys has it with [privacy.central_dp])
         if key in row:
             parts.append(f"{label} {row[key]:.4f}")
     if "time/round_s" in row:

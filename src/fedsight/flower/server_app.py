@@ -279,10 +279,7 @@ class FlowerBackend:
         if results and len(results) < opts.min_clients:
             events.append({"round": r, "event": "too_few_clients", "accepted": len(results), "min_clients": opts.min_clients})
             return []
-        if self.dp is not None and results and len(results) != self.dp.num_sampled:
-            events.append({"round": r, "event": "dp_release_skipped", "accepted": len(results), "needed": self.dp.num_sampled})
-            return []
-        return results
+        return self.dp.admit(r, results, events) if self.dp is not None else results
 
     def round_metrics(self) -> dict[str, Any]:
         row: dict[str, Any] = {"flower/nodes_online": len(self.online)}
@@ -369,7 +366,7 @@ class FlowerServer:
 
         self.cfg, self.opts = cfg, options.checked_for(cfg)
         self.server = build_server(cfg)  # in-memory client store: client state lives on the nodes
-        self.dp = options.install(self.server)
+        self.dp = self.opts.install(self.server)  # (the options with the config's [privacy.central_dp])
         splits = getattr(self.server.task, "splits", None)
         #: what a data-dir node needs to build the run's model whatever classes it holds
         self.task_info: dict[str, Any] = {"class-names": list(splits.train.class_names)} if splits is not None else {}
