@@ -413,7 +413,10 @@ def test_random_tamperings_never_end_the_run_nor_move_the_model(tmp_path_factory
 
 @pytest.mark.parametrize("args,msg", [(["--round-timeout", "-5"], "--round-timeout = -5.0 must be > 0"),
                                       (["--dp-noise", "nan"], "--dp-noise = nan must be a finite number"),
-                                      (["--min-clients", "50"], "--min-clients = 50 exceeds")])
+                                      (["--min-clients", "50"], "--min-clients = 50 exceeds"),
+                                      (["--secagg", "--secagg-feature-bound", "-1"],
+                                       "--secagg-feature-bound = -1.0 must be a finite number > 0"),
+                                      (["--secagg-feature-bound", "8"], "configure secure aggregation: add --secagg")])
 def test_flower_options_are_validated_before_anything_starts(tmp_path, args, msg) -> None:
     import tomli_w
     from typer.testing import CliRunner
@@ -738,3 +741,14 @@ def test_psnr_and_oks_metrics_declare_their_ranges() -> None:
     assert bounds_of(image_sr_metrics(ImageSRParams(quantize=False)).specs(), "psnr_y") is None
     specs = keypoint_metrics(KeypointParams(), num_joints=2).specs()
     assert [bounds_of(specs, k) for k in ("ap", "ap50", "ap75", "ar", "pckh")] == [(0.0, 100.0)] * 5
+
+
+def test_the_secagg_feature_bound_flag_reaches_the_server_options() -> None:
+    """``--secagg-feature-bound`` (was a run-config key only) becomes the ServerApp's ``secagg-feature-bound``."""
+    from fedsight.flower.cli import _options
+    from fedsight.flower.options import ServerOptions
+
+    cfg = validate(tiny(**CFG))
+    out = _options(cfg, 600.0, 3, 0.0, 1.0, 1e-5, secagg=True, secagg_feature_bound=8.0)
+    assert out["secagg-feature-bound"] == 8.0
+    assert ServerOptions.from_run_config({**out, "run-dir": "r"}).secagg_feature_bound == 8.0

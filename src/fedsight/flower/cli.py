@@ -73,6 +73,8 @@ Provisioning = Annotated[Optional[Path], typer.Option(
     "Without it, client identity is not authenticated.")]
 SecAggClip = Annotated[float, typer.Option(help="SecAgg+ clipping range: each weighted update value is clipped to "
                                                 "+-this before quantisation.")]
+SecAggFeatureBound = Annotated[float, typer.Option(help="Fed3R/FedNCM under SecAgg+: the largest |feature value| "
+                                                        "their sufficient statistics are scaled for.")]
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -105,7 +107,8 @@ def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None, comm
 _FLAGS = {"round-timeout": "--round-timeout", "min-clients": "--min-clients", "dp-noise-multiplier": "--dp-noise",
           "dp-clipping-norm": "--dp-clip", "dp-delta": "--dp-delta", "dp-accountant": "--dp-accountant",
           "dp-sampling": "--dp-sampling", "secagg-num-shares": "--secagg-shares",
-          "secagg-reconstruction-threshold": "--secagg-threshold", "secagg-clipping-range": "--secagg-clip"}
+          "secagg-reconstruction-threshold": "--secagg-threshold", "secagg-clipping-range": "--secagg-clip",
+          "secagg-feature-bound": "--secagg-feature-bound"}
 
 
 def _flagged(msg: str) -> str:
@@ -118,7 +121,7 @@ def _flagged(msg: str) -> str:
 def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, dp_clip: float, dp_delta: float,
              overwrite: bool = False, dp_accountant: str = "rdp", dp_sampling: str = "none", secagg: bool = False,
              secagg_shares: float = 3, secagg_threshold: float = 2, secagg_clip: float = 8.0,
-             provisioning: Path | None = None) -> dict[str, Any]:
+             provisioning: Path | None = None, secagg_feature_bound: float = 1024.0) -> dict[str, Any]:
     from .options import ServerOptions
 
     out: dict[str, Any] = {"round-timeout": round_timeout, "min-clients": min_clients, "overwrite": overwrite}
@@ -128,9 +131,11 @@ def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, 
         from .secagg import count_or_fraction
 
         out.update({"secagg": True, "secagg-num-shares": count_or_fraction(secagg_shares),
-                    "secagg-reconstruction-threshold": count_or_fraction(secagg_threshold), "secagg-clipping-range": secagg_clip})
-    elif (secagg_shares, secagg_threshold, secagg_clip) != (3, 2, 8.0):
-        _fail("--secagg-shares, --secagg-threshold and --secagg-clip configure secure aggregation: add --secagg")
+                    "secagg-reconstruction-threshold": count_or_fraction(secagg_threshold), "secagg-clipping-range": secagg_clip,
+                    "secagg-feature-bound": secagg_feature_bound})
+    elif (secagg_shares, secagg_threshold, secagg_clip, secagg_feature_bound) != (3, 2, 8.0, 1024.0):
+        _fail("--secagg-shares, --secagg-threshold, --secagg-clip and --secagg-feature-bound configure secure "
+              "aggregation: add --secagg")
     if dp_noise != 0:
         if dp_clip <= 0:
             _fail("--dp-clip must be positive with --dp-noise")
@@ -236,6 +241,7 @@ def app_cmd(
     secagg_shares: SecAggShares = 3,
     secagg_threshold: SecAggThreshold = 2,
     secagg_clip: SecAggClip = 8.0,
+    secagg_feature_bound: SecAggFeatureBound = 1024.0,
     data_dir_nodes: Annotated[bool, typer.Option("--data-dir-nodes", help="SuperNodes read their own data-dir (no partition.json).")] = False,
     overwrite: Overwrite = False,
     force: Annotated[bool, typer.Option(help="Replace the files of an app already in DIRECTORY.")] = False,
@@ -249,7 +255,8 @@ def app_cmd(
     # a provisioning file that is here is checked now; one only on the SuperLink host, by the ServerApp at start
     here = provisioning is not None and (provisioning.exists() or provisioning.is_symlink())
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
-                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning if here else None)
+                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning if here else None,
+                    secagg_feature_bound=secagg_feature_bound)
     if data_dir_nodes:
         opts["data"] = "data-dir"
     _preflight(cfg, opts, rd, data_here=False)
@@ -291,6 +298,7 @@ def local_cmd(
     secagg_shares: SecAggShares = 3,
     secagg_threshold: SecAggThreshold = 2,
     secagg_clip: SecAggClip = 8.0,
+    secagg_feature_bound: SecAggFeatureBound = 1024.0,
     overwrite: Overwrite = False,
     provisioning: Provisioning = None,
 ) -> None:
@@ -307,7 +315,8 @@ def local_cmd(
               "temporary keys that no provisioning file lists)")
     cfg, rd = _one_config(config, set_, run_dir, "local")
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
-                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning)
+                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning,
+                    secagg_feature_bound=secagg_feature_bound)
     _preflight(cfg, opts, rd)  # before the first line of progress (run_local checks again, for its Python callers)
     _check_free(rd, overwrite)
     if node_auth and not provisioning:  # run_local binds the nodes' keys (local.provision_local)
@@ -354,6 +363,7 @@ def simulate_cmd(
     secagg_shares: SecAggShares = 3,
     secagg_threshold: SecAggThreshold = 2,
     secagg_clip: SecAggClip = 8.0,
+    secagg_feature_bound: SecAggFeatureBound = 1024.0,
     overwrite: Overwrite = False,
 ) -> None:
     """Run CONFIG on Flower's Ray-backed simulation engine (one virtual SuperNode per client)."""
@@ -363,7 +373,8 @@ def simulate_cmd(
 
     cfg, rd = _one_config(config, set_, run_dir, "simulate")
     opts = _options(cfg, 600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
-                    secagg, secagg_shares, secagg_threshold, secagg_clip)
+                    secagg, secagg_shares, secagg_threshold, secagg_clip,
+                    secagg_feature_bound=secagg_feature_bound)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
     try:
