@@ -24,6 +24,7 @@ from .engine.plan import Recipe, Schedule, Stage, clients_per_round
 from .engine.server import Server
 from .engine.simulation import Simulation
 from .metric_table import metric_directions
+from .model_selection import sync_best, write_best
 from .models.base import detect_capabilities, load_weights, save_weights
 from .plugins import load_builtin
 from .provenance import provenance
@@ -106,6 +107,9 @@ def build_local(cfg: Any, total_rounds: int | None = None) -> LocalTraining:
 
 
 def build_schedule(cfg: Any, task: Task) -> Schedule:
+    from .model_selection import selection_of
+
+    metric, higher = selection_of(cfg) or (None, True)
     return Schedule(
         rounds=cfg.server.rounds,
         clients_per_round=clients_per_round(task.num_clients, cfg.server.clients_per_round, cfg.server.fraction),
@@ -117,6 +121,8 @@ def build_schedule(cfg: Any, task: Task) -> Schedule:
         dropout=cfg.server.dropout,
         speed_sigma=cfg.server.speed_sigma,
         deadline=cfg.server.deadline,
+        select_metric=metric,
+        select_higher=higher,
     )
 
 
@@ -295,13 +301,18 @@ def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any]
     run.append_metrics(row)
     if cfg.run.tensorboard:
         run.log_events(r, row)
+    sel = server.selection
     if r == 0:  # the initial model's evaluation: nothing trained, nothing to checkpoint (a resume redoes it)
+        if sel is not None and sel.round == 0:
+            write_best(run.path, sel)
         return
     if server.last_weights is not None:
         ids, w = server.last_weights
         run.append_client_weights(r, ids, w)
     run.save_checkpoint(r, server.state_dict(), keep_last=cfg.run.checkpoint_keep)
     server.store.commit()
+    if sel is not None and sel.round == r:  # after the checkpoint, which holds it too (a kill in between: sync_best)
+        write_best(run.path, sel)
     run.write_status("running", r, cfg.server.rounds)
 
 
@@ -402,6 +413,8 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
     if not resume:
         for path in (run.metrics_path, run.weights_path, run.path / CLIENT_METRICS_FILE):
             path.unlink(missing_ok=True)
+    if sim.server.selection is not None:  # the best model so far, as the restored checkpoint has it
+        sync_best(run.path, sim.server.selection)
     for note in notes:  # a run_repaired event for each repair and each swept leftover (README)
         run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
     last: dict[str, Any] = {}

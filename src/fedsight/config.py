@@ -166,6 +166,19 @@ class EvalSection(Params):
     local: bool = Field(True, description="evaluate on every client's local test set (WMA, worst 10%)")
     initial: bool = Field(True, description="evaluate the initial model, before any training, as round 0 (every "
                           "curve starts at the model the run starts from)")
+    select: Literal["last", "best"] = Field(
+        "last", description='"last": the run\'s model is the last global model; "best": also keep the global model '
+        "best on the validation set (select_metric) as RUN_DIR/best.safetensors (needs [validation])")
+    select_metric: str | None = Field(
+        None, description='select = "best": the validation metric to select by, "val/<metric>" (default: the task\'s '
+        "primary metric on val)")
+
+    @model_validator(mode="after")
+    def _metric_only_with_best(self) -> "EvalSection":
+        if self.select == "last" and self.select_metric is not None:
+            raise ValueError(f"eval.select_metric = {self.select_metric!r} is set but eval.select = 'last' (no model is "
+                             "selected); set eval.select = 'best' or remove eval.select_metric")
+        return self
 
 
 class PrivacySection(Params):
@@ -463,7 +476,9 @@ def validate(raw: dict[str, Any], source: str = "config") -> BaseModel:
         cfg = cls.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, raw, cls, source)) from None
-    problems = unmet_requirements(cfg) + part_problems(cfg) + model_problems(cfg)
+    from .model_selection import selection_problems
+
+    problems = unmet_requirements(cfg) + part_problems(cfg) + model_problems(cfg) + selection_problems(cfg)
     if problems:
         raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
     stage_configs(cfg, source)  # every stage must be a valid config too
@@ -531,6 +546,8 @@ def requirements(cfg: Any) -> list[Any]:
         out.append(Requirement(f"validation.source = {v.source!r}", frozenset({"server_split"})))
     if v.imbalance is not None:
         out.append(Requirement(f"validation.imbalance = {v.imbalance}", frozenset({"class_labels"})))
+    if cfg.eval.select == "best":  # selection is on validation data, never on test
+        out.append(Requirement("eval.select = 'best'", frozenset({"val_split"})))
     if cfg.pretrain.source != "none":
         out.append(Requirement(f"pretrain.source = {cfg.pretrain.source!r}",
                                frozenset({"server_split", "class_labels", "parameter_groups"})))

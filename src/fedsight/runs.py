@@ -13,6 +13,10 @@ Layout::
     RUN_DIR/checkpoints/round-000007.safetensors + round-000007.json
     RUN_DIR/plots/*.png, RUN_DIR/summary.md
     RUN_DIR/tensorboard/         TensorBoard event files (``[run] tensorboard = true``)
+    RUN_DIR/best.safetensors     the global model best on validation, and best.json: its round, metric and
+                                 value (``[eval] select = "best"``: ``fedsight.model_selection``)
+    RUN_DIR/mlflow/, mlflow.json MLflow tracking: the local store, and the MLflow run's id (``[run] mlflow =
+                                 true``: ``fedsight.mlflow_tracking``)
 
 A checkpoint is a safetensors file with every tensor of the run state and a JSON file with the rest
 (round, stage, RNG states as tensors, optimizer hyper-parameters, the sha256 of the safetensors file).
@@ -474,8 +478,8 @@ class RunDir:
     #: what a run writes, by kind: a file or a folder already there in place of one stops the run before it starts
     OUTPUTS = {"file": ("config.json", "config.toml", METRICS_FILE, "client_weights.jsonl", CLIENT_METRICS_FILE, STATUS_FILE, RUN_META_FILE,
                         "partition.json", "model.safetensors", "summary.md", "plots/curves.png",
-                        "plots/client_weights.png"),
-               "folder": (CKPT_DIR, "client_state", "plots", "tensorboard")}
+                        "plots/client_weights.png", "best.safetensors", "best.json", "mlflow.json"),
+               "folder": (CKPT_DIR, "client_state", "plots", "tensorboard", "mlflow")}
 
     def check_layout(self) -> None:
         """A ``RunFileError`` if something other than a file (a folder) stands where the run writes a file, or

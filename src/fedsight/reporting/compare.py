@@ -37,7 +37,8 @@ from .selection import Selection
 def _default_metrics(runs: Sequence[_Run]) -> list[str]:
     """Evaluation metrics (``test/*``, a task's extra ``test_<name>/*``, ``val/*``, ``local/*``; not per-class
     families such as ``test/iou/road``) logged by any run (runs of different tasks log different ones),
-    the runs' primary metric first, then ``time/round_s`` if any run has it."""
+    the runs' primary metric first, then the test metrics of a model selected on validation
+    (``selected/test/*``), then ``time/round_s`` if any run has it."""
     order: dict[str, int] = {}
     for r in runs:
         for k in r.series:
@@ -46,7 +47,9 @@ def _default_metrics(runs: Sequence[_Run]) -> list[str]:
     primary = _primary(runs)
     if primary is not None:
         evals.sort(key=lambda k: k != primary)
-    return evals + (["time/round_s"] if "time/round_s" in order else [])
+    # eval.select = "best": the model selected on validation, scored on test (selected/test/acc)
+    selected = [k for k in order if k.startswith("selected/test") and _is_headline(k.split("/", 1)[1])]
+    return evals + selected + (["time/round_s"] if "time/round_s" in order else [])
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
