@@ -241,7 +241,9 @@ def experiment(config: dict[str, Any]) -> dict[str, Any]:
     records each session's engine."""
     out = {k: v for k, v in config.items() if k != "engine"}
     if isinstance(out.get("run"), dict):
-        out["run"] = {k: v for k, v in out["run"].items() if k not in ("output_dir", "checkpoint_keep", "tensorboard")}
+        out["run"] = {k: v for k, v in out["run"].items()
+                      if k not in ("output_dir", "checkpoint_keep", "tensorboard", "mlflow", "mlflow_uri",
+                                   "mlflow_experiment")}
     return out
 
 
@@ -305,6 +307,8 @@ def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any]
     if r == 0:  # the initial model's evaluation: nothing trained, nothing to checkpoint (a resume redoes it)
         if sel is not None and sel.round == 0:
             write_best(run.path, sel)
+        if cfg.run.mlflow:
+            run.track(r, row, cfg.run)
         return
     if server.last_weights is not None:
         ids, w = server.last_weights
@@ -314,6 +318,8 @@ def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any]
     if sel is not None and sel.round == r:  # after the checkpoint, which holds it too (a kill in between: sync_best)
         write_best(run.path, sel)
     run.write_status("running", r, cfg.server.rounds)
+    if cfg.run.mlflow:  # after the checkpoint: MLflow never holds a round a resumed run redoes (fedsight.mlflow_tracking)
+        run.track(r, row, cfg.run)
 
 
 def execute(
@@ -418,6 +424,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
     for note in notes:  # a run_repaired event for each repair and each swept leftover (README)
         run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
     last: dict[str, Any] = {}
+    run.open_tracking(cfg.run)  # before any round: an unreachable tracking server stops the run here
 
     def _on_round(r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
         record_round(run, sim.server, cfg, r, row, events)
@@ -437,7 +444,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
             if state == "complete":
                 finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context,
                        plots=cfg.run.plots,
-                       facts=sim.server.facts, events=run.events)
+                       facts=sim.server.facts, events=run.events, tracking=run.tracking)
         except Exception as exc:  # a full disk, a file-size limit: the status says what failed, and the run resumes
             _record_failure(run, sim.round, cfg.server.rounds, exc)
             raise
@@ -467,7 +474,7 @@ def _record_failure(run: RunDir, r: int, rounds: int, exc: BaseException) -> Non
 
 def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None,
            hooks: Any = None, facts: dict[str, torch.Tensor] | None = None, events: Any = None,
-           plots: bool = True) -> None:
+           plots: bool = True, tracking: Any = None) -> None:
     """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first; ``plots`` False,
     ``run.plots = false``: no figure at all, the summary and its tables only). ``hooks(model,
     split)``: the run's evaluation hooks, under which a task's visuals show the model as it was evaluated
@@ -475,7 +482,7 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     by ``FACT_REPORTS`` (LADD's style clusters). A run with skipped rounds stays "complete" (every reader of
     ``status.json`` takes it as finished) and says which rounds, and why, in ``status.json``
     (``skipped_rounds``, ``skipped_causes``) and ``summary.md``. ``events``: the session's TensorBoard log, which
-    gets the plots and the hparams."""
+    gets the plots and the hparams; ``tracking``: its MLflow run, which gets the plots and the summary."""
     from .registry import FACT_REPORTS
     from .reporting import plot_client_weights, write_summary
     from .reporting.summary import skipped_status
@@ -498,6 +505,8 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     if events is not None:  # TensorBoard: the plots as images, the hparams with each metric's last value
         final = last_values(run.read_metrics())
         events.finish(run.path, run.read_config(), final, int(final.get("round", 0)))
+    if tracking is not None:
+        tracking.finish(run.path)
 
 
 def load_run_config(run_dir: str | Path, engine: dict[str, Any] | None = None) -> Any:

@@ -70,6 +70,11 @@ class RunSection(Params):
     output_dir: str = "runs"
     checkpoint_keep: int = Field(2, ge=0, description="checkpoints kept on disk (0 = all)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard")
+    mlflow: bool = Field(False, description="also track the run with MLflow (metrics, config, tags, plots); store: "
+                         "RUN_DIR/mlflow unless mlflow_uri")
+    mlflow_uri: str | None = Field(None, min_length=1, description="MLflow tracking URI instead of RUN_DIR/mlflow "
+                                   "(a server, sqlite:///runs/mlflow.db): a store a sweep's runs share")
+    mlflow_experiment: str = Field("fedsight", min_length=1, description="the MLflow experiment the run is logged to")
     plots: bool = Field(True, description="draw RUN_DIR/plots/ (curves.png, the task's visuals, the client weights) "
                         "when the run finishes; false: summary.md and its tables only (`fedsight report RUN_DIR "
                         "--out DIR` draws the curves any time)")
@@ -82,6 +87,23 @@ class RunSection(Params):
         if v and not available():
             raise ValueError("needs the tensorboard package: pip install 'fedsight[tensorboard]'")
         return v
+
+    @field_validator("mlflow")
+    @classmethod
+    def _mlflow_installed(cls, v: bool) -> bool:
+        from .mlflow_tracking import available
+
+        if v and not available():
+            raise ValueError("needs the mlflow extra: pip install 'fedsight[mlflow]'")
+        return v
+
+    @model_validator(mode="after")
+    def _mlflow_settings_only_with_mlflow(self) -> "RunSection":
+        for key in ("mlflow_uri", "mlflow_experiment"):
+            if not self.mlflow and getattr(self, key) != type(self).model_fields[key].default:
+                raise ValueError(f"run.{key} is set but run.mlflow = false (nothing is tracked); set run.mlflow = "
+                                 f"true or remove run.{key}")
+        return self
 
     @field_validator("name")
     @classmethod

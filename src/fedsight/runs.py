@@ -363,6 +363,8 @@ class RunDir:
         self.path = Path(path)
         #: this session's TensorBoard writer (``fedsight.tensorboard.EventLog``), opened by the first logged round
         self.events: Any = None
+        #: this session's MLflow run (``fedsight.mlflow_tracking.MlflowLog``; ``[run] mlflow = true``)
+        self.tracking: Any = None
 
     @property
     def metrics_path(self) -> Path:
@@ -394,10 +396,29 @@ class RunDir:
             self.events = EventLog(self.path, first_round=r)
         self.events.round(r, row)
 
+    def open_tracking(self, settings: Any) -> None:
+        """Connect this session's MLflow run (``settings``: the ``[run]`` section), level with ``metrics.jsonl``
+        (``fedsight.mlflow_tracking``); nothing without ``mlflow = true`` or when already open."""
+        if settings.mlflow and self.tracking is None:
+            from .mlflow_tracking import MlflowLog
+
+            self.tracking = MlflowLog(self, settings.mlflow_uri, settings.mlflow_experiment)
+
+    def track(self, r: int, row: dict[str, Any], settings: Any) -> None:
+        """Round ``r``'s metrics into MLflow, after its checkpoint (the first call opens the MLflow run, which
+        logs every row of ``metrics.jsonl`` it lacks, this one's included)."""
+        if self.tracking is None:
+            self.open_tracking(settings)
+        else:
+            self.tracking.round(r, row)
+
     def close_events(self) -> None:
         if self.events is not None:
             self.events.close()
             self.events = None
+        if self.tracking is not None:
+            tracking, self.tracking = self.tracking, None
+            tracking.close(self.read_status().get("state"))
 
     def append_client_metrics(self, row: dict[str, Any]) -> None:
         """One line of ``client_metrics.jsonl``: an evaluated round's local-test metrics of every client."""
