@@ -134,3 +134,18 @@ def test_the_cli_refuses_selection_without_validation_and_writes_nothing(tmp_pat
     assert res.exit_code == 2, res.output
     assert "eval.select = 'best' needs a server-held validation set" in res.output
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_curves_leave_out_the_selected_models_numbers(selected_run, monkeypatch):
+    import fedsight.reporting.plots as plots
+
+    drawn = []
+
+    def stop(keys, *args, **kw):
+        drawn.extend(keys)
+        raise StopIteration  # (no figure needed: which keys would be drawn is the point)
+
+    monkeypatch.setattr(plots, "_panel_groups", stop)
+    with pytest.raises(StopIteration):
+        plots.plot_run(selected_run)
+    assert "val/acc" in drawn and not [k for k in drawn if k.startswith("selected/")]
