@@ -149,3 +149,15 @@ def test_the_curves_leave_out_the_selected_models_numbers(selected_run, monkeypa
     with pytest.raises(StopIteration):
         plots.plot_run(selected_run)
     assert "val/acc" in drawn and not [k for k in drawn if k.startswith("selected/")]
+
+
+def test_a_tie_keeps_the_earlier_round_and_nan_never_wins():
+    import torch
+
+    from fedsight.model_selection import Selection
+
+    sel = Selection("val/loss", higher=False)
+    for r, v in enumerate([2.0, float("nan"), 1.5, 1.5, 1.7]):
+        sel.offer(r, {"val/loss": v}, {"w": torch.full((2,), float(r))})
+    assert (sel.round, sel.value) == (2, 1.5) and sel.model["w"].tolist() == [2.0, 2.0]
+    assert not Selection("val/acc", higher=True).offer(0, {"val/acc": float("nan")}, {"w": torch.zeros(1)})
