@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -78,6 +80,15 @@ def test_a_stopped_and_resumed_run_logs_every_round_once(tmp_path):
     for key in ("test/acc", "train/loss", "clients/aggregated"):
         assert _history(run_dir, key) == _expected(run_dir, key), key
     assert client.get_run(run_id).info.status == "FINISHED"
+    # read from another process as docs/tracking.md does (MLflow 3 opens a file store only with its opt-in)
+    code = ("import json, os; os.environ.setdefault('MLFLOW_ALLOW_FILE_STORE', 'true'); "
+            "from mlflow.tracking import MlflowClient; rec = json.load(open('mlflow.json')); "
+            "c = MlflowClient(tracking_uri=rec['uri']); "
+            "print(json.dumps([[m.step, m.value] for m in c.get_metric_history(rec['run_id'], 'test/acc')]))")
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=run_dir, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [tuple(x) for x in json.loads(out.stdout)] == _expected(run_dir, "test/acc")
 
 
 def test_a_round_checkpointed_but_not_logged_is_logged_on_resume(tmp_path, monkeypatch):
