@@ -161,3 +161,17 @@ def test_a_tie_keeps_the_earlier_round_and_nan_never_wins():
         sel.offer(r, {"val/loss": v}, {"w": torch.full((2,), float(r))})
     assert (sel.round, sel.value) == (2, 1.5) and sel.model["w"].tolist() == [2.0, 2.0]
     assert not Selection("val/acc", higher=True).offer(0, {"val/acc": float("nan")}, {"w": torch.zeros(1)})
+
+
+def test_the_python_api_reads_the_selection_back(selected_run):
+    import torch
+
+    from fedsight import load_run
+
+    res = load_run(selected_run)
+    best = _best_round(_rows(selected_run))
+    assert res.selected["round"] == best and res.final["selected/round"] == best
+    kept = load_file(selected_run / "best.safetensors")
+    got = res.selected_model.state_dict()
+    assert all(torch.equal(got[k], kept[k]) for k in kept)
+    assert not all(torch.equal(res.model.state_dict()[k], kept[k]) for k in kept)
