@@ -25,6 +25,7 @@ from .engine.plan import Recipe, Schedule, Stage, clients_per_round
 from .engine.server import Server
 from .engine.simulation import Simulation
 from .metric_table import metric_directions
+from .model_selection import sync_best, write_best
 from .models.base import detect_capabilities, save_weights
 from .weights import load_checkpoint
 from .plugins import load_builtin
@@ -108,6 +109,9 @@ def build_local(cfg: Any, total_rounds: int | None = None) -> LocalTraining:
 
 
 def build_schedule(cfg: Any, task: Task) -> Schedule:
+    from .model_selection import selection_of
+
+    metric, higher = selection_of(cfg) or (None, True)
     return Schedule(
         rounds=cfg.server.rounds,
         clients_per_round=clients_per_round(task.num_clients, cfg.server.clients_per_round, cfg.server.fraction),
@@ -119,6 +123,8 @@ def build_schedule(cfg: Any, task: Task) -> Schedule:
         dropout=cfg.server.dropout,
         speed_sigma=cfg.server.speed_sigma,
         deadline=cfg.server.deadline,
+        select_metric=metric,
+        select_higher=higher,
     )
 
 
@@ -244,7 +250,9 @@ def experiment(config: dict[str, Any]) -> dict[str, Any]:
     records each session's engine."""
     out = {k: v for k, v in config.items() if k != "engine"}
     if isinstance(out.get("run"), dict):
-        out["run"] = {k: v for k, v in out["run"].items() if k not in ("output_dir", "checkpoint_keep", "tensorboard")}
+        out["run"] = {k: v for k, v in out["run"].items()
+                      if k not in ("output_dir", "checkpoint_keep", "tensorboard", "mlflow", "mlflow_uri",
+                                   "mlflow_experiment")}
     return out
 
 
@@ -310,14 +318,23 @@ def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any]
     run.append_metrics(row)
     if cfg.run.tensorboard:
         run.log_events(r, row)
+    sel = server.selection
     if r == 0:  # the initial model's evaluation: nothing trained, nothing to checkpoint (a resume redoes it)
+        if sel is not None and sel.round == 0:
+            write_best(run.path, sel)
+        if cfg.run.mlflow:
+            run.track(r, row, cfg.run)
         return
     if server.last_weights is not None:
         ids, w = server.last_weights
         run.append_client_weights(r, ids, w)
     run.save_checkpoint(r, server.state_dict(), keep_last=cfg.run.checkpoint_keep)
     server.store.commit()
+    if sel is not None and sel.round == r:  # after the checkpoint, which holds it too (a kill in between: sync_best)
+        write_best(run.path, sel)
     run.write_status("running", r, cfg.server.rounds)
+    if cfg.run.mlflow:  # after the checkpoint: MLflow never holds a round a resumed run redoes (fedsight.mlflow_tracking)
+        run.track(r, row, cfg.run)
 
 
 def execute(
@@ -426,11 +443,14 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
     if not resume:
         for path in (run.metrics_path, run.weights_path, run.path / CLIENT_METRICS_FILE):
             path.unlink(missing_ok=True)
+    if sim.server.selection is not None:  # the best model so far, as the restored checkpoint has it
+        sync_best(run.path, sim.server.selection)
     for note in notes:  # a run_repaired event for each repair and each swept leftover (docs/guarantees.md)
         run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
     if sim.backend.dp is not None and not resume:  # which accountant and assumption give the rows' dp/epsilon
         run.append_metrics(central_dp.accounting_event(sim.backend.dp, sim.server.stage))
     last: dict[str, Any] = {}
+    run.open_tracking(cfg.run)  # before any round: an unreachable tracking server stops the run here
 
     def _on_round(r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
         record_round(run, sim.server, cfg, r, row, events)
@@ -453,7 +473,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
             if state == "complete":
                 finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context,
                        plots=cfg.run.plots,
-                       facts=sim.server.facts, events=run.events)
+                       facts=sim.server.facts, events=run.events, tracking=run.tracking)
         except Exception as exc:  # a full disk, a file-size limit: the status says what failed, and the run resumes
             _record_failure(run, sim.round, cfg.server.rounds, exc)
             raise
@@ -483,7 +503,7 @@ def _record_failure(run: RunDir, r: int, rounds: int, exc: BaseException) -> Non
 
 def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None,
            hooks: Any = None, facts: dict[str, torch.Tensor] | None = None, events: Any = None,
-           plots: bool = True) -> None:
+           plots: bool = True, tracking: Any = None) -> None:
     """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first; ``plots`` False,
     ``run.plots = false``: no figure at all, the summary and its tables only). ``hooks(model,
     split)``: the run's evaluation hooks, under which a task's visuals show the model as it was evaluated
@@ -491,7 +511,7 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     by ``FACT_REPORTS`` (LADD's style clusters). A run with skipped rounds stays "complete" (every reader of
     ``status.json`` takes it as finished) and says which rounds, and why, in ``status.json``
     (``skipped_rounds``, ``skipped_causes``) and ``summary.md``. ``events``: the session's TensorBoard log, which
-    gets the plots and the hparams."""
+    gets the plots and the hparams; ``tracking``: its MLflow run, which gets the plots and the summary."""
     from .registry import FACT_REPORTS
     from .reporting import plot_client_weights, write_summary
     from .reporting.summary import skipped_status
@@ -514,6 +534,8 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     if events is not None:  # TensorBoard: the plots as images, the hparams with each metric's last value
         final = last_values(run.read_metrics())
         events.finish(run.path, run.read_config(), final, int(final.get("round", 0)))
+    if tracking is not None:
+        tracking.finish(run.path)
 
 
 def load_run_config(run_dir: str | Path, engine: dict[str, Any] | None = None) -> Any:

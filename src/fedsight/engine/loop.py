@@ -150,10 +150,12 @@ def needs_client_entries(server: Server) -> bool:
 
 
 def evaluate(server: Server, backend: Backend, r: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """``test/*`` of the global model and, with ``eval.local``, ``local/*`` of the clients' test sets."""
+    """``test/*`` of the global model (with a model selection, ``val/*`` and, after the last round, the selected
+    model's ``selected/*``) and, with ``eval.local``, ``local/*`` of the clients' test sets."""
     local = server.schedule.eval_local
     ev = backend.client_evaluation(r, local=local, personal=needs_client_entries(server))
     out = server.evaluate_global(ev.store)
+    out.update(server.select(r, out, ev.store))  # eval.select = "best": the best model on val so far
     if local:
         out.update(server.summarize_local(ev.states))
         return out, [*ev.events, server.client_metrics(r, ev.states)]

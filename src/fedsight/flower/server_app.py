@@ -461,7 +461,7 @@ class FlowerServer:
         run.write_status("complete", cfg.server.rounds, cfg.server.rounds)
         finish(run.path, server.task, server.global_model, server.recipe.weighting.name, facts=server.facts,
                plots=cfg.run.plots,
-               events=run.events)
+               events=run.events, tracking=run.tracking)
         run.close_events()
         return run.path
 

@@ -177,9 +177,9 @@ def _save(fig: Any, path: Path) -> Path:
 def plot_run(run_dir: StrPath, keys: list[str] | None = None) -> Path:
     """Plot the metrics of one run against round into ``RUN_DIR/plots/curves.png``; return its path.
 
-    ``keys`` defaults to every numeric key present except "round" and members of per-class families
-    (``test/iou/road``). Panels (``fedsight.reporting.run_panels``): a series equal to another drawn once
-    (``psnr`` = ``psnr_y``), constant bookkeeping (``clients/*``, per-round bytes) named in a note line instead of
+    ``keys`` defaults to every numeric key present except "round", members of per-class families
+    (``test/iou/road``) and a model selection's ``selected/*`` (one value, after the last round). Panels
+    (``fedsight.reporting.run_panels``): a series equal to another drawn once (``psnr`` = ``psnr_y``), constant bookkeeping (``clients/*``, per-round bytes) named in a note line instead of
     drawn, upload and download told apart, metrics at several input sizes one panel per metric (a line per size)
     plus the primary metric against the input size; the rest share a subplot by prefix (``test/*``, ``local/*``,
     ``train/*``, ``time/*``) and direction (from the run's ``run.json``), with losses on their own axes and metrics
@@ -191,8 +191,8 @@ def plot_run(run_dir: StrPath, keys: list[str] | None = None) -> Path:
 
     run = _Run.load(run_dir)
     series = run.series
-    if keys is None:
-        keys = [k for k in series if _is_headline(k)]
+    if keys is None:  # (not the selected model's numbers: one value, after the last round; summary.md has them)
+        keys = [k for k in series if _is_headline(k) and not k.startswith("selected/")]
     missing = [k for k in keys if k not in series]
     if missing:
         raise ValueError(f"{run.path / METRICS_FILE}: no numeric values for {', '.join(missing)}")

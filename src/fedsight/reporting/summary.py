@@ -209,6 +209,18 @@ def _privacy_noise(run_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _selected(run: _Run) -> list[str]:
+    """The line of a run with a model selection (``eval.select = "best"``: ``best.json``): the round selected on
+    validation, its validation value and its test metrics (the last row's ``selected/test/*``)."""
+    from ..model_selection import BEST_WEIGHTS, SELECTED, read_best, selected_line
+
+    record = read_best(run.path)
+    if record is None:
+        return []
+    final = next((r for r in reversed(run.metric_records) if f"{SELECTED}/round" in r), {})
+    return [f"- **selected on validation:** {_md_escape(selected_line(record, final))} (`{BEST_WEIGHTS}`)"]
+
+
 def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
     """Write ``RUN_DIR/summary.md`` and return its path.
 
@@ -248,6 +260,7 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
                      f"{len(series['time/round_s'].rounds)} rounds)")
     else:
         lines.append("- **total time:** not recorded (no time/round_s)")
+    lines += _selected(run)
     lines.append("")
     if series:
         lines += ["## Metrics", "",
