@@ -106,6 +106,23 @@ def test_25_groups_get_25_distinct_curve_styles(tmp_path: Path, saved_figures: l
     assert shown == {(lab, c, ls, m) for c, ls, m, lab in per_axes[0]}
 
 
+@pytest.mark.parametrize("n_groups, n_metrics", [(6, 2), (3, 1), (12, 5)])
+def test_the_legend_stays_inside_the_figure(tmp_path: Path, saved_figures: list, n_groups: int,
+                                            n_metrics: int) -> None:
+    """Long group labels (``fedavg (server.rounds=3)``-like) never push the legend past the figure's edges (before:
+    4 columns cut off on both sides of two squashed panels)."""
+    dirs = [write_run(tmp_path, f"g{i}/seed0", config(f"a_long_variant_name_{i}[alpha=0.{i},mu=0.0{i}]", 0,
+                                                      lr=0.01 * (i + 1)), acc_rows([0.1, 0.2])) for i in range(n_groups)]
+    metrics = ["test/acc", "test/loss", "train/loss", "time/round_s", "test/acc"][:n_metrics]
+    plot_comparison(dirs, tmp_path / "cmp.png", metrics=list(dict.fromkeys(metrics)) if n_metrics < 5 else metrics[:4])
+    (fig,) = saved_figures
+    renderer = drawn(fig)
+    box, page = fig.legends[0].get_window_extent(renderer), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, (box, page)
+    labels = [t.get_text().replace("\n", "") for t in fig.legends[0].get_texts()]
+    assert sorted(labels) == sorted(f"a_long_variant_name_{i}[alpha=0.{i},mu=0.0{i}]" for i in range(n_groups))
+
+
 def test_line_style_is_distinct_and_deterministic_for_any_number() -> None:
     colors = [f"C{i}" for i in range(10)]
     styles = [line_style(i, colors) for i in range(1200)]

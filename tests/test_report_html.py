@@ -132,32 +132,42 @@ def _assert_renders(path: Path, n_images: int) -> None:
 
 @needs_chromium
 def test_report_html_of_a_tiny_sweep_renders_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The quickstart's shape (two variants x two seeds on digits, plots on), shrunk; `fedsight run` writes
-    report.html beside report.md."""
+    """The quickstart's shape (two variants x two seeds on digits), shrunk: `fedsight run` writes report.html
+    beside report.md; with one run's curves drawn (plots are off in tiny runs: they are most of their time),
+    `fedsight report` of the sweep renders in Chromium."""
+    from fedsight.reporting import plot_run
+
     monkeypatch.chdir(tmp_path)
-    raw = tiny(**{"server.rounds": 2, "run.plots": True, "run.name": "quick", "partition.num_clients": 4,
+    raw = tiny(**{"server.rounds": 1, "eval.every": 1, "run.name": "quick", "partition.num_clients": 4,
                   "server.clients_per_round": 2})
     raw["sweep"] = {"seeds": [0, 1]}
     raw["variants"] = [{"name": "fedavg"}, {"name": "fedadam", "server": {"optimizer": {"name": "fedadam", "lr": 0.01}}}]
     (tmp_path / "q.toml").write_text(tomli_w.dumps(raw))
     res = runner.invoke(app, ["run", "q.toml"])
     assert res.exit_code == 0, res.output
-    html_path = tmp_path / "runs/quick/report.html"
-    assert "runs/quick/report.html" in res.output
-    text = html_path.read_text()
-    assert "Compared with the baseline fedavg" in text and "95% CI" in text
-    assert text.count("<figcaption>Partition of fedavg, fedadam") == 2  # each seed deals its own; the variants share it
-    n_run_pictures = len(list((tmp_path / "runs/quick").glob("*/seed*/plots/**/*.png")))
-    assert n_run_pictures >= 4
-    _assert_renders(html_path, 1 + 2 + n_run_pictures)  # curves, the partitions, the runs' pictures
+    assert "runs/quick/report.html" in res.output and (tmp_path / "runs/quick/report.html").is_file()
+    plot_run(tmp_path / "runs/quick/fedavg/seed0")
+    res = runner.invoke(app, ["report", "runs/quick", "--out", "rep"])
+    assert res.exit_code == 0, res.output
+    text = (tmp_path / "rep/report.html").read_text()
+    assert "Compared with the baseline fedadam" in text and "95% CI" in text  # runs are found in name order
+    assert text.count("<figcaption>Partition of fedadam, fedavg") == 2  # each seed deals its own; variants share it
+    assert text.count("<figcaption>plots/curves.png") == 1
+    _assert_renders(tmp_path / "rep/report.html", 1 + 2 + 1)  # curves, the partitions, the run's curves
 
 
 @needs_chromium
 def test_report_html_of_mixed_tasks_renders_in_chromium(tmp_path: Path) -> None:
+    """Also: the report of one task into the same --out first, whose curves.png the mixed report (a curves figure
+    per section) removes, as its own unchanged file."""
     mixed_folder(tmp_path / "runs")
+    one = runner.invoke(app, ["report", str(tmp_path / "runs/sr"), "--out", str(tmp_path / "rep")])
+    assert one.exit_code == 0 and (tmp_path / "rep/curves.png").is_file(), one.output
     res = runner.invoke(app, ["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")])
     assert res.exit_code == 0, res.output
-    assert "report.html" in res.output
+    assert "report.html" in res.output and not (tmp_path / "rep/curves.png").exists()
+    assert sorted(p.name for p in (tmp_path / "rep").glob("curves*.png")) == [
+        "curves-classification-on-digits.png", "curves-image-sr-on-builtin-sr.png", "curves-segmentation-on-street.png"]
     _assert_renders(tmp_path / "rep" / "report.html", 3 + 2 + 4 + 2 + 2)
 
 

@@ -330,6 +330,7 @@ def report(
         written = write_report(rep, out)
         if csv is not None:
             write_csv(runs, csv)
+        before.remove_stale(written)
         before.record([*written, *([csv] if csv is not None else [])])
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 1)
