@@ -106,10 +106,10 @@ def _errors(events: list[dict[str, Any]]) -> list[str]:
 
 
 def check_page(path: Path, *, width: int = 1200, height: int = 900, screenshot_height: int | None = None,
-               open_details: bool = False, timeout: float = 30.0) -> PageCheck:
+               open_details: bool = False, screenshot_at: str | None = None, timeout: float = 30.0) -> PageCheck:
     """Load ``path`` in headless Chromium at ``width`` x ``height`` CSS pixels and return what it met; with
-    ``screenshot_height``, a PNG of the page's top that many pixels high (``open_details``: every <details>
-    opened first)."""
+    ``screenshot_height``, a PNG that many pixels high of the page's top, or from the top of the first element
+    the CSS selector ``screenshot_at`` matches (``open_details``: every <details> opened first)."""
     to_chrome_r, to_chrome_w = os.pipe()
     from_chrome_r, from_chrome_w = os.pipe()
 
@@ -149,9 +149,14 @@ def check_page(path: Path, *, width: int = 1200, height: int = 900, screenshot_h
         out.title, out.text_chars = doc["title"], doc["body"]
         out.images = [tuple(i) for i in doc["images"]]  # type: ignore[misc]
         if screenshot_height:
+            top = 0
+            if screenshot_at:
+                top = pipe.call("Runtime.evaluate", {
+                    "expression": f"document.querySelector({json.dumps(screenshot_at)}).getBoundingClientRect().top"
+                                  " + window.scrollY", "returnByValue": True}, session=session)["result"]["value"]
             shot = pipe.call("Page.captureScreenshot", {
                 "format": "png", "captureBeyondViewport": True,
-                "clip": {"x": 0, "y": 0, "width": width, "height": screenshot_height, "scale": 1}},
+                "clip": {"x": 0, "y": max(0, top - 8), "width": width, "height": screenshot_height, "scale": 1}},
                 session=session, timeout=timeout)
             import base64
 

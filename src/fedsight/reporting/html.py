@@ -9,12 +9,13 @@ Choices:
   differ) the comparison table (mean ± std, best in bold), the paired comparisons with the baseline (Δ, 95% CI,
   verdict), the groups and their run folders, and the curves; then, per section, the partition heat maps
   drawn from the runs' ``partition.json`` (one per distinct partition, naming the groups that share it) and
-  every PNG the runs wrote under ``plots/`` (curves, task visuals; those of sub-folders such as
-  ``plots/visuals/`` after the top-level ones), in a collapsed ``<details>`` per group and run, so the page
+  every PNG the runs wrote under ``plots/`` (task visuals, those of sub-folders such as ``plots/visuals/`` after
+  the top-level ones, the run's own curves last), in a collapsed ``<details>`` per group and run, so the page
   stays short for any number of runs.
 * Size: a run contributes at most ``MAX_IMAGES_PER_RUN`` pictures of at most ``MAX_IMAGE_BYTES`` each, and the
-  pictures of runs at most ``MAX_RUN_IMAGE_BYTES`` in all; what is left out is listed by path with the reason,
-  never dropped silently. A section draws at most ``MAX_HEATMAPS`` heat maps.
+  runs' pictures at most ``MAX_RUN_IMAGE_BYTES`` in all, task pictures before the runs' own curves (``_Budget``);
+  what is left out is listed by path with the reason, never dropped silently. A section draws at most
+  ``MAX_HEATMAPS`` heat maps.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib
 import html
 import json
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +44,7 @@ __all__ = ["report_html"]
 
 MAX_IMAGES_PER_RUN = 12
 MAX_IMAGE_BYTES = 4 << 20
-MAX_RUN_IMAGE_BYTES = 48 << 20
+MAX_RUN_IMAGE_BYTES = 16 << 20
 MAX_HEATMAPS = 12
 
 _CSS = """
@@ -60,9 +62,10 @@ tbody tr:first-child td{border-top:2px solid #b9c1ca}
 .better,.worse,.noise{white-space:nowrap}img.heat{max-width:760px}
 img{max-width:100%;height:auto;border:1px solid #e3e7eb;display:block;margin:6px 0}
 figure{margin:8px 0 16px}figcaption{font-size:13px;color:#4a5561}
+.pics{display:flex;flex-wrap:wrap;gap:4px 18px;align-items:flex-start}.pics figure{max-width:100%}
 details{margin:6px 0;border:1px solid #e3e7eb;border-radius:4px;padding:4px 10px}
 summary{cursor:pointer;font-weight:600;padding:2px 0}
-code{font-size:13px;background:#f3f5f7;padding:0 3px;border-radius:3px;word-break:break-all}
+code{font-size:13px;background:#f3f5f7;padding:0 3px;border-radius:3px;overflow-wrap:anywhere}
 ul.left{color:#4a5561;font-size:13.5px}
 """
 
@@ -210,7 +213,8 @@ def _heatmaps(section: Section) -> str:
 
 
 def _run_pngs(run: _Run) -> list[Path]:
-    """The PNG files under ``RUN_DIR/plots``: top-level ones first, then sub-folders', each by name."""
+    """The PNG files under ``RUN_DIR/plots``: the task's pictures first (top-level ones, then sub-folders'),
+    the run's own ``curves.png`` last (the section's curves already compare its group), each by name."""
     plots = run.path / "plots"
     if not plots.is_dir() or plots.is_symlink():
         return []
@@ -219,34 +223,57 @@ def _run_pngs(run: _Run) -> list[Path]:
         dirs.sort()
         depth = len(Path(root).relative_to(plots).parts)
         found += [(depth, Path(root) / f) for f in sorted(files) if f.lower().endswith(".png")]
-    return [p for _, p in sorted(found, key=lambda t: t[0])]
+    return [p for _, p in sorted(found, key=lambda t: (t[1] == plots / "curves.png", t[0]))]
 
 
 class _Budget:
-    """The bytes left for run pictures in one report (``MAX_RUN_IMAGE_BYTES``)."""
+    """Which run pictures a report inlines: at most ``MAX_IMAGES_PER_RUN`` a run, then, over every run of the
+    report, the task pictures before the runs' own curves, each of at most ``MAX_IMAGE_BYTES``, until
+    ``MAX_RUN_IMAGE_BYTES`` are spent (so that a folder of many runs keeps the visuals of its last sections);
+    ``why`` says why each other picture is only listed."""
 
-    def __init__(self) -> None:
-        self.left = MAX_RUN_IMAGE_BYTES
+    def __init__(self, runs: Sequence[_Run]) -> None:
+        self.pictures = {id(r): _run_pngs(r) for r in runs}
+        self.why: dict[Path, str] = {}
+        ranked: list[tuple[bool, int, Path, int]] = []
+        for r in runs:
+            for i, p in enumerate(self.pictures[id(r)]):
+                size = _png_size(p)
+                if i >= MAX_IMAGES_PER_RUN:
+                    self.why[p] = f"more than {MAX_IMAGES_PER_RUN} pictures in this run"
+                elif size is None:
+                    self.why[p] = f"not a readable PNG under {MAX_IMAGE_BYTES >> 20} MiB"
+                else:
+                    ranked.append((p.name == "curves.png" and p.parent.name == "plots", len(ranked), p, size))
+        left = MAX_RUN_IMAGE_BYTES
+        for _, _, p, size in sorted(ranked, key=lambda t: t[:2]):
+            if size > left:
+                self.why[p] = f"the report's {MAX_RUN_IMAGE_BYTES >> 20} MiB of run pictures are spent"
+            left -= 0 if p in self.why else size
+
+
+def _png_size(path: Path) -> int | None:
+    """The size of the regular file at ``path`` when it is at most ``MAX_IMAGE_BYTES``, else None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_IMAGE_BYTES else None
 
 
 def _run_pictures(run: _Run, budget: _Budget) -> str:
     figures, skipped = [], []
-    for i, p in enumerate(_run_pngs(run)):
+    for p in budget.pictures[id(run)]:
         rel = p.relative_to(run.path).as_posix()
-        if i >= MAX_IMAGES_PER_RUN:
-            skipped.append(f"{rel} (more than {MAX_IMAGES_PER_RUN} pictures in this run)")
-            continue
-        data = _read_png(p, MAX_IMAGE_BYTES)
+        data = None if p in budget.why else _read_png(p, MAX_IMAGE_BYTES)
         if data is None:
-            skipped.append(f"{rel} (not a readable PNG under {MAX_IMAGE_BYTES >> 20} MiB)")
-        elif len(data) > budget.left:
-            skipped.append(f"{rel} (the report's {MAX_RUN_IMAGE_BYTES >> 20} MiB of run pictures are spent)")
+            skipped.append(f"{rel} ({budget.why.get(p, 'not a readable PNG')})")
         else:
-            budget.left -= len(data)
             figures.append(_figure(data, rel))
+    out = f"<div class=pics>{''.join(figures)}</div>" if figures else ""
     if skipped:
-        figures.append("<ul class=left>" + "".join(f"<li>not inlined: {_e(s)}</li>" for s in skipped) + "</ul>")
-    return "".join(figures) or "<p class=note>This run wrote no pictures under plots/.</p>"
+        out += "<ul class=left>" + "".join(f"<li>not inlined: {_e(s)}</li>" for s in skipped) + "</ul>"
+    return out or "<p class=note>This run wrote no pictures under plots/.</p>"
 
 
 def _visuals(section: Section, budget: _Budget) -> str:
@@ -289,7 +316,7 @@ def _provenance(runs: Sequence[_Run]) -> str:
 
 def report_html(rep: Report, out: Path) -> str:
     """The page of ``rep``, whose curves are already written into ``out``."""
-    budget = _Budget()
+    budget = _Budget([r for s in rep.sections for r in s.runs])
     body = ["<h1>FedSight comparison</h1>"]
     one = len(rep.sections) == 1 and not rep.left_out
     if not one:
