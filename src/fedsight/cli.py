@@ -295,7 +295,7 @@ def report(
                                                      "file (one row per run and round).")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="The group every other is compared with: a row's run name, "
                                                          "or a sweep variant's name (compared at each grid point). "
-                                                         "Default: the first.")] = None,
+                                                         "Default: each section's first.")] = None,
     select: Annotated[str, typer.Option(help="Which evaluation stands for a run: final (its last), best (its best "
                                              "round, selected on the test set for test metrics) or last:N (the "
                                              "mean of its last N).")] = "final",
@@ -303,10 +303,11 @@ def report(
                                              "for the unchanged files of an earlier report into the same --out)."
                                         )] = False,
 ) -> None:
-    """Compare runs: overlaid curves, a table of final/best values, mean +- std over runs that differ only by seed
-    (the best per metric in bold within each grid point), and every run against the baseline: the per-seed
-    paired difference of each metric with a direction, its mean, 95% CI (Student t), n and a verdict (better,
-    worse, within noise)."""
+    """Compare runs, a section per task: overlaid curves, a table of final/best values, mean +- std over runs that
+    differ only by seed (the best per metric in bold within each grid point), and every run against the baseline:
+    the per-seed paired difference of each metric with a direction, its mean, 95% CI (Student t), n and a verdict
+    (better, worse, within noise). Writes report.md, report.html (one self-contained page, with the partitions and
+    the runs' pictures) and the curves into --out."""
     from .reporting import write_csv
     from .reporting.document import plan_report, write_report
     from .reporting.outputs import RECORD, Outputs
