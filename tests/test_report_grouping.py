@@ -284,6 +284,20 @@ def test_a_baseline_in_one_section_only_is_used_there_and_said_elsewhere(tmp_pat
         rep.table  # noqa: B018
 
 
+def test_asked_metrics_leave_out_the_sections_that_log_none_of_them(tmp_path: Path) -> None:
+    cls = write_run(tmp_path, "cls/seed0", config("cls", 0), acc_rows([0.5, 0.6]))
+    sr = write_run(tmp_path, "sr/seed0", config("sr", 0, task="video_sr"),
+                   [{"round": 1, "test/psnr": 20.0, "time/round_s": 3.0}], primary="test/psnr")
+    rep = report([cls, sr], tmp_path / "rep", metrics=["test/psnr"])
+    assert [s.title for s in rep.sections] == ["video_sr on digits"] and rep.left_out == ("classification on digits",)
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "- not shown (they log none of the asked metrics): classification on digits" in md
+    assert rep.files == ["report.md", "report.html", "curves-video-sr-on-digits.png"]
+    rep = report([cls, sr], tmp_path / "rep2", metrics=["test/acc", "test/psnr"])
+    assert [s.table.metrics for s in rep.sections] == [("test/acc",), ("test/psnr",)]
+    assert [s.note for s in rep.sections] == ["Not logged here: test/psnr.", "Not logged here: test/acc."]
+
+
 def test_experiments_sharing_a_name_are_labelled_by_what_differs(tmp_path: Path) -> None:
     """Not ``fedavg [b74bf6]``: the differing config keys, else (too long) the identity keys that tell
     them apart, else a hash."""
