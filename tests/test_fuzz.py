@@ -1246,6 +1246,8 @@ OUTPUT_CASES: dict[str, tuple[list[str], str, str, str]] = {
                                                         "FIFO"),
     "report --out a folder whose curves.png is a symlink": (["report", str(F), "--out", "rep"],
                                                             "rep/curves.png", "link", "symbolic link"),
+    "report --out a folder whose report.html is a FIFO": (["report", str(F), "--out", "rep"], "rep/report.html",
+                                                          "fifo", "FIFO"),
     "report --out a folder with a report.md, no --force": (["report", str(F), "--out", "rep"], "rep/report.md", "file",
                                                            "--force"),
     "report --csv a FIFO": (["report", str(F), "--out", "rep", "--csv", "all.csv"], "all.csv", "fifo", "FIFO"),
@@ -1319,7 +1321,7 @@ def test_a_report_run_again_into_its_folder_replaces_its_own_unchanged_files_onl
     for _ in range(2):
         res = H.cli(args, cwd=case)
         assert res.code == 0, res.show()
-    for edited in ("all.csv", "rep/report.md"):
+    for edited in ("all.csv", "rep/report.md", "rep/report.html"):
         (case / edited).write_text("the user's own notes\n")
         res = H.cli(args, cwd=case)
         first = (H.lines_of(res.err) or [""])[0]

@@ -109,7 +109,7 @@ def test_verdicts_follow_the_metrics_direction(tmp_path: Path) -> None:
 def test_one_common_seed_has_no_interval_and_says_so(tmp_path: Path) -> None:
     dirs = (method(tmp_path, "base", {0: 0.7, 1: 0.8}, lr=0.1) + method(tmp_path, "one", {1: 0.9, 2: 0.5}, lr=0.2)
             + method(tmp_path, "none", {5: 0.9, 6: 0.95}, lr=0.3))
-    table = report(dirs, tmp_path / "rep", metrics=["test/acc"])
+    table = report(dirs, tmp_path / "rep", metrics=["test/acc"]).table
     c = comparison(table, "one")
     assert (c.stats.n, c.stats.ci, c.stats.verdict) == (1, None, "n < 2: no interval")
     assert c.stats.mean == pytest.approx(0.1)
@@ -341,7 +341,7 @@ def test_the_comparison_says_where_the_dp_noise_came_from_and_where_runs_differ_
     assert f"Privacy noise (run.json), every run: {SIMULATED_NOTE} (dct_dp)." in table.comparison_markdown()
     assert "differs" not in table.noise_note()
     noise([SIMULATED_NOTE] * 2 + [SECRET_NOTE] * 2)
-    table = report(dirs, tmp_path / "out")
+    table = report(dirs, tmp_path / "out").table
     note = (f"Privacy noise differs between the compared runs (run.json): a: {SIMULATED_NOTE} (dct_dp); "
             f"b: {SECRET_NOTE} (dct_dp).")
     assert note in table.comparison_note(selection_column=False)

@@ -106,6 +106,23 @@ def test_25_groups_get_25_distinct_curve_styles(tmp_path: Path, saved_figures: l
     assert shown == {(lab, c, ls, m) for c, ls, m, lab in per_axes[0]}
 
 
+@pytest.mark.parametrize("n_groups, n_metrics", [(6, 2), (3, 1), (12, 5)])
+def test_the_legend_stays_inside_the_figure(tmp_path: Path, saved_figures: list, n_groups: int,
+                                            n_metrics: int) -> None:
+    """Long group labels (``fedavg (server.rounds=3)``-like) never push the legend past the figure's edges (before:
+    4 columns cut off on both sides of two squashed panels)."""
+    dirs = [write_run(tmp_path, f"g{i}/seed0", config(f"a_long_variant_name_{i}[alpha=0.{i},mu=0.0{i}]", 0,
+                                                      lr=0.01 * (i + 1)), acc_rows([0.1, 0.2])) for i in range(n_groups)]
+    metrics = ["test/acc", "test/loss", "train/loss", "time/round_s", "test/acc"][:n_metrics]
+    plot_comparison(dirs, tmp_path / "cmp.png", metrics=list(dict.fromkeys(metrics)) if n_metrics < 5 else metrics[:4])
+    (fig,) = saved_figures
+    renderer = drawn(fig)
+    box, page = fig.legends[0].get_window_extent(renderer), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, (box, page)
+    labels = [t.get_text().replace("\n", "") for t in fig.legends[0].get_texts()]
+    assert sorted(labels) == sorted(f"a_long_variant_name_{i}[alpha=0.{i},mu=0.0{i}]" for i in range(n_groups))
+
+
 def test_line_style_is_distinct_and_deterministic_for_any_number() -> None:
     colors = [f"C{i}" for i in range(10)]
     styles = [line_style(i, colors) for i in range(1200)]
@@ -173,7 +190,7 @@ def test_same_seed_runs_on_other_backends_are_not_pooled(tmp_path: Path) -> None
     assert len({g.label for g in groups}) == 3
     assert "in-process" in groups[0].label
     assert "loopback" in groups[1].label and "ray" in groups[2].label
-    table = report([inproc, loop, ray], tmp_path / "rep")
+    table = report([inproc, loop, ray], tmp_path / "rep").table
     assert all(r.n_runs == 1 and r.final_std is None for r in table.rows)
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "±" not in md.split("## Groups")[0].split("\n", 3)[3]  # no mean ± std of one run
@@ -214,22 +231,87 @@ def test_replicates_are_runs_of_one_config_with_distinct_seeds(tmp_path: Path) -
 # ------------------------------------------------------------------------------------- 4. mixed metrics
 
 
-def test_metric_of_some_runs_only_is_tabulated(tmp_path: Path) -> None:
+def _value_rows(md: str) -> list[str]:
+    """The rows of report.md's value tables (metric | run | n | rounds | final | best)."""
+    return [ln for ln in md.splitlines() if re.match(r"\| \S+ [↑↓]? ?\| [^|]+ \| \d+ \| [\d–]+ \|", ln)]
+
+
+def test_mixed_tasks_get_a_section_each_with_only_their_metrics(tmp_path: Path, saved_figures: list) -> None:
+    """A folder of classification and SR runs: one table per task, no row of a metric the group never logs, a
+    curves figure per task with that task's panels only; within a task a metric of some groups only is kept
+    (— for the others)."""
     cls = [write_run(tmp_path, f"cls/seed{s}", config("cls", s), acc_rows([0.5, 0.6 + s / 10])) for s in range(2)]
+    val = write_run(tmp_path, "val/seed0", config("val", 0, lr=0.2), acc_rows([0.5, 0.7], **{"val/acc": 0.6}))
     sr_rows = [{"round": r, "test/psnr": 20.0 + r, "test/ssim": 0.5 + r / 10, "time/round_s": 3.0} for r in (1, 2)]
     sr = write_run(tmp_path, "sr/seed0", config("sr", 0, task="video_sr"), sr_rows, primary="test/psnr")
-    table = report([*cls, sr], tmp_path / "rep")
-    assert {"test/acc", "test/loss", "test/psnr", "test/ssim", "time/round_s"} <= set(table.metrics)
-    rows = {(r.group, r.metric): r for r in table.rows}
+    rep = report([*cls, sr, val], tmp_path / "rep")
+    assert [s.title for s in rep.sections] == ["classification on digits", "video_sr on digits"]
+    cls_table, sr_table = (s.table for s in rep.sections)
+    assert set(cls_table.metrics) == {"test/acc", "test/loss", "val/acc", "time/round_s"}
+    assert set(sr_table.metrics) == {"test/psnr", "test/ssim", "time/round_s"}
+    rows = {(r.group, r.metric): r for r in cls_table.rows}
     assert rows["cls", "test/acc"].n_runs == 2 and rows["cls", "test/acc"].final_mean == pytest.approx(0.65)
-    assert rows["sr", "test/psnr"].final_mean == pytest.approx(22.0)
-    assert rows["sr", "test/acc"].n_runs == 0 and rows["sr", "test/acc"].final_mean is None
-    assert rows["cls", "test/psnr"].n_runs == 0
+    assert rows["cls", "val/acc"].n_runs == 0
+    assert sr_table.rows[0].final_mean == pytest.approx(22.0)
     md = (tmp_path / "rep" / "report.md").read_text()
-    (acc_sr,) = [ln for ln in md.splitlines() if ln.startswith("| test/acc ↑ | sr |")]
-    assert acc_sr.endswith("| — | — |")
-    (psnr_sr,) = [ln for ln in md.splitlines() if ln.startswith("| test/psnr ↑ | sr |")]
-    assert "22.00" in psnr_sr
+    table_rows = _value_rows(md)
+    assert len(table_rows) == 2 * 4 + 1 * 3  # groups x their own section's metrics
+    empty = [ln for ln in table_rows if ln.endswith("| — | — |")]
+    assert empty == ["| val/acc | cls | 0 | 2 | — | — |"]  # one task's metric some groups lack: kept
+    assert md.index("## classification on digits") < md.index("## video_sr on digits")
+    assert "![comparison curves](curves-classification-on-digits.png)" in md
+    assert "![comparison curves](curves-video-sr-on-digits.png)" in md
+    assert sorted(p.name for p in (tmp_path / "rep").glob("*.png")) == [
+        "curves-classification-on-digits.png", "curves-video-sr-on-digits.png"]
+    panels = [sorted(ax.get_title().split(" ")[0] for ax in fig.axes if ax.get_title()) for fig in saved_figures[-2:]]
+    assert panels == [["test/acc", "test/loss", "time/round_s", "val/acc"], ["test/psnr", "test/ssim", "time/round_s"]]
+    assert all(r.n_runs > 0 for r in sr_table.rows) and sr_table.comparisons == ()  # one group: no baseline
+
+
+def test_a_baseline_in_one_section_only_is_used_there_and_said_elsewhere(tmp_path: Path) -> None:
+    a = [write_run(tmp_path, f"a/seed{s}", config("a", s), acc_rows([0.5, 0.6])) for s in range(2)]
+    b = [write_run(tmp_path, f"b/seed{s}", config("b", s, lr=0.2), acc_rows([0.5, 0.7])) for s in range(2)]
+    sr_rows = [{"round": 1, "test/psnr": 20.0, "time/round_s": 3.0}]
+    sr = [write_run(tmp_path, f"{m}/seed0", config(m, 0, task="video_sr", lr=lr), sr_rows, primary="test/psnr")
+          for m, lr in (("x", 0.1), ("y", 0.2))]
+    rep = report([*a, *b, *sr], tmp_path / "rep", baseline="b")
+    cls, vsr = rep.sections
+    assert {c.baseline for c in cls.table.comparisons} == {"b"} and {c.group for c in cls.table.comparisons} == {"a"}
+    assert {c.baseline for c in vsr.table.comparisons} == {"x"}
+    assert vsr.note.startswith("The baseline b is not among these runs: compared with x.")
+    assert vsr.note in (tmp_path / "rep" / "report.md").read_text()
+    with pytest.raises(ValueError, match="sections"):
+        rep.table  # noqa: B018
+
+
+def test_asked_metrics_leave_out_the_sections_that_log_none_of_them(tmp_path: Path) -> None:
+    cls = write_run(tmp_path, "cls/seed0", config("cls", 0), acc_rows([0.5, 0.6]))
+    sr = write_run(tmp_path, "sr/seed0", config("sr", 0, task="video_sr"),
+                   [{"round": 1, "test/psnr": 20.0, "time/round_s": 3.0}], primary="test/psnr")
+    rep = report([cls, sr], tmp_path / "rep", metrics=["test/psnr"])
+    assert [s.title for s in rep.sections] == ["video_sr on digits"] and rep.left_out == ("classification on digits",)
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "- not shown (they log none of the asked metrics): classification on digits" in md
+    assert rep.files == ["report.md", "report.html", "curves-video-sr-on-digits.png"]
+    rep = report([cls, sr], tmp_path / "rep2", metrics=["test/acc", "test/psnr"])
+    assert [s.table.metrics for s in rep.sections] == [("test/acc",), ("test/psnr",)]
+    assert [s.note for s in rep.sections] == ["Not logged here: test/psnr.", "Not logged here: test/acc."]
+
+
+def test_experiments_sharing_a_name_are_labelled_by_what_differs(tmp_path: Path) -> None:
+    """Not ``fedavg [b74bf6]``: the differing config keys, else (too long) the identity keys that tell
+    them apart, else a hash."""
+    rounds = [write_run(tmp_path, f"r{n}/seed0", config("fedavg", 0) | {"server": {"rounds": n}}, acc_rows([0.5]))
+              for n in (3, 4)]
+    assert [g.label for g in group_runs(rounds)] == ["fedavg (server.rounds=3)", "fedavg (server.rounds=4)"]
+    many = {"data": {"name": "cifar10"}, "partition": {"name": "iid", "num_clients": 50},
+            "model": {"name": "resnet8"}, "train": {"lr": 0.3, "epochs": 5}, "task": {"name": "video_sr"}}
+    other = write_run(tmp_path, "other/seed0", config("fedavg", 0) | many, acc_rows([0.5]))
+    labels = [g.label for g in group_runs([rounds[0], other])]
+    assert labels == ["fedavg (task.name=classification)", "fedavg (task.name=video_sr)"]
+    long = [write_run(tmp_path, f"long{i}/seed0", config("fedavg", 0) | {"train": {"lr": 0.1, "note": "x" * 60 + str(i)}},
+                      acc_rows([0.5])) for i in range(2)]
+    assert all(re.fullmatch(r"fedavg \[[0-9a-f]{6}\]", g.label) for g in group_runs(long))
 
 
 # ------------------------------------------------------------------------------------ 5. bold per point
@@ -340,7 +422,7 @@ def test_many_default_metrics_plot_the_primary_at_every_split_and_tabulate_all(t
             for r in (1, 2)]
     runs = [write_run(tmp_path, f"g/{m}/seed0", config(m, 0, lr=lr), rows, directions=directions,
                       primary="test/pckh") for m, lr in (("a", 0.1), ("b", 0.2))]
-    table = report(runs, tmp_path / "out")
+    table = report(runs, tmp_path / "out").table
     assert len(table.metrics) == len(splits) * len(names) + 1
     titles = [ax.get_title() for ax in saved_figures[-1].axes if ax.get_title()]
     assert sorted(t.split(" ")[0] for t in titles) == sorted([f"{s}/pckh" for s in splits] + ["time/round_s"])

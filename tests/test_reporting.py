@@ -524,11 +524,11 @@ def test_panel_titles_follow_declared_directions() -> None:
 def test_plot_comparison_and_report(two_experiments: dict, tmp_path: Path) -> None:
     out = plot_comparison(two_experiments["dirs"], tmp_path / "cmp" / "cmp.png")
     assert out.read_bytes().startswith(PNG_MAGIC) and out.stat().st_size > 10_000
-    table = report(two_experiments["dirs"], tmp_path / "rep")
+    table = report(two_experiments["dirs"], tmp_path / "rep").table
     md = (tmp_path / "rep" / "report.md").read_text()
     assert table.to_markdown() in md
     assert "![comparison curves](curves.png)" in md
     assert "seeds 0, 1, 2" in md and "seeds 7, 8" in md
     assert (tmp_path / "rep" / "curves.png").read_bytes().startswith(PNG_MAGIC)
-    only_acc = report(two_experiments["dirs"], tmp_path / "rep2", metrics=["test/acc"])
+    only_acc = report(two_experiments["dirs"], tmp_path / "rep2", metrics=["test/acc"]).table
     assert only_acc.metrics == ("test/acc",) and len(only_acc.rows) == 2

@@ -156,12 +156,11 @@ def run(
         _say(f"stopped after round {stop_after}; continue with: {again}")
         return
     group = Path(os.path.commonpath([d.parent for d in dirs]))  # the sweep's folder
-    table = report(dirs, group)
-    console.print(table.to_rich())
-    if (paired := table.comparison_rich()) is not None:
-        console.print(paired)
+    rep = report(dirs, group)
+    rep.print(console)
     _say(f"runs: {', '.join(str(d) for d in dirs)}")
-    _say(f"report: {group / 'report.md'}  curves: {group / 'curves.png'}")
+    _say(f"report: {group / 'report.md'}  {group / 'report.html'}  curves: "
+         + ", ".join(str(group / s.curves) for s in rep.sections))
 
 
 def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
@@ -249,50 +248,55 @@ def _find_runs(paths: list[Path]) -> list[Path]:
 @app.command()
 def report(
     paths: Annotated[list[Path], typer.Argument(help="Run directories, or folders searched for runs.")],
-    out: Annotated[Path, typer.Option(help="Where report.md and curves.png go.")] = Path("report"),
+    out: Annotated[Path, typer.Option(help="Where report.md, report.html and the curves go.")] = Path("report"),
     metric: Annotated[Optional[list[str]], typer.Option(help="Metrics to tabulate (default: all eval metrics).")] = None,
     csv: Annotated[Optional[Path], typer.Option(help="Also write every metric of every run and round to this CSV "
                                                      "file (one row per run and round).")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="The group every other is compared with: a row's run name, "
                                                          "or a sweep variant's name (compared at each grid point). "
-                                                         "Default: the first.")] = None,
+                                                         "Default: each section's first.")] = None,
     select: Annotated[str, typer.Option(help="Which evaluation stands for a run: final (its last), best (its best "
                                              "round, selected on the test set for test metrics) or last:N (the "
                                              "mean of its last N).")] = "final",
-    force: Annotated[bool, typer.Option(help="Replace an existing report.md, curves.png or --csv file (not needed "
+    force: Annotated[bool, typer.Option(help="Replace an existing report file or --csv file (not needed "
                                              "for the unchanged files of an earlier report into the same --out)."
                                         )] = False,
 ) -> None:
-    """Compare runs: overlaid curves, a table of final/best values, mean +- std over runs that differ only by seed
-    (the best per metric in bold within each grid point), and every run against the baseline: the per-seed
-    paired difference of each metric with a direction, its mean, 95% CI (Student t), n and a verdict (better,
-    worse, within noise)."""
-    from .reporting import report as make_report
+    """Compare runs, a section per task: overlaid curves, a table of final/best values, mean +- std over runs that
+    differ only by seed (the best per metric in bold within each grid point), and every run against the baseline:
+    the per-seed paired difference of each metric with a direction, its mean, 95% CI (Student t), n and a verdict
+    (better, worse, within noise). Writes report.md, report.html (one self-contained page, with the partitions and
+    the runs' pictures) and the curves into --out."""
     from .reporting import write_csv
+    from .reporting.document import plan_report, write_report
     from .reporting.outputs import RECORD, Outputs
     from .safe_write import check_output, check_output_folder
 
     runs = _find_runs(paths)
     _guard(check_output_folder, out, "--out", force=force)
+    try:
+        rep = plan_report(runs, metric or None, baseline=baseline, select=select)
+    except ConfigError as exc:  # a bad --baseline or --select: nothing written
+        _fail(str(exc))
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc), 1)
     before = Outputs(out)  # what an earlier report into `out` wrote, unchanged, it replaces without --force
-    for name in ("report.md", "curves.png"):
+    for name in rep.files:
         _guard(check_output, out / name, force=force, exists_ok=before.ours(out / name))
     _guard(check_output, out / RECORD, exists_ok=True)
     if csv is not None:
         _guard(check_output, csv, "--csv", force=force, exists_ok=before.ours(csv))
     try:
-        table = make_report(runs, out, metrics=metric or None, baseline=baseline, select=select)
+        written = write_report(rep, out)
         if csv is not None:
             write_csv(runs, csv)
-        before.record([out / "report.md", out / "curves.png", *([csv] if csv is not None else [])])
-    except ConfigError as exc:  # a bad --baseline or --select: nothing written
-        _fail(str(exc))
+        before.remove_stale(written)
+        before.record([*written, *([csv] if csv is not None else [])])
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 1)
-    console.print(table.to_rich())
-    if (paired := table.comparison_rich()) is not None:
-        console.print(paired)
-    _say(f"wrote {out / 'report.md'} and {out / 'curves.png'}" + (f" and {csv}" if csv is not None else ""))
+    rep.print(console)
+    _say(f"wrote {', '.join(str(p) for p in written)}" + (f" and {csv}" if csv is not None else ""))
+
 
 
 @app.command("list")

@@ -40,11 +40,16 @@ Conventions used throughout:
 - Plots give every curve of a panel its own (colour, line style, marker) (``plots.line_style``), and axes
   never show matplotlib's offset text: a power-of-ten multiplier goes into the axis label.
 
+- A report (``report``) splits the runs into sections, one per task (and dataset where the datasets log
+  different metrics: ``sections``), each with its own table, comparisons and curves, and writes ``report.md``,
+  ``report.html`` (one self-contained page: ``html``) and a curves PNG per section (``document``).
+
 Modules: ``runs_view`` (loading runs, series, directions, grouping), ``fmt`` (formatting), ``units`` (metric
 units, numbers in human units: 2.50 GB, 18.9 GFLOP), ``plots`` (curves), ``run_panels`` (which panels one run's
-curves have), ``summary`` (``summary.md``), ``compare`` (comparison tables and reports), ``selection`` (the
-protocols), ``paired`` (paired differences and their confidence intervals), ``export`` (every
-metric as CSV), ``client_weights`` and ``partition`` (who was trusted, and the data each client holds).
+curves have), ``summary`` (``summary.md``), ``compare`` (comparison tables), ``sections`` and ``document``
+(reports), ``html`` (``report.html``), ``selection`` (the protocols), ``paired`` (paired differences and their
+confidence intervals), ``export`` (every metric as CSV), ``client_weights`` and ``partition`` (who was trusted,
+and the data each client holds).
 """
 
 from __future__ import annotations

@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..safe_write import atomic_write_text
 from .fmt import _decimals, _fmt_mean_std, _md_escape, _metric_label
 from .paired import CONFIDENCE, PairedDifference, paired_difference
-from .plots import CURVES_FILE, _plot_groups
+from .plots import _plot_groups
 from .runs_view import (
     RunGroup,
     StrPath,
@@ -507,12 +506,11 @@ def _cpu(machine: Any) -> str | None:
     return f"{machine['cpu']}" + (f" ({build})" if build else "")
 
 
-def provenance_lines(runs: Iterable[_Run]) -> list[str]:
-    """``report.md``'s provenance: each distinct value of ``PROVENANCE`` over every session of every run (a
-    resumed run has several), with how many runs it produced, so a table says which code, command and machine
-    its numbers came from."""
+def provenance_values(runs: Iterable[_Run]) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Each ``PROVENANCE`` item that any session of ``runs`` records (a resumed run has several sessions):
+    (label, its distinct values with how many runs each produced, most runs first)."""
     runs = list(runs)
-    lines = ["## Provenance", "", f"From the `run.json` of the {len(runs)} runs (every session of each):", ""]
+    out = []
     for label, get in PROVENANCE:
         seen: dict[str, set[Path]] = {}
         for run in runs:
@@ -520,14 +518,22 @@ def provenance_lines(runs: Iterable[_Run]) -> list[str]:
                 value = get(session)
                 if value:
                     seen.setdefault(value, set()).add(run.path)
-        if not seen:
-            continue
-        if len(seen) == 1:
-            lines.append(f"- {label}: `{next(iter(seen))}`")
+        if seen:
+            out.append((label, [(v, len(paths)) for v, paths in sorted(seen.items(), key=lambda kv: -len(kv[1]))]))
+    return out
+
+
+def provenance_lines(runs: Iterable[_Run]) -> list[str]:
+    """``report.md``'s provenance: ``provenance_values`` as a list, so a table says which code, command and
+    machine its numbers came from."""
+    runs = list(runs)
+    lines = ["## Provenance", "", f"From the `run.json` of the {len(runs)} runs (every session of each):", ""]
+    for label, values in provenance_values(runs):
+        if len(values) == 1:
+            lines.append(f"- {label}: `{values[0][0]}`")
         else:
             lines.append(f"- {label}:")
-            lines += [f"  - `{value}` ({len(paths)} run{'s' if len(paths) != 1 else ''})"
-                      for value, paths in sorted(seen.items(), key=lambda kv: -len(kv[1]))]
+            lines += [f"  - `{value}` ({n} run{'s' if n != 1 else ''})" for value, n in values]
     return lines + [""]
 
 
@@ -538,23 +544,13 @@ def provenance(run_dirs: Iterable[StrPath]) -> str:
 
 
 def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None, *,
-           baseline: str | None = None, select: str = "final") -> ComparisonTable:
-    """Write ``out_dir/report.md`` (comparison table, each group against the baseline with its 95% CI, what was
-    grouped and why, curves link) and ``out_dir/curves.png`` for the given runs; return the table.
-    ``metrics``, ``baseline`` and ``select`` as in ``compare``; nothing is written when they are wrong."""
-    out = Path(out_dir)
-    runs = _load_all(run_dirs)
-    table, members = _compare_runs(runs, metrics, baseline, select)
-    _plot_table(table, members, out / CURVES_FILE, chosen=metrics is not None)
-    lines = ["# FedSight comparison", "", table.to_markdown()]
-    if table.comparisons:
-        lines += [f"## Compared with the baseline ({_md_escape(table.baseline or '')})", "",
-                  table.comparison_markdown()]
-    lines += ["## Groups", "", table.grouping_note(), ""]
-    for g, text in zip(table.groups, table.group_lines()):
-        dirs = ", ".join(f"`{d}`" for d in g.run_dirs)
-        lines.append(f"- **{_md_escape(g.label)}**{_md_escape(text[len(g.label):])} — {dirs}")
-    lines += ["", "## Curves", "", f"![comparison curves]({CURVES_FILE})", ""]
-    lines += provenance_lines(runs)
-    atomic_write_text(out / "report.md", "\n".join(lines))
-    return table
+           baseline: str | None = None, select: str = "final") -> Any:
+    """Write ``out_dir/report.md``, ``out_dir/report.html`` and the curves of the given runs, a section per
+    task (``fedsight.reporting.document``); return the ``Report`` (its ``sections``, each with its
+    ``ComparisonTable``). ``metrics``, ``baseline`` and ``select`` as in ``compare``; nothing is written when
+    they are wrong."""
+    from .document import plan_report, write_report
+
+    rep = plan_report(run_dirs, metrics, baseline=baseline, select=select)
+    write_report(rep, out_dir)
+    return rep

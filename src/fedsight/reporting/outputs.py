@@ -1,10 +1,12 @@
 """What ``fedsight report`` wrote before, so that the same report run again replaces it without ``--force``.
 
 A report folder (``--out``) holds ``.fedsight-report.json``: the sha256 of each file the last report wrote
-(``report.md`` and ``curves.png`` by name, a ``--csv`` file by its absolute path). A file at one of those paths
-whose bytes still have the recorded digest is FedSight's own earlier output and is replaced; anything else (a
-file the user wrote or edited, a record that is missing or damaged) needs ``--force``, as before. The record is
-read by the bounded reader and written by the atomic writer (``fedsight.safe_read``, ``fedsight.safe_write``).
+(``report.md``, ``report.html`` and the curves by name, a ``--csv`` file by its absolute path). A file at one of
+those paths whose bytes still have the recorded digest is FedSight's own earlier output and is replaced; anything
+else (a file the user wrote or edited, a record that is missing or damaged) needs ``--force``, as before. A file
+the last report wrote, unchanged, that this one does not write (a ``curves.png`` replaced by a curves figure per
+section) is removed. The record is read by the bounded reader and written by the atomic writer
+(``fedsight.safe_read``, ``fedsight.safe_write``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,19 @@ class Outputs:
         p = Path(path)
         recorded = self.before.get(self._key(p))
         return recorded is not None and _digest(p) == recorded
+
+    def remove_stale(self, paths: list[Path]) -> list[Path]:
+        """Remove the files of the report folder that the last report wrote and this one (``paths``) did not
+        (``curves.png`` of a one-section report, once the runs need a curves figure per section), where they
+        are still unchanged; return them. Files the user changed, and ``--csv`` files elsewhere, stay."""
+        keep = {self._key(p) for p in paths}
+        gone = []
+        for key in self.before:
+            path = self.out / key
+            if key not in keep and "/" not in key and os.sep not in key and self.ours(path):
+                path.unlink()
+                gone.append(path)
+        return gone
 
     def record(self, paths: list[Path]) -> None:
         """Write the record of ``paths`` (this report's files)."""

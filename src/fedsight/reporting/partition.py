@@ -75,7 +75,18 @@ def plot_partition_heatmap(
     title: str = "",
     key: str = "class",
 ) -> None:
-    """Save a PNG (dpi 120) heat map of ``counts`` (clients down, partition keys across: classes, or
+    """Save ``partition_heatmap_png`` at ``path`` (temp + rename, onto a regular file only:
+    ``fedsight.safe_write``)."""
+    atomic_write_bytes(path, partition_heatmap_png(counts, class_names, title, key))
+
+
+def partition_heatmap_png(
+    counts: np.ndarray,
+    class_names: Sequence[str] | None = None,
+    title: str = "",
+    key: str = "class",
+) -> bytes:
+    """A PNG (dpi 120) heat map of ``counts`` (clients down, partition keys across: classes, or
     ``key = "domain"``) with a colour bar and a side bar of client totals. Cells are annotated with counts when
     the matrix is smaller than 30 x 30."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -135,4 +146,4 @@ def plot_partition_heatmap(
         f"{'classes' if key == 'class' else key + 's'}/client", fig_width, 10), fontsize=10)
     buf = io.BytesIO()
     fig.savefig(buf, dpi=120, format="png")
-    atomic_write_bytes(path, buf.getvalue())  # temp + rename, onto a regular file only (fedsight.safe_write)
+    return buf.getvalue()

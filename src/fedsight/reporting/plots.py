@@ -286,10 +286,12 @@ def _plot_groups(groups: Sequence[RunGroup], metrics: Sequence[str], members: Se
     fig, axes = _new_figure(len(metrics), f"Comparison: mean ± std over {seeds_text} per run group")
     handles: dict[str, Any] = {}
     for ax, m in zip(axes, metrics):
+        shown: set[int] = set()
         for gi, (group, runs) in enumerate(zip(groups, members)):
             rounds, mean, std = _mean_curve_runs(runs, m)
             if len(rounds) == 0:
                 continue
+            shown.update(int(r) for r in rounds)
             style = line_style(gi)
             (line,) = ax.plot(rounds, mean, linewidth=1.6, label=group.label, markersize=3,
                               markevery=_markevery(len(rounds)), **style)
@@ -299,6 +301,28 @@ def _plot_groups(groups: Sequence[RunGroup], metrics: Sequence[str], members: Se
         ylabel = "seconds" if m.startswith("time") else m.rsplit("/", 1)[-1]
         better = _direction_text(directions.get(m))
         _style_axes(ax, f"{m} ({better})" if better else m, ylabel)
-    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
-               ncol=min(len(handles), 4), frameon=False)
+        if len(shown) == 1:  # one evaluated round: its number, not fractional ticks around it
+            ax.set_xticks(sorted(shown))
+    labels, ncol = _legend_layout(list(handles), fig.get_figwidth())
+    fig.legend(list(handles.values()), labels, loc="outside lower center", ncol=ncol, frameon=False,
+               fontsize=_LEGEND_PT)
     return _save(fig, path)
+
+
+#: legend font size (points) of comparison figures, and the width of one of its characters (inches, an upper
+#: estimate for DejaVu Sans) and of an entry's line sample and padding
+_LEGEND_PT = 9
+_CHAR_IN = 0.6 * _LEGEND_PT / 72
+_HANDLE_IN = 0.75
+
+
+def _legend_layout(labels: Sequence[str], fig_width: float) -> tuple[list[str], int]:
+    """Labels and a column count for a legend below the panels that stays inside a figure ``fig_width``
+    inches wide: as many columns of the widest label as fit, and labels longer than a whole row wrapped."""
+    import textwrap
+
+    fit = max(10, int((fig_width - 0.4 - _HANDLE_IN) / _CHAR_IN))  # characters that fit in one column
+    labels = ["\n".join(textwrap.wrap(t, fit)) if len(t) > fit else t for t in labels]
+    widest = max((max(len(line) for line in t.split("\n")) for t in labels), default=1)
+    ncol = max(1, min(len(labels), int((fig_width - 0.4) / (_HANDLE_IN + widest * _CHAR_IN))))
+    return labels, ncol

@@ -279,7 +279,8 @@ class RunGroup:
     replicates: they are split into sets of distinct seeds, by backend (``run.json``), then by parent
     directory, then one run each; ``split_note`` then says what tells this group apart ("in-process",
     "flower, runs/ray/A") and ``label`` ends with it in parentheses. ``label`` starts with the
-    ``run.name`` of the first run (plus ``[hash]`` of the config when two experiments share a name);
+    ``run.name`` of the first run; experiments that share a name add what differs in their configs
+    (``fedavg (server.rounds=3)``), or a ``[hash]`` of the config when that is too long (``_distinct_names``);
     ``run_dirs``, ``seeds`` and ``backends`` are in the order the runs were given; ``grid_point`` is the
     sweep grid point of the first run's name (``grid_point``), if any.
     """
@@ -335,17 +336,65 @@ def _replicate_sets(members: list[_Run]) -> list[tuple[str, list[_Run]]]:
     return out
 
 
+#: the longest "(key=value, ...)" that tells apart experiments sharing a run name; longer: a hash of the config
+MAX_DIFFERENCE_CHARS = 48
+#: where the differing keys are too many to list, the first of these that tell the experiments apart
+_IDENTITY_KEYS = ("task.name", "data.name", "model.name", "partition.name")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, str]:
+    """A config as dotted keys -> compact JSON values (``{"server.rounds": "3"}``); lists are one value."""
+    if isinstance(tree, dict) and tree:
+        out: dict[str, str] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: json.dumps(tree, separators=(",", ":")).strip('"')}
+
+
+def _difference_texts(keys: Sequence[str]) -> list[str] | None:
+    """For experiments (``_experiment_key``s) that share a run name: each one's values of the config keys
+    where they differ, ``"server.rounds=3, train.lr=0.1"`` (a key one of them lacks: ``key=unset``); when
+    that list is too long, the first identity keys (task, data, model, partition) that tell them apart; None
+    when neither fits in ``MAX_DIFFERENCE_CHARS`` or tells them apart."""
+    flats = [_flat(json.loads(k)) for k in keys]
+    every = list(dict.fromkeys(k for f in flats for k in f))
+    differ = [k for k in every if len({f.get(k) for f in flats}) > 1]
+    candidates = [differ]
+    for n in range(1, len(_IDENTITY_KEYS) + 1):
+        candidates.append([k for k in _IDENTITY_KEYS[:n] if k in differ])
+    for chosen in candidates:
+        texts = [", ".join(f"{k}={f.get(k, 'unset')}" for k in chosen) for f in flats]
+        if chosen and len(set(texts)) == len(texts) and max(map(len, texts)) <= MAX_DIFFERENCE_CHARS:
+            return texts
+    return None
+
+
+def _distinct_names(names: Sequence[str], keys: Sequence[str]) -> list[str]:
+    """Each experiment's label: its run name, and where several experiments share one, what differs in
+    their configs in parentheses (``fedavg (server.rounds=3)``, ``_difference_texts``), else the first 6 hex
+    digits of the sha1 of its config in brackets (``fedavg [b74bf6]``)."""
+    out = list(names)
+    for name in dict.fromkeys(names):
+        idx = [i for i, n in enumerate(names) if n == name]
+        if len(idx) < 2:
+            continue
+        texts = _difference_texts([keys[i] for i in idx])
+        for j, i in enumerate(idx):
+            out[i] = (f"{name} ({texts[j]})" if texts is not None
+                      else f"{name} [{hashlib.sha1(keys[i].encode()).hexdigest()[:6]}]")
+    return out
+
+
 def _group(runs: Sequence[_Run]) -> list[tuple[RunGroup, list[_Run]]]:
     """Groups of replicates (see ``RunGroup``) in order of first appearance, each with its runs."""
     by_key: dict[str, list[_Run]] = {}
     for r in runs:
         by_key.setdefault(_experiment_key(r.config, _flower_treatment(r.path)), []).append(r)
     names = [members[0].name for members in by_key.values()]
+    bases = _distinct_names(names, list(by_key))
     out = []
-    for (key, members), name in zip(by_key.items(), names):
-        base = name
-        if names.count(name) > 1:
-            base = f"{name} [{hashlib.sha1(key.encode()).hexdigest()[:6]}]"
+    for (key, members), base in zip(by_key.items(), bases):
         config = {k: v for k, v in members[0].config.items() if k not in ("seed", "run")}
         for note, sub in _replicate_sets(members):
             group = RunGroup(f"{base} ({note})" if note else base, tuple(r.path for r in sub),
