@@ -43,3 +43,46 @@ def test_list_shows_every_choice_of_a_choice_parameter(monkeypatch):
     assert "style='none' [none|fda|cfsi|lab]" in line
     line = next(x for x in res.output.splitlines() if x.strip("│ ").startswith("image_sr"))
     assert "[l1|l2|charbonnier]" in line
+
+
+def _cfg(tmp_path, **over):
+    path = tmp_path / "c.toml"
+    path.write_text(tomli_w.dumps(tiny(**over)))
+    return path
+
+
+def test_an_error_in_a_value_set_on_the_command_line_names_that_set_and_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(tmp_path)
+    res = runner.invoke(app, ["run", str(cfg), "--set", "server.clients_per_round=50"])
+    assert res.exit_code == 2
+    line, = res.output.strip().splitlines()
+    assert line.startswith(f"error: --set server.clients_per_round=50 on {cfg}: ")
+    assert "server.clients_per_round = 50 exceeds partition.num_clients = 6" in line and "(top level)" not in line
+    assert not (tmp_path / "runs").exists()
+    res = runner.invoke(app, ["run", str(cfg), "--set", "partition.num_clients=2"])  # the other key of the message
+    assert res.exit_code == 2 and res.output.startswith(f"error: --set partition.num_clients=2 on {cfg}: "), res.output
+
+
+def test_an_error_in_the_file_itself_still_blames_the_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(tmp_path, **{"server.clients_per_round": 50})
+    res = runner.invoke(app, ["run", str(cfg), "--set", "train.lr=0.05"])
+    assert res.exit_code == 2
+    assert res.output.strip() == f"error: {cfg}: server.clients_per_round = 50 exceeds partition.num_clients = 6"
+
+
+@pytest.mark.parametrize("body, who", [
+    ("server.optimizer.lr = -1: Input should be greater than 0", "--set server.optimizer=fedadam"),
+    ("unknown key 'bogus' (allowed: data, engine)", "--set bogus=1"),
+    ("model: Input tag 'nope' found using 'name'", "--set model.name=nope"),
+    ("train: set either epochs or steps", None),  # the table's own check, not about the override's value
+    ("server.rounds = 3: too few", None),
+])
+def test_which_override_a_message_blames(body, who):
+    from fedsight.config_messages import blamed
+
+    overrides = [("server.optimizer", "--set server.optimizer=fedadam"), ("bogus", "--set bogus=1"),
+                 ("model.name", "--set model.name=nope"), ("train.lr", "--set train.lr=0.5"),
+                 ("server.roundsx", "--set server.roundsx=3")]
+    assert blamed(body, overrides) == who
