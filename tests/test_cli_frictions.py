@@ -86,3 +86,30 @@ def test_which_override_a_message_blames(body, who):
                  ("model.name", "--set model.name=nope"), ("train.lr", "--set train.lr=0.5"),
                  ("server.roundsx", "--set server.roundsx=3")]
     assert blamed(body, overrides) == who
+
+
+def test_resume_ends_as_run_does_with_the_table_and_the_files_not_raw_markdown(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(tmp_path, **{"server.rounds": 2})
+    assert runner.invoke(app, ["run", str(cfg), "--stop-after", "1"]).exit_code == 0
+    res = runner.invoke(app, ["resume", "runs/tiny/seed0"])
+    assert res.exit_code == 0, res.output
+    assert "##" not in res.output and "![" not in res.output and "**" not in res.output  # no Markdown source
+    assert "test/acc" in res.output  # the comparison table `fedsight run` ends with
+    assert res.output.splitlines()[-2:] == ["run: runs/tiny/seed0", "summary: runs/tiny/seed0/summary.md"]
+    again = runner.invoke(app, ["resume", "runs/tiny/seed0"])  # already complete: the same ending
+    assert again.exit_code == 0 and again.output.splitlines()[-1].startswith("summary: runs/tiny/seed0/summary.md")
+
+
+def test_run_takes_device_as_resume_does(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(tmp_path, **{"server.rounds": 2})
+    res = runner.invoke(app, ["run", str(cfg), "--device", "gpu"])
+    assert res.exit_code == 2 and res.output.strip() == \
+        "error: --device 'gpu': expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\"" and not (tmp_path / "runs").exists()
+    res = runner.invoke(app, ["run", str(cfg), "--device", "cpu", "--stop-after", "1"])
+    assert res.exit_code == 0, res.output
+    assert res.output.strip().endswith(f"continue with: fedsight run {cfg} --device=cpu")
+    run_json = json.loads((tmp_path / "runs/tiny/seed0/run.json").read_text())
+    assert json.dumps(run_json).count('"cpu"') >= 1
+    assert json.loads((tmp_path / "runs/tiny/seed0/config.json").read_text())["engine"]["device"] == "cpu"

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import shlex
 import signal
 import sys
 import time
@@ -20,7 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .errors import ConfigError, FedSightError, OutputPathError
+from .errors import ConfigError, OutputPathError, describe_error
 from .help_text import reflow_help
 
 app = typer.Typer(
@@ -147,6 +145,8 @@ def run(
                                                "with its engine.threads (auto: 1).")] = 1,
     smoke: Annotated[bool, typer.Option(help="A smoke test of every variant: first seed, at most 2 rounds a stage, 2 local "
                                              "steps a round, one evaluation, into OUTPUT_DIR/smoke.")] = False,
+    device: Annotated[Optional[str], typer.Option(help='Run on this device ("cpu", "cuda", "cuda:N"; default: the '
+                                                       "config's engine.device).")] = None,
 ) -> None:
     """Run a config: every variant x grid point x seed, each into its own run directory, then a comparison table.
 
@@ -157,28 +157,23 @@ def run(
     """
     from . import sweep as S
     from .reporting import report
+    from .run_lines import again_command, device_override, interrupted_lines
 
     if smoke and stop_after is not None:
         _fail("--smoke with --stop-after: a smoke run is already at most 2 rounds a stage; pass one of them")
+    again = again_command(config, set_ or [], variant or [], device)
+    specs: list[Any] = []
     try:
-        specs = S.load(config, set_ or [], variant or [], smoke=smoke)
+        sets = [*(set_ or []), *([device_override(device)] if device is not None else [])]
+        specs = S.load(config, sets, variant or [], smoke=smoke)
+        dirs = _run_specs(config, sets, variant or [], specs, jobs, overwrite, stop_after, smoke)
     except ConfigError as exc:
         _fail(str(exc))
-    dirs = []
-    if jobs > 1 and len(specs) > 1:
-        dirs = _run_jobs(config, set_ or [], variant or [], specs, jobs, overwrite, stop_after, smoke)
-    for spec in specs if not dirs else []:
-        label = _spec_label(spec)
-        try:
-            out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
-        except (ConfigError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
-        if out.status == "skipped":
-            _say(f"{label}: already complete in {out.run_dir}")
-        dirs.append(out.run_dir)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): which run stopped where, and how to go on
+        for line in interrupted_lines([s.run_dir for s in specs], again, device):
+            _say(line)
+        raise typer.Exit(130) from None
     if stop_after is not None:
-        again = shlex.join(["fedsight", "run", str(config), *(f"--set={s}" for s in set_ or []),
-                            *(f"--variant={v}" for v in variant or [])])
         _say(f"stopped after round {stop_after}; continue with: {again}")
         return
     group = Path(os.path.commonpath([d.parent for d in dirs]))  # the sweep's folder
@@ -188,6 +183,24 @@ def run(
         console.print(paired)
     _say(f"runs: {', '.join(str(d) for d in dirs)}")
     _say(f"report: {group / 'report.md'}  curves: {group / 'curves.png'}")
+
+
+def _run_specs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
+               stop_after: int | None, smoke: bool) -> list[Path]:
+    """``fedsight run``'s runs, one after the other with a progress bar each, or ``--jobs`` at once."""
+    if jobs > 1 and len(specs) > 1:
+        return _run_jobs(config, sets, variants, specs, jobs, overwrite, stop_after, smoke)
+    dirs = []
+    for spec in specs:
+        label = _spec_label(spec)
+        try:
+            out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
+        except (ConfigError, FileNotFoundError, ValueError) as exc:
+            _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
+        if out.status == "skipped":
+            _say(f"{label}: already complete in {out.run_dir}")
+        dirs.append(out.run_dir)
+    return dirs
 
 
 def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
@@ -234,20 +247,28 @@ def resume(
     another device: to float tolerance)."""
     from .api import load_run_config
     from .reporting import write_summary
+    from .run_lines import finished, interrupted_lines, resume_command
 
     try:
         cfg = load_run_config(run_dir, {"device": device} if device is not None else None)
         out = _execute_with_progress(cfg, run_dir, f"{cfg.run.name} seed {cfg.seed}", resume=True, stop_after=stop_after)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
-    if out.status == "complete":
-        _say(f"complete: {out.run_dir / 'summary.md'}")
-        console.print((out.run_dir / "summary.md").read_text(), markup=False)
-    elif out.status == "skipped":
+    except KeyboardInterrupt:
+        for line in interrupted_lines([run_dir], None, device):
+            _say(line)
+        raise typer.Exit(130) from None
+    if out.status == "skipped":
         _say(f"{run_dir} is already complete")
         write_summary(run_dir)
+    if out.status in ("complete", "skipped"):  # as `fedsight run` ends: the table, then where the files are
+        table, lines = finished(out.run_dir)
+        console.print(table.to_rich())
+        for line in lines:
+            _say(line)
     else:
-        console.print(f"stopped at round {out.last_row['round'] if out.last_row else 0}")
+        _say(f"stopped at round {out.last_row['round'] if out.last_row else 0}; continue with: "
+             f"{resume_command(run_dir, device)}")
 
 
 @app.command()
@@ -448,85 +469,9 @@ def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
         _say(f"class distribution: {dist}")
 
 
-# -- pretrain: the server's feature extractor (fedsight.pretrain) --
+from .pretrain_cli import pretrain_  # noqa: E402  (the server's feature extractor, fedsight.pretrain)
 
-
-@app.command("pretrain")
-def pretrain_(
-    config: Annotated[Path, typer.Argument(help='TOML config with pretrain.source = "samples"; a sweep pre-trains each distinct setup once.')],
-    set_: SetOpt = None,
-    out: Annotated[
-        Optional[Path],
-        typer.Option(help="Write the extractor here (default: pretrain.weights, else <run.output_dir>/pretrained/<key>.safetensors)."),
-    ] = None,
-    force: Annotated[bool, typer.Option(help="Pre-train again even when the weights file exists.")] = False,
-) -> None:
-    """Pre-train the feature extractor on the server's split of the training pool (no client holds it).
-
-    Writes the backbone (safetensors) and a .json sidecar with the training loss and the test accuracy of the pre-trained model with its own head.
-
-    `fedsight run` on the same config loads this file, and pre-trains by itself when the file is missing.
-    """
-    from .safe_write import check_output
-
-    if out is not None:
-        _guard(check_output, out, "--out", force=True)  # an existing file: below (pre-trained, or --force)
-    from . import sweep as S
-    from .api import build_task
-    from .pretrain import pretrain, pretrain_key, pretrain_weights_path, sidecar_path
-
-    try:
-        specs = S.load(config, set_ or [])
-    except ConfigError as exc:
-        _fail(str(exc))
-    todo: dict[Path, Any] = {}
-    for spec in specs:
-        if spec.config.pretrain.source == "none":
-            _fail(f'{config}: pretrain.source = "none" (run {spec.run_dir}); set pretrain.source = "samples" '
-                  "in the config or pass --set pretrain.source=samples")
-        todo.setdefault(out or pretrain_weights_path(spec.config), spec)
-    if out is not None and len({pretrain_key(s.config) for s in specs}) > 1:
-        _fail(f"--out names one file but {config} has {len({pretrain_key(s.config) for s in specs})} distinct pretraining "
-              "setups (seeds or variants); drop --out to give each its own file")
-    for path in todo:  # each file it writes, and its sidecar, before anything is computed
-        for target in (path, sidecar_path(path)):
-            _guard(check_output, target, "--out" if target == out else "", force=True)
-        if path.is_file() and not sidecar_path(path).is_file() and not force:
-            _fail(f"{'--out ' if path == out else ''}{path}: exists without its sidecar {sidecar_path(path)} (not a "
-                  "file `fedsight pretrain` wrote); pass --force to replace it")
-    for path, spec in todo.items():
-        cfg = spec.config
-        label = f"pretrain {spec.variant or cfg.run.name} seed {cfg.seed}"
-        if path.is_file() and sidecar_path(path).is_file() and not force:
-            import json
-
-            meta = json.loads(sidecar_path(path).read_text())
-            _say(f"{label}: already pre-trained (test acc {meta['test'].get('acc', float('nan')):.4f}) in {path}; "
-                 "--force to redo")
-            continue
-        try:
-            task = build_task(cfg)  # data errors surface before the progress bar
-            with _progress() as progress:
-                bar = progress.add_task(escape(label), total=cfg.pretrain.epochs, clients="", metrics="")
-
-                def on_epoch(epoch: int, loss: float) -> None:
-                    progress.update(bar, completed=epoch, metrics=f"loss {loss:.4f}")
-
-                res = pretrain(cfg, task, out=path, progress=on_epoch)
-        except (ConfigError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc), 1)
-        extra = res.test.get("acc_pretrain_classes")
-        seen = f" ({extra:.4f} on pretrain.classes)" if extra is not None else ""
-        console.print(
-            f"{label}: {res.num_examples} server examples, {cfg.pretrain.epochs} epochs, final train loss "
-            f"{res.train_loss[-1]:.4f}; test acc {res.test.get('acc', float('nan')):.4f}{seen} (own head)"
-        )
-        _say(f"weights: {res.path}  details: {res.meta_path}")
-        if out is not None:
-            _say(f"use it with: fedsight run {config} --set pretrain.weights={res.path}")
-
-
-# -- end pretrain --
+app.command("pretrain")(pretrain_)
 
 from .flower.cli import flower_app  # noqa: E402  (flwr itself is imported only when a command runs)
 
@@ -544,24 +489,6 @@ reflow_help(app)  # every command's help paragraphs joined (fedsight.help_text)
 
 #: set to show the traceback of an unexpected error instead of its one-line summary
 DEBUG_ENV = "FEDSIGHT_DEBUG"
-
-
-#: torch's allocation failures are RuntimeErrors ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory")
-_ALLOC_FAILED = re.compile(r"can't allocate memory|out of memory|alloc_cpu|DefaultCPUAllocator", re.IGNORECASE)
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line for an error that escaped a command: the file and the OS's reason for file-system errors,
-    else the exception's type and message."""
-    if isinstance(exc, OSError) and exc.filename is not None and not isinstance(exc, FedSightError):
-        what = f"{exc.strerror or type(exc).__name__}: {exc.filename}"
-        return what + (f" -> {exc.filename2}" if exc.filename2 else "")
-    if isinstance(exc, FedSightError) or (isinstance(exc, FileNotFoundError) and exc.filename is None and str(exc)):
-        return " ".join(str(exc).split())  # phrased for the user already (FedSight's own, naming the file)
-    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and _ALLOC_FAILED.search(str(exc))):
-        return "out of memory (a size in the config or the data is too large for this machine)"
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _interrupt(signum: int, frame: Any) -> None:
