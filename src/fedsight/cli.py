@@ -20,9 +20,10 @@ from rich.table import Table
 
 from .errors import ConfigError, OutputPathError, describe_error
 from .help_text import reflow_help
+from .run_lines import complete_variants
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     help="FedSight: federated learning for real-world vision tasks under heterogeneity.",
     pretty_exceptions_enable=False,
@@ -140,7 +141,8 @@ def run(
     set_: SetOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing run directories of a different config.")] = False,
     stop_after: Annotated[Optional[int], typer.Option(min=1, help="Stop after this round (resume later).")] = None,
-    variant: Annotated[Optional[list[str]], typer.Option(help="Run only this variant of the config (repeatable).")] = None,
+    variant: Annotated[Optional[list[str]], typer.Option(help="Run only this variant of the config (repeatable).",
+                                                         autocompletion=complete_variants)] = None,
     jobs: Annotated[int, typer.Option(min=1, help="Run this many of the sweep's runs at once, each in its own process "
                                                "with its engine.threads (auto: 1).")] = 1,
     smoke: Annotated[bool, typer.Option(help="A smoke test of every variant: first seed, at most 2 rounds a stage, 2 local "
@@ -473,6 +475,11 @@ from .pretrain_cli import pretrain_  # noqa: E402  (the server's feature extract
 
 app.command("pretrain")(pretrain_)
 
+from .start_cli import init, schema  # noqa: E402  (starting configs, the config's JSON Schema)
+
+app.command()(init)
+app.command()(schema)
+
 from .flower.cli import flower_app  # noqa: E402  (flwr itself is imported only when a command runs)
 
 app.add_typer(flower_app, name="flower")
@@ -500,7 +507,7 @@ def main() -> None:
     for configuration errors, 1 otherwise); ``FEDSIGHT_DEBUG=1`` shows the traceback instead."""
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a scheduler's time limit: stop as Ctrl-C does
     try:
-        code = app(standalone_mode=False)  # click's usage errors come here, to be printed as one line
+        code = app(prog_name="fedsight", standalone_mode=False)  # click's usage errors come here, to be printed as one line
     except click.exceptions.NoArgsIsHelpError:  # `fedsight` alone: the help was shown
         sys.exit(2)
     except click.UsageError as exc:

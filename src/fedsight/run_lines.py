@@ -80,3 +80,19 @@ def finished(run_dir: Path) -> tuple[Any, list[str]]:
     curves = run_dir / "plots" / "curves.png"
     files = f"summary: {run_dir / 'summary.md'}" + (f"  curves: {curves}" if curves.is_file() else "")
     return table, [f"run: {run_dir}", files]
+
+
+def complete_variants(ctx: Any, incomplete: str) -> list[str]:
+    """Shell completion of ``--variant``: the ``[[variants]]`` names of the config already on the command line
+    (none when it is not there yet or does not read: completion never prints an error)."""
+    from .safe_read import read_toml
+
+    # while --variant waits for its value, click's resilient parse leaves the config among the unparsed args
+    found = [p for p in [ctx.params.get("config"), *getattr(ctx, "args", [])] if p is not None and Path(p).is_file()]
+    try:
+        raw = read_toml(found[0]) if found else {}
+    except Exception:  # noqa: BLE001 - a half-typed path, a file being edited: nothing to offer
+        return []
+    variants = raw.get("variants") if isinstance(raw.get("variants"), list) else []
+    names = [v.get("name") for v in variants if isinstance(v, dict) and isinstance(v.get("name"), str)]
+    return [n for n in names if n.startswith(incomplete)]
