@@ -361,7 +361,7 @@ def report(
 
 @app.command("list")
 def list_(
-    kind: Annotated[Optional[str], typer.Argument(help="Only this kind (e.g. model, dataset, aggregator).")] = None,
+    kind: Annotated[Optional[str], typer.Argument(help="Only this kind, as its heading or singular (models, datasets, optimizers, component).")] = None,
 ) -> None:
     """List registered tasks, datasets, models, partitioners and recipe parts with their parameters."""
     from .listing import registry_tables
