@@ -132,3 +132,30 @@ def test_show_completion_prints_the_script_for_the_shell():
     res = runner.invoke(app, ["--show-completion", "bash"], prog_name="fedsight")
     assert res.exit_code == 0 and "_FEDSIGHT_COMPLETE=complete_bash" in res.output
     assert "complete -o default -F _fedsight_completion fedsight" in res.output
+
+
+def test_every_command_line_of_docs_cli_md_is_one_the_cli_accepts():
+    """docs/cli.md's examples parse: each command and option exists and takes the values shown (lines that would
+    act as they parse, --help and the completion installers, are left out)."""
+    import shlex
+
+    import click
+    import typer.main
+
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    lines = [line.split("  #")[0].strip() for block in text.split("```sh")[1:] for line in block.split("```")[0]
+             .splitlines() if line.strip().startswith("fedsight ")]
+    assert len(lines) >= 20
+    group = typer.main.get_command(app)
+    for line in lines:
+        args = shlex.split(line)[1:]
+        if any(a in ("--help", "--install-completion", "--show-completion") for a in args):
+            continue
+        cmd, name = group, "fedsight"
+        while isinstance(cmd, click.Group):
+            name, args = args[0], args[1:]
+            cmd = cmd.commands[name]
+        try:
+            cmd.make_context(name, list(args))
+        except click.UsageError as exc:
+            raise AssertionError(f"docs/cli.md: {line}: {exc.format_message()}") from None
