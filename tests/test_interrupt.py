@@ -74,3 +74,23 @@ def test_sigterm_on_run_and_ctrl_c_on_resume_say_the_round_and_how_to_resume(tmp
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def test_an_interrupted_jobs_sweep_stops_its_workers_and_marks_their_runs(tmp_path, monkeypatch):
+    """``run --jobs``: Ctrl-C in the parent terminates every worker, whose run is then marked interrupted (the
+    handler read the pool's processes after shutting it down, when there are none: an AttributeError, workers left
+    training and the parent hanging at exit)."""
+    import pytest
+
+    from fedsight.parallel import run_parallel
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.toml").write_text(tomli_w.dumps(RAW))
+
+    def ctrl_c(msg):  # the worker's first round has reached the parent
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_parallel(Path("c.toml"), [], [], 1, 1, on_message=ctrl_c)
+    status = json.loads((tmp_path / RUN / "status.json").read_text())
+    assert status["state"] == "interrupted" and 1 <= status["round"] < 400
