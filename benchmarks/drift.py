@@ -1,6 +1,6 @@
 """How far one run drifts across CPU kernels: a config's variant at a seed run under this machine's native
 kernels twice, with two threads, and with torch / oneDNN / MKL lowered to another CPU's kernels (the emulation
-README's "How far two CPUs drift, measured" describes), each as its own ``fedsight run`` process; then the table of
+docs/guarantees.md's "How far two CPUs drift, measured" describes), each as its own ``fedsight run`` process; then the table of
 those runs, read from their run directories, with their provenance (``fedsight.reporting.provenance``).
 
 Settings (each a folder of OUT; every run is ``fedsight run CONFIG --variant V --set run.output_dir=OUT/<setting>``

@@ -1,4 +1,4 @@
-"""Side-by-side crops (LR | each method | ground truth) of a finished `fedsight run examples/fedvsr.toml`.
+"""Side-by-side crops (LR | bicubic | each method | ground truth) of a finished `fedsight run examples/fedvsr.toml`.
 
     python examples/fedvsr_visuals.py runs/fedvsr [--seed 0]
 

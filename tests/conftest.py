@@ -30,7 +30,7 @@ settings.load_profile("fedsight")
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.slow`` cases run only with the suite's slow flag, ``FEDSIGHT_SLOW=1`` (README, "Tests")."""
+    """``@pytest.mark.slow`` cases run only with the suite's slow flag, ``FEDSIGHT_SLOW=1`` (docs/testing.md, "The slow flag")."""
     if os.environ.get("FEDSIGHT_SLOW", "") not in ("", "0"):
         return
     skip = pytest.mark.skip(reason="slow: runs with FEDSIGHT_SLOW=1")
@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The fuzz suite's executed cases (tests/fuzz_helpers.py), when it ran: the README quotes these counts."""
+    """The fuzz suite's executed cases (tests/fuzz_helpers.py), when it ran: docs/guarantees.md quotes these counts."""
     import sys
 
     fuzz = sys.modules.get("fuzz_helpers")

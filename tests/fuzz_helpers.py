@@ -114,7 +114,7 @@ def is_usage_box(res: Result) -> bool:
 def error_problems(res: Result, *, codes: tuple[int, ...] = (1, 2), usage_box_ok: bool = False) -> list[str]:
     """How a failing command's result breaks the error contract (empty: it keeps it).
 
-    The contract (README "Command line", ``fedsight.cli.main``): a non-zero exit (2 for configuration, 1
+    The contract (docs/guarantees.md, ``fedsight.cli.main``): a non-zero exit (2 for configuration, 1
     otherwise), no traceback, and stderr of one line ``error: <what>`` naming the file, key or option.
     Accepted beyond that one line: the boundary's hint line for an OS error it reports (``(set
     FEDSIGHT_DEBUG=1 ...)``), and a configuration error's further lines, one per further problem, each

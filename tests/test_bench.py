@@ -83,4 +83,4 @@ def test_bench_without_flower_says_how_to_get_it(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_flwr)
     row = time_flower(cnn_workload(3, 2), 3)
-    assert row.seconds is None and row.note == 'not installed: pip install "fedsight[flower]"'
+    assert row.seconds is None and row.note == 'not installed: pip install -c constraints.txt -e ".[flower]"'

@@ -144,7 +144,7 @@ def test_flower_commands_without_flower_installed_say_how_to_get_it(monkeypatch)
     monkeypatch.setitem(sys.modules, "flwr", None)  # as if the flower extra were not installed
     monkeypatch.setitem(sys.modules, "flwr.app", None)
     res = CliRunner().invoke(app, ["flower", "simulate", "examples/quickstart.toml"])
-    assert res.exit_code == 2 and 'pip install -e ".[flower]"' in res.output
+    assert res.exit_code == 2 and 'pip install -c constraints.txt -e ".[flower]"' in res.output
 
 
 def _commands(group, path=()):

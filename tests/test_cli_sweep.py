@@ -117,7 +117,7 @@ def test_run_json_records_versions_the_command_line_and_the_git_commit(tmp_path,
     assert session["threads"] >= 1 and session["device"] == "cpu"
 
 
-def test_partition_of_a_sweep_shows_every_distinct_partition_in_its_points_folder(tmp_path, monkeypatch):
+def test_partition_of_a_sweep_shows_every_distinct_partition_in_the_sweeps_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     raw = tiny()
     raw["sweep"] = {"seeds": [0, 1], "grid": {"partition.alpha": [0.05, 100.0]}}
@@ -126,8 +126,10 @@ def test_partition_of_a_sweep_shows_every_distinct_partition_in_its_points_folde
     res = runner.invoke(app, ["partition", "c.toml"])
     assert res.exit_code == 0, res.output
     pngs = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png"))
-    assert pngs == ["runs/tiny/fedavg/alpha=0.05/partition.png", "runs/tiny/fedavg/alpha=100.0/partition.png"]
+    # in the sweep's folder, where both variants find it, named by the grid point they share (issue 45)
+    assert pngs == ["runs/tiny/partition-alpha=0.05.png", "runs/tiny/partition-alpha=100.0.png"]
     assert "fedavg/alpha=0.05, prox/alpha=0.05 (seed 0)" in res.output  # the variants share the partition
+    assert "heatmap: runs/tiny/partition-alpha=0.05.png" in res.output
     cells = [[c.strip() for c in line.strip().strip("│").split("│")] for line in res.output.splitlines()]
     shares = [float(c[-1]) for c in cells if len(c) == 5 and c[0].isdigit()]
     assert len(shares) == 12  # 6 clients per point
@@ -160,7 +162,8 @@ def test_jobs_runs_the_sweep_in_processes_with_the_serial_numbers(tmp_path, monk
     (tmp_path / "c.toml").write_text(tomli_w.dumps(raw))
     res = runner.invoke(app, ["run", "c.toml", "--jobs", "2", "--set", "run.output_dir=par"])
     assert res.exit_code == 0, res.output
-    assert "tiny seed 1 round 2/2" in res.output and "par/tiny/report.md" in res.output
+    assert "run 2/2 tiny seed 1 round 2/2" in res.output and "par/tiny/report.md" in res.output
+    assert "run 2/2 tiny seed 1: loading data" in res.output  # a worker's phases reach the parent (issue 45)
     assert runner.invoke(app, ["run", "c.toml", "--set", "run.output_dir=ser"]).exit_code == 0
 
     def rows(root, seed):

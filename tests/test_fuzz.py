@@ -1447,7 +1447,7 @@ def _repairs(run: Path) -> list[str]:
 
 
 def test_every_swept_leftover_is_a_run_repaired_event(world) -> None:
-    """README: leftovers of interrupted writes are swept on resume, each with a `run_repaired` event (of a
+    """docs/guarantees.md: leftovers of interrupted writes are swept on resume, each with a `run_repaired` event (of a
     finished run read back by `run`, and of a stopped run that resumes)."""
     H.count("run files")
     case = new_case(world)

@@ -2,8 +2,8 @@
 point, seed and stage of a sweep, or the expansion fails with one line naming the key.
 
 The property test builds sweeps (variants x grid x stages x seeds) and overrides, and checks every expanded
-run's *validated* config, its stages' configs included, against an oracle written here from the README's
-rules alone (not from ``fedsight.sweep``'s code)."""
+run's *validated* config, its stages' configs included, against an oracle written here from the rules in
+docs/configuration.md alone (not from ``fedsight.sweep``'s code)."""
 
 from __future__ import annotations
 

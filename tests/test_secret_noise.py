@@ -186,7 +186,7 @@ def test_the_secret_is_only_in_the_clients_private_folder(tmp_path):
     keys = {k: v for k, v in files.items() if k.startswith("client_state/secret/")}
     assert sorted(keys) == [f"client_state/secret/client-{c:07d}.key" for c in range(3)]
     config = json.loads(files["config.json"])
-    assert config["privacy"] == {"noise": "secret"}
+    assert config["privacy"] == {"noise": "secret", "central_dp": None}  # (no central DP in this run)
     for name, secret in keys.items():
         forms = [secret, secret.hex().encode(), secret.hex().upper().encode(), hashlib.sha256(secret).hexdigest().encode()]
         for other, data in files.items():

@@ -16,22 +16,25 @@ import tomli_w
 import torch
 
 from . import __version__
+from . import central_dp
 from . import registry as R
 from .capabilities import missing
-from .config import ConfigError, provided, requirements, set_path, stage_configs, validate
+from .config import ConfigError, provided, requirements, stage_configs, validate
 from .device import configure_determinism, configure_threads, describe, keep_freed_memory, resolve_device
 from .engine.plan import Recipe, Schedule, Stage, clients_per_round
 from .engine.server import Server
 from .engine.simulation import Simulation
 from .metric_table import metric_directions
-from .models.base import detect_capabilities, load_weights, save_weights
+from .model_selection import sync_best, write_best
+from .models.base import detect_capabilities, save_weights
+from .weights import load_checkpoint
 from .plugins import load_builtin
 from .provenance import provenance
 from .errors import FedSightError, RunFileError
 from .rng import PROCESS_STREAM
-from .safe_write import check_output, check_run_dir
+from .safe_write import check_run_dir
 from .secret import privacy_note, server_side
-from .runs import (CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, EVALUATIONS_FILE, INTERRUPTED, Replacement, RunDir,
+from .runs import (CLIENT_METRICS_EVENT, CLIENT_METRICS_FILE, INTERRUPTED, Replacement, RunDir,
                    RunLock, atomic_write_text, last_values, read_run_meta)
 from .state import ClientStateStore
 from .tasks.base import Task
@@ -106,6 +109,9 @@ def build_local(cfg: Any, total_rounds: int | None = None) -> LocalTraining:
 
 
 def build_schedule(cfg: Any, task: Task) -> Schedule:
+    from .model_selection import selection_of
+
+    metric, higher = selection_of(cfg) or (None, True)
     return Schedule(
         rounds=cfg.server.rounds,
         clients_per_round=clients_per_round(task.num_clients, cfg.server.clients_per_round, cfg.server.fraction),
@@ -117,6 +123,8 @@ def build_schedule(cfg: Any, task: Task) -> Schedule:
         dropout=cfg.server.dropout,
         speed_sigma=cfg.server.speed_sigma,
         deadline=cfg.server.deadline,
+        select_metric=metric,
+        select_higher=higher,
     )
 
 
@@ -171,24 +179,30 @@ def _kind(capability: str) -> str:
 def initial_weights(cfg: Any, model: torch.nn.Module, task: Task, device: torch.device) -> None:
     """Load ``[init] weights`` or the server's pre-trained extractor (pre-training it when missing)."""
     if cfg.init.weights is not None:
-        load_weights(model, cfg.init.weights, strict=cfg.init.strict)
+        load_checkpoint(model, cfg.init.weights, cfg.init.layout, strict=cfg.init.strict, exclude=cfg.init.exclude)
     elif cfg.pretrain.source != "none":  # the server's pre-trained extractor phi (fedsight.pretrain)
         from .pretrain import ensure_pretrained, load_backbone
 
         load_backbone(model, ensure_pretrained(cfg, task, device))  # pre-trains when the file is missing
 
 
-def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | None = None, cost: Any = None) -> Simulation:
+def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | None = None, cost: Any = None,
+                     on_phase: OnPhase | None = None) -> Simulation:
     """The in-process simulation of ``cfg``; with ``run_dir``, per-client state spills to
-    ``run_dir/client_state``; ``cost``: a known ``ModelCost`` (skips measuring it)."""
+    ``run_dir/client_state``; ``cost``: a known ``ModelCost`` (skips measuring it); ``on_phase`` hears
+    "loading data" and "building the model"."""
     device = engine_device(cfg)
-    task = task or build_task(cfg)
+    if task is None:
+        (on_phase or _no_phase)("loading data")
+        task = build_task(cfg)
+    (on_phase or _no_phase)("building the model")
     store = ClientStateStore(Path(run_dir) / "client_state") if run_dir is not None else None
     sim = Simulation(task, None, None, build_schedule(cfg, task), cfg.seed, store, build_stages(cfg, task),
                      cost=cost, device=device, vectorize=vectorize_mode(cfg.engine.vectorize, device),
                      max_clients_per_batch=cfg.engine.max_clients_per_batch, noise=cfg.privacy.noise)
     check_model(cfg, sim.global_model)
     initial_weights(cfg, sim.global_model, task, device)
+    central_dp.install(sim, cfg)  # [privacy.central_dp]: the recipe checked against the mechanism (a ConfigError)
     return sim
 
 
@@ -211,7 +225,8 @@ def progress_keys(cfg: Any) -> list[tuple[str, str]]:
     keys = [(primary, primary.split("/", 1)[1]), ("local/wma", "wma")]
     if "test/loss" in metrics:
         keys.append(("test/loss", "loss"))
-    return keys + [("train/loss", "train")]
+    keys.append(("train/loss", "train"))
+    return keys + ([("dp/epsilon", "eps")] if cfg.privacy.central_dp is not None else [])
 
 
 def session_info(device: torch.device) -> dict[str, Any]:
@@ -235,7 +250,9 @@ def experiment(config: dict[str, Any]) -> dict[str, Any]:
     records each session's engine."""
     out = {k: v for k, v in config.items() if k != "engine"}
     if isinstance(out.get("run"), dict):
-        out["run"] = {k: v for k, v in out["run"].items() if k not in ("output_dir", "checkpoint_keep", "tensorboard")}
+        out["run"] = {k: v for k, v in out["run"].items()
+                      if k not in ("output_dir", "checkpoint_keep", "tensorboard", "mlflow", "mlflow_uri",
+                                   "mlflow_experiment")}
     return out
 
 
@@ -255,6 +272,12 @@ class Outcome:
 
 
 OnRound = Callable[[int, dict[str, Any]], None]
+#: what a run does now, for a progress display ("loading data", "building the model", ...: ``execute``)
+OnPhase = Callable[[str], None]
+
+
+def _no_phase(text: str) -> None:
+    pass
 
 
 def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True,
@@ -295,14 +318,23 @@ def record_round(run: RunDir, server: Any, cfg: Any, r: int, row: dict[str, Any]
     run.append_metrics(row)
     if cfg.run.tensorboard:
         run.log_events(r, row)
+    sel = server.selection
     if r == 0:  # the initial model's evaluation: nothing trained, nothing to checkpoint (a resume redoes it)
+        if sel is not None and sel.round == 0:
+            write_best(run.path, sel)
+        if cfg.run.mlflow:
+            run.track(r, row, cfg.run)
         return
     if server.last_weights is not None:
         ids, w = server.last_weights
         run.append_client_weights(r, ids, w)
     run.save_checkpoint(r, server.state_dict(), keep_last=cfg.run.checkpoint_keep)
     server.store.commit()
+    if sel is not None and sel.round == r:  # after the checkpoint, which holds it too (a kill in between: sync_best)
+        write_best(run.path, sel)
     run.write_status("running", r, cfg.server.rounds)
+    if cfg.run.mlflow:  # after the checkpoint: MLflow never holds a round a resumed run redoes (fedsight.mlflow_tracking)
+        run.track(r, row, cfg.run)
 
 
 def execute(
@@ -313,8 +345,13 @@ def execute(
     overwrite: bool = False,
     stop_after: int | None = None,
     on_round: OnRound | None = None,
+    on_phase: OnPhase | None = None,
 ) -> Outcome:
     """Run (or resume) one configured run in ``run_dir``.
+
+    ``on_round(r, row)`` hears every recorded round; ``on_phase(text)`` what the run does while no round is
+    recorded: "loading data", "building the model", "round 0: evaluating the initial model" (or "round k:
+    training", the first round it runs), "writing the model, plots and summary".
 
     An existing run directory of the same resolved config is resumed from its last checkpoint (or
     skipped if complete); one of a different config is an error unless ``overwrite``. The run directory is
@@ -324,14 +361,15 @@ def execute(
     check_run_dir(run_dir)  # not inside another run, not a symbolic link or special file: before anything is built
     with PROCESS_STREAM:
         sim = None
+        phase = on_phase or _no_phase
         if not os.path.lexists(run_dir):  # a new run: data loaded and everything built before the lock file is
-            sim = build_simulation(cfg, run_dir=Path(run_dir))  # made, so a kill meanwhile leaves nothing behind
+            sim = build_simulation(cfg, run_dir=Path(run_dir), on_phase=phase)  # made: a kill leaves nothing behind
         with RunLock(run_dir):
-            return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round, sim)
+            return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round, sim, phase)
 
 
 def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: int | None,
-             on_round: OnRound | None, sim: Simulation | None = None) -> Outcome:
+             on_round: OnRound | None, sim: Simulation | None = None, phase: OnPhase = _no_phase) -> Outcome:
     res = experiment(resolved(cfg))
     if run.exists() and not overwrite:
         old = experiment(run.read_config())
@@ -354,7 +392,7 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
     # load data and build everything first: bad input must fail before a run directory is written (a new run's
     # simulation is built before its lock is taken: ``execute``)
     if sim is None:
-        sim = build_simulation(cfg, run_dir=run.path)
+        sim = build_simulation(cfg, run_dir=run.path, on_phase=phase)
     status = run.read_status() if resume else {}
     if status.get("state") == "complete" and status["round"] >= cfg.server.rounds:
         rows = [r for r in run.read_metrics() if "event" not in r] if run.metrics_path.is_file() else []
@@ -366,7 +404,7 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
     # --overwrite: the old run is set aside now and deleted once the new one has recorded a round
     replaced = Replacement(run.path) if overwrite and not resume else None
     try:
-        return _execute_built(cfg, run, sim, resume, stop_after, on_round, replaced)
+        return _execute_built(cfg, run, sim, resume, stop_after, on_round, replaced, phase)
     except BaseException:
         if replaced is not None:
             replaced.undo()
@@ -383,7 +421,7 @@ def _finished(run: RunDir, rows: list[dict[str, Any]], cfg: Any) -> bool:
 
 
 def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: int | None,
-                   on_round: OnRound | None, replaced: Replacement | None) -> Outcome:
+                   on_round: OnRound | None, replaced: Replacement | None, phase: OnPhase = _no_phase) -> Outcome:
     notes: list[str] = []
     run.check_layout()
     if resume:  # everything read and checked before anything is written
@@ -395,16 +433,24 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
             raise RunFileError(f"{run.ckpt_dir}: no intact checkpoint of the {done} rounds recorded "
                                f"({'; '.join(notes) or 'none left'}); nothing was changed: pass --overwrite to start "
                                "the run over")
+        central_dp.keep_server_secret(sim, run.path, resumed=True)  # read back (a RunFileError if lost)
         notes += run.truncate_metrics(sim.round)
+    else:
+        central_dp.keep_server_secret(sim, run.path, resumed=False)  # drawn and kept in RUN_DIR/private
     notes += _swept(run)  # also for a new run in a folder a killed run left before its config was written
     start_run_dir(run, cfg, sim.task, sim.server.device, vectorize=sim.runtime.vectorize,
-                  privacy_noise=privacy_note(sim.stages, cfg.privacy.noise))
+                  privacy_noise=privacy_note(sim.stages, cfg.privacy.noise, ("central_dp",) if sim.backend.dp else ()))
     if not resume:
         for path in (run.metrics_path, run.weights_path, run.path / CLIENT_METRICS_FILE):
             path.unlink(missing_ok=True)
-    for note in notes:  # a run_repaired event for each repair and each swept leftover (README)
+    if sim.server.selection is not None:  # the best model so far, as the restored checkpoint has it
+        sync_best(run.path, sim.server.selection)
+    for note in notes:  # a run_repaired event for each repair and each swept leftover (docs/guarantees.md)
         run.append_metrics({"event": "run_repaired", "round": sim.round, "stage": sim.server.stage, "note": note})
+    if sim.backend.dp is not None and not resume:  # which accountant and assumption give the rows' dp/epsilon
+        run.append_metrics(central_dp.accounting_event(sim.backend.dp, sim.server.stage))
     last: dict[str, Any] = {}
+    run.open_tracking(cfg.run)  # before any round: an unreachable tracking server stops the run here
 
     def _on_round(r: int, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
         record_round(run, sim.server, cfg, r, row, events)
@@ -416,15 +462,18 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
             on_round(r, row)
 
     try:
+        initial = sim.round == 0 and sim.server.schedule.eval_initial
+        phase("round 0: evaluating the initial model" if initial else f"round {sim.round + 1}: training")
         sim.run(on_round=_on_round, stop_after=stop_after)
         state = "complete" if sim.round >= cfg.server.rounds else "stopped"
+        phase("writing the model, plots and summary" if state == "complete" else "writing the model")
         try:
             save_weights(sim.global_model, run.path / "model.safetensors")
             run.write_status(state, sim.round, cfg.server.rounds)
             if state == "complete":
                 finish(run.path, sim.task, sim.global_model, sim.recipe.weighting.name, hooks=sim.eval_context,
                        plots=cfg.run.plots,
-                       facts=sim.server.facts, events=run.events)
+                       facts=sim.server.facts, events=run.events, tracking=run.tracking)
         except Exception as exc:  # a full disk, a file-size limit: the status says what failed, and the run resumes
             _record_failure(run, sim.round, cfg.server.rounds, exc)
             raise
@@ -454,7 +503,7 @@ def _record_failure(run: RunDir, r: int, rounds: int, exc: BaseException) -> Non
 
 def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | None = None, weighting: str | None = None,
            hooks: Any = None, facts: dict[str, torch.Tensor] | None = None, events: Any = None,
-           plots: bool = True) -> None:
+           plots: bool = True, tracking: Any = None) -> None:
     """Plots and summary of a finished run (``write_summary`` draws plots/curves.png first; ``plots`` False,
     ``run.plots = false``: no figure at all, the summary and its tables only). ``hooks(model,
     split)``: the run's evaluation hooks, under which a task's visuals show the model as it was evaluated
@@ -462,7 +511,7 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     by ``FACT_REPORTS`` (LADD's style clusters). A run with skipped rounds stays "complete" (every reader of
     ``status.json`` takes it as finished) and says which rounds, and why, in ``status.json``
     (``skipped_rounds``, ``skipped_causes``) and ``summary.md``. ``events``: the session's TensorBoard log, which
-    gets the plots and the hparams."""
+    gets the plots and the hparams; ``tracking``: its MLflow run, which gets the plots and the summary."""
     from .registry import FACT_REPORTS
     from .reporting import plot_client_weights, write_summary
     from .reporting.summary import skipped_status
@@ -485,6 +534,8 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     if events is not None:  # TensorBoard: the plots as images, the hparams with each metric's last value
         final = last_values(run.read_metrics())
         events.finish(run.path, run.read_config(), final, int(final.get("round", 0)))
+    if tracking is not None:
+        tracking.finish(run.path)
 
 
 def load_run_config(run_dir: str | Path, engine: dict[str, Any] | None = None) -> Any:
@@ -502,42 +553,19 @@ EVALUATION_KEYS = ("eval", "engine", "recipe.sharing.test_stats", "task.per_imag
                    "task.visual_images", "task.workers", "task.backend")
 
 
-def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[int, dict[str, float]]:
-    """Evaluate a run's trained model again, from its last checkpoint (the global model and the clients'
-    state), with evaluation settings changed by ``overrides`` (``--set`` syntax, e.g.
-    ``recipe.sharing.test_stats=domain``: SiloBN's statistics by domain instead of fresh ones). Nothing is
-    trained; the metrics go to ``RUN_DIR/evaluations.jsonl`` and are returned with the checkpoint's round.
-    Overrides of anything that would change what was trained are refused."""
-    run = RunDir(run_dir)
-    if not (run.path / "config.json").is_file():
-        raise FileNotFoundError(f"{run.path}: not a run directory (no config.json)")
-    check_run_dir(run.path)  # the output guard: not inside another run, not a symbolic link
-    check_output(run.path / EVALUATIONS_FILE, owner=run.path, exists_ok=True)  # appended to: a regular file or nothing
-    with RunLock(run.path):  # not while the run itself is training (or evaluated by another process)
-        return _evaluate_run(run, overrides)
+def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = (), *, model: str = "last") -> tuple[int, dict[str, float]]:
+    """Evaluate a run's trained model again, from its last checkpoint (``model = "best"``: its selected best global
+    model), with nothing trained. ``overrides`` (``--set`` syntax) may change evaluation settings
+    (``EVALUATION_KEYS``, e.g. ``recipe.sharing.test_stats=domain``: SiloBN's statistics by domain instead of fresh
+    ones) and the data evaluated on (``fedsight.crosseval.SITE_KEYS``: another dataset of the task, another
+    partition: a cross-site evaluation, refused when the data's model inputs or classes differ from the model's;
+    ``fedsight.crosseval`` says what happens to per-client state). The metrics go to ``RUN_DIR/evaluations.jsonl``
+    and are returned with the checkpoint's round. Overrides of anything that would change what was trained are
+    refused, before anything is evaluated or written."""
+    from .crosseval import evaluate_one
 
-
-def _evaluate_run(run: RunDir, overrides: Sequence[str]) -> tuple[int, dict[str, float]]:
-    from .config import parse_override
-
-    raw = run.read_config()
-    changes: dict[str, Any] = {}
-    for text in overrides:
-        path, value = parse_override(text)
-        key = ".".join(path)
-        if not any(key == k or key.startswith(k + ".") for k in EVALUATION_KEYS):
-            raise ConfigError(f"--set {key}: changes what was trained; evaluate may change only "
-                              f"{', '.join(EVALUATION_KEYS)}")
-        set_path(raw, path, value)
-        changes[key] = value
-    cfg = validate(raw, f"{run.path / 'config.json'} with --set")
-    sim = build_simulation(cfg, run_dir=run.path)
-    rnd = restore(run, sim)
-    if rnd is None:
-        raise FileNotFoundError(f"{run.path}: no intact checkpoint to evaluate (run it first, with run.checkpoint_keep >= 1)")
-    metrics = sim.evaluate()
-    run.append_evaluation({"round": rnd, "stage": sim.server.stage, "set": changes, **metrics})
-    return rnd, metrics
+    _, ev = evaluate_one(run_dir, overrides, model)
+    return ev.round, ev.metrics
 
 
 def restore(run: RunDir, sim: Any, notes: list[str] | None = None) -> int | None:

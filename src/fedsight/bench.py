@@ -151,7 +151,9 @@ def time_flower(raw: dict[str, Any], rounds: int) -> Row:
 
         from .flower.simulation import flower_simulate
     except ImportError:
-        return Row("Flower simulation (Ray)", None, None, m, 'not installed: pip install "fedsight[flower]"')
+        from .flower import INSTALL
+
+        return Row("Flower simulation (Ray)", None, None, m, f"not installed: {INSTALL}")
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # Ray's FutureWarning about GPU variables
     cfg = validate({**raw, "run": {"name": "flower", "checkpoint_keep": 1}, "engine": {"threads": 1, "device": "cpu"},

@@ -15,7 +15,6 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from .errors import ConfigError, OutputPathError, describe_error
@@ -80,59 +79,34 @@ def _guard(check: Any, *args: Any, **kwargs: Any) -> Path:
         raise  # unreachable: _fail exits
 
 
-def _short(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
-    """The progress line's metrics: ``keys`` from ``api.progress_keys`` (the task's primary metric first)."""
-    return "  ".join(f"{label} {row[key]:.4f}" for key, label in keys if key in row)
+def _progress():
+    """The progress display (``fedsight.live``): two lines a run, readable at 80 columns."""
+    from .live import make_progress
+
+    return make_progress(console)
 
 
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[clients]}"),
-        TextColumn("{task.fields[metrics]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    )
+def _spec_label(spec: Any, index: int | None = None, count: int = 1) -> str:
+    """A sweep member as the progress shows it: ``run k/N`` in a sweep, its run name (the variant and grid point)
+    and seed."""
+    from .live import run_label
 
-
-def _spec_label(spec: Any) -> str:
-    """A sweep member as the progress shows it: its run name (the variant and grid point) and seed."""
-    return f"{spec.config.run.name} seed {spec.seed}"
-
-
-def _clients(row: dict[str, Any]) -> str:
-    """The progress's clients column: the round's aggregated clients; round 0 is the initial model's evaluation."""
-    return "initial model" if row.get("round") == 0 else f"{row.get('clients/aggregated', 0)} clients"
-
-
-def _log_line(label: str, r: int, total: int, row: dict[str, Any], keys: list[tuple[str, str]], start: float) -> None:
-    """Progress off a terminal: a whole line for every evaluated round, every ``total // 50``-th and the last."""
-    if any(key in row for key, _ in keys[:1]) or r % max(1, total // 50) == 0 or r == total:
-        _say(f"{label} round {r}/{total}  {_clients(row)}  {_short(row, keys)}  "
-             f"{time.monotonic() - start:.1f} s")
+    return run_label(spec.config.run.name, spec.seed, index, count)
 
 
 def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
+    """``api.execute`` with live progress (``fedsight.live``): a bar and a phase line on a terminal; off one
+    (nohup, SLURM, a pipe), whole lines, never a bar cut to the width."""
     from .api import execute, progress_keys
+    from .live import RunView
     from .runs import RunDir
 
     done = int(RunDir(run_dir).read_status().get("round", 0)) if RunDir(run_dir).exists() else 0
-    keys = progress_keys(cfg)
-    if not console.is_terminal:  # nohup, SLURM, a pipe: whole lines, never a bar cut to the width with "..."
-        start = time.monotonic()
-        return execute(cfg, run_dir, on_round=lambda r, row: _log_line(label, r, cfg.server.rounds, row, keys, start),
-                       **kwargs)
-    with _progress() as progress:
-        task = progress.add_task(escape(label), total=cfg.server.rounds, completed=done, clients="", metrics="")
-
-        def on_round(r: int, row: dict[str, Any]) -> None:
-            progress.update(task, completed=r, clients=_clients(row), metrics=_short(row, keys))
-
-        return execute(cfg, run_dir, on_round=on_round, **kwargs)
+    with _progress() if console.is_terminal else contextlib.nullcontext() as progress:
+        view = RunView(progress, _say, label, cfg.server.rounds, progress_keys(cfg), done=done)
+        out = execute(cfg, run_dir, on_round=view.round, on_phase=view.phase, **kwargs)
+        view.finish(out.status)
+        return out
 
 
 @app.command()
@@ -193,8 +167,8 @@ def _run_specs(config: Path, sets: list[str], variants: list[str], specs: list[A
     if jobs > 1 and len(specs) > 1:
         return _run_jobs(config, sets, variants, specs, jobs, overwrite, stop_after, smoke)
     dirs = []
-    for spec in specs:
-        label = _spec_label(spec)
+    for i, spec in enumerate(specs):
+        label = _spec_label(spec, i, len(specs))
         try:
             out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
@@ -210,24 +184,27 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
     """``run --jobs``: the sweep's runs in ``jobs`` processes (``fedsight.parallel``), with a bar per run (or,
     off a terminal, a line per round); the run directories, or exit 1 naming every run that failed."""
     from .api import progress_keys
+    from .live import RunView
     from .parallel import run_parallel
 
-    labels = [_spec_label(s) for s in specs]
+    labels = [_spec_label(s, i, len(specs)) for i, s in enumerate(specs)]
     keys, start = progress_keys(specs[0].config), time.monotonic()
     with _progress() if console.is_terminal else contextlib.nullcontext() as progress:
-        bars = [progress.add_task(escape(label), total=s.config.server.rounds, clients="", metrics="")
-                for label, s in zip(labels, specs)] if progress is not None else []
+        views = [RunView(progress, _say, label, s.config.server.rounds, keys, start=start,
+                         phase="waiting for a worker" if progress is not None else "")
+                 for label, s in zip(labels, specs)]
 
         def on_message(msg: Any) -> None:
-            _, i, r, row = msg
-            if progress is not None:
-                progress.update(bars[i], completed=r, clients=_clients(row),
-                                metrics=_short(row, keys))
+            kind, i, r, row = msg
+            if kind == "phase":
+                views[i].phase(str(row["phase"]))
             else:
-                _log_line(labels[i], r, specs[i].config.server.rounds, row, keys, start)
+                views[i].round(r, row)
 
         results = run_parallel(config, sets, variants, len(specs), jobs, overwrite=overwrite, stop_after=stop_after,
                                smoke=smoke, on_message=on_message)
+        for i, status, _ in results:
+            views[i].finish(status)
     failed = [(labels[i], err) for i, status, err in results if status == "failed"]
     for i, status, _ in results:
         if status == "skipped":
@@ -273,27 +250,9 @@ def resume(
              f"{resume_command(run_dir, device)}")
 
 
-@app.command()
-def evaluate(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `fedsight run`.")],
-    set_: SetOpt = None,
-) -> None:
-    """Evaluate a run's trained model again from its last checkpoint, with evaluation settings changed by
-    --set (e.g. recipe.sharing.test_stats=domain); appends to RUN_DIR/evaluations.jsonl. Nothing is trained."""
-    from .api import evaluate_run
+from .evaluate_cli import evaluate  # noqa: E402  (a run's model again: its own data, other sites, a matrix)
 
-    try:
-        r, metrics = evaluate_run(run_dir, set_ or [])
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
-    table = Table(title=escape(f"{run_dir} at round {r}" + (f" with {', '.join(set_)}" if set_ else "")))
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k, v in metrics.items():
-        if k.count("/") <= 1:  # headline metrics; per-class families are in evaluations.jsonl
-            table.add_row(k, f"{v:.4g}")
-    console.print(table)
-    _say(f"appended to {Path(run_dir) / 'evaluations.jsonl'}")
+app.command()(evaluate)
 
 
 def _find_runs(paths: list[Path]) -> list[Path]:
@@ -376,17 +335,18 @@ def list_(
 
 @app.command()
 def partition(
-    config: Annotated[Path, typer.Argument(help="TOML config (its [data] and [partition] sections are used).")],
+    config: Annotated[Path, typer.Argument(help="TOML config (its data, validation and partition sections are used).")],
     set_: SetOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: partition.png in the sweep's folder; "
-                                                     "one per distinct partition of a sweep).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: the sweep's folder: partition.png, "
+                                                     "or partition-POINT.png per distinct partition).")] = None,
     variant: Annotated[Optional[list[str]], typer.Option(help="Only this variant of the config (repeatable).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out file.")] = False,
 ) -> None:
     """Show how a config partitions its data: per-client statistics and a clients x classes heatmap.
 
     A sweep shows every distinct partition of its variants and grid points (of its first seed), each with its
-    own heatmap in that point's folder; points with the same data and partition share one.
+    own heatmap in the sweep's folder, named by the point (partition-alpha=0.1.png); points with the same data
+    and partition (the variants of a grid point) share one.
     """
     import json
 
@@ -409,18 +369,21 @@ def partition(
         key = json.dumps({k: dump.get(k) for k in ("seed", "data", "partition", "task", "validation", "pretrain")},
                          sort_keys=True)
         points.setdefault(key, []).append(spec)
-    paths = []
+    paths, shown = [], []
     for same in points.values():
-        where = same[0].run_dir.parent.relative_to(group)
+        wheres = [s.run_dir.parent.relative_to(group) for s in same]
+        slug, point = _shared_point(wheres, len(points))
+        if any(path.name == f"partition-{slug}.png" for path in paths):  # two partitions, one name: the full one
+            slug = "-".join(wheres[0].parts)
+        shown.append(point)
         if len(points) == 1:
             path = out or group / "partition.png"
-        else:
-            slug = "-".join(where.parts)
-            path = out.with_name(f"{out.stem}-{slug}{out.suffix}") if out else same[0].run_dir.parent / "partition.png"
+        else:  # the sweep's folder, where every variant sharing it finds it
+            path = out.with_name(f"{out.stem}-{slug}{out.suffix}") if out else group / f"partition-{slug}.png"
         for target in (path, path.with_name(path.stem + "_classes.png")):  # all checked before anything is written
             _guard(check_output, target, "--out" if target == out else "", force=force, exists_ok=out is None)
         paths.append(path)
-    for same, path in zip(points.values(), paths):
+    for same, path, point in zip(points.values(), paths, shown):
         spec = same[0]
         names = [str(s.run_dir.parent.relative_to(group)) for s in same if s.run_dir.parent != group]
         if names:
@@ -429,7 +392,21 @@ def partition(
             task = build_task(spec.config)  # the same data, validation carve-out and partition a run uses
         except (ConfigError, FileNotFoundError, ValueError) as exc:
             _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1)
-        _show_partition(spec.config, task, path, ", ".join(names) if len(points) > 1 else "")
+        _show_partition(spec.config, task, path, point)
+
+
+def _shared_point(wheres: list[Path], distinct: int) -> tuple[str, str]:
+    """A partition shared by the sweep points ``wheres`` (their folders under the sweep's): its file-name slug and
+    the words its heatmap's title gives it. The variants of one grid point (``fedavg/alpha=0.1``,
+    ``prox/alpha=0.1``) share the grid point: ``alpha=0.1``, "alpha=0.1, shared by fedavg, prox"."""
+    parts = [w.parts for w in wheres]
+    common: tuple[str, ...] = ()
+    while len(common) < min(map(len, parts)) and len({p[len(p) - len(common) - 1:] for p in parts}) == 1:
+        common = parts[0][len(parts[0]) - len(common) - 1:]
+    if len(parts) > 1 and common:
+        heads = ["/".join(p[:len(p) - len(common)]) for p in parts]
+        return "-".join(common), f"{'/'.join(common)}, shared by {', '.join(h for h in heads if h)}"
+    return "-".join(parts[0]) or "all", ", ".join("/".join(p) for p in parts) if distinct > 1 else ""
 
 
 def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
@@ -457,7 +434,9 @@ def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
         summary = {k.replace("classes", f"{key}s").replace("label", key): v for k, v in summary.items()}
     _say("  ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()))
     if info.get("validation"):
-        _say(f"server validation set: {info['validation']}")
+        from .reporting.partition import describe_split
+
+        _say(f"server validation set: {describe_split(info['validation'])}")
     path.parent.mkdir(parents=True, exist_ok=True)
     title = f"{cfg.data.name} / {p.name}" + (f" ({point})" if point else "")
     plot_partition_heatmap(counts, path, class_names=info.get("class_names"), title=title, key=key)
@@ -487,6 +466,10 @@ app.add_typer(flower_app, name="flower")
 from .etlc_cli import etlc_app  # noqa: E402  (encryption-then-lossy-compression of images, PPFL-RDSN)
 
 app.add_typer(etlc_app, name="etlc")
+
+from .weights_cli import weights_app  # noqa: E402  (published checkpoints into FedSight's names)
+
+app.add_typer(weights_app, name="weights")
 
 from .bench_cli import bench  # noqa: E402  (speed and memory of the engines)
 

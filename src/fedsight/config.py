@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from . import registry as R
 from .errors import ConfigError
+from .central_dp import CentralDPSection
 from .config_messages import format_validation_error
 from .registry import Params
 from .rng import check_seed
@@ -71,6 +72,11 @@ class RunSection(Params):
     output_dir: str = Field("runs", description="folder of the run directories (output_dir/name/[variant/]seedN)")
     checkpoint_keep: int = Field(2, ge=0, description="checkpoints kept on disk (0 = all)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard")
+    mlflow: bool = Field(False, description="also track the run with MLflow (metrics, config, tags, plots); store: "
+                         "RUN_DIR/mlflow unless mlflow_uri")
+    mlflow_uri: str | None = Field(None, min_length=1, description="MLflow tracking URI instead of RUN_DIR/mlflow "
+                                   "(a server, sqlite:///runs/mlflow.db): a store a sweep's runs share")
+    mlflow_experiment: str = Field("fedsight", min_length=1, description="the MLflow experiment the run is logged to")
     plots: bool = Field(True, description="draw RUN_DIR/plots/ (curves.png, the task's visuals, the client weights) "
                         "when the run finishes; false: summary.md and its tables only (`fedsight report RUN_DIR "
                         "--out DIR` draws the curves any time)")
@@ -83,6 +89,23 @@ class RunSection(Params):
         if v and not available():
             raise ValueError("needs the tensorboard package: pip install 'fedsight[tensorboard]'")
         return v
+
+    @field_validator("mlflow")
+    @classmethod
+    def _mlflow_installed(cls, v: bool) -> bool:
+        from .mlflow_tracking import available
+
+        if v and not available():
+            raise ValueError("needs the mlflow extra: pip install 'fedsight[mlflow]'")
+        return v
+
+    @model_validator(mode="after")
+    def _mlflow_settings_only_with_mlflow(self) -> "RunSection":
+        for key in ("mlflow_uri", "mlflow_experiment"):
+            if not self.mlflow and getattr(self, key) != type(self).model_fields[key].default:
+                raise ValueError(f"run.{key} is set but run.mlflow = false (nothing is tracked); set run.mlflow = "
+                                 f"true or remove run.{key}")
+        return self
 
     @field_validator("name")
     @classmethod
@@ -168,6 +191,19 @@ class EvalSection(Params):
     local: bool = Field(True, description="evaluate on every client's local test set (WMA, worst 10%)")
     initial: bool = Field(True, description="evaluate the initial model, before any training, as round 0 (every "
                           "curve starts at the model the run starts from)")
+    select: Literal["last", "best"] = Field(
+        "last", description='"last": the run\'s model is the last global model; "best": also keep the global model '
+        "best on the validation set (select_metric) as RUN_DIR/best.safetensors (needs [validation])")
+    select_metric: str | None = Field(
+        None, description='select = "best": the validation metric to select by, "val/<metric>" (default: the task\'s '
+        "primary metric on val)")
+
+    @model_validator(mode="after")
+    def _metric_only_with_best(self) -> "EvalSection":
+        if self.select == "last" and self.select_metric is not None:
+            raise ValueError(f"eval.select_metric = {self.select_metric!r} is set but eval.select = 'last' (no model is "
+                             "selected); set eval.select = 'best' or remove eval.select_metric")
+        return self
 
 
 class PrivacySection(Params):
@@ -178,13 +214,33 @@ class PrivacySection(Params):
         'research; anyone with the config can regenerate them, and run.json and summary.md say so); "secret": each '
         "party draws a secret from the OS CSPRNG and keeps it in its private state (client_state/secret); a Flower "
         "run is always secret")
+    central_dp: CentralDPSection | None = Field(
+        None, description="central DP (DP-FedAvg, server-side clipping, Gaussian noise, RDP/PLD accounting) on every "
+        "path: fedsight.central_dp, docs/flower.md (central DP)")
 
 
 class InitSection(Params):
-    """Start the global model from a safetensors file instead of the seeded initialisation."""
+    """Start the global model from a checkpoint instead of the seeded initialisation (``fedsight.weights``)."""
 
-    weights: str | None = Field(None, description="safetensors file with the model's state_dict")
-    strict: bool = Field(True, description="require exactly the model's keys")
+    weights: str | None = Field(None, description="checkpoint to start from: .safetensors, or .pth/.pt/.bin read "
+                                "with torch.load(weights_only=True)")
+    layout: Literal["fedsight", "torchvision", "timm"] = Field(
+        "fedsight", description="whose key names the checkpoint uses: fedsight (a run's model.safetensors), "
+        "torchvision (ResNets -> resnet*_imagenet, MobileNetV2 -> mobilenetv2 with cifar_stem = false) or timm "
+        "(ViT-S/16, ViT-B/16 -> vit_s16, vit_b16)")
+    exclude: list[str] = Field(default_factory=list, description='FedSight keys left out, fnmatch patterns: '
+                               '["head.*"] keeps the model\'s own classifier (another number of classes)')
+    strict: bool = Field(True, description="require every model key not excluded; a checkpoint key the model does "
+                         "not have is refused either way")
+
+    @model_validator(mode="after")
+    def _needs_weights(self) -> "InitSection":
+        unused = [k for k in ("layout", "exclude", "strict") if self.weights is None
+                  and getattr(self, k) != type(self).model_fields[k].get_default(call_default_factory=True)]
+        if unused:
+            raise ValueError(f"init.{unused[0]} is set but init.weights is not (it would do nothing); set init.weights "
+                             f"or remove init.{unused[0]}")
+        return self
 
 
 STAGE_OVERRIDABLE = ("train", "server", "recipe")
@@ -472,7 +528,9 @@ def validate(raw: dict[str, Any], source: str = "config") -> BaseModel:
         cfg = cls.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, raw, cls, source)) from None
-    problems = unmet_requirements(cfg) + part_problems(cfg) + model_problems(cfg)
+    from .model_selection import selection_problems
+
+    problems = unmet_requirements(cfg) + part_problems(cfg) + model_problems(cfg) + selection_problems(cfg)
     if problems:
         raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
     stage_configs(cfg, source)  # every stage must be a valid config too
@@ -540,6 +598,8 @@ def requirements(cfg: Any) -> list[Any]:
         out.append(Requirement(f"validation.source = {v.source!r}", frozenset({"server_split"})))
     if v.imbalance is not None:
         out.append(Requirement(f"validation.imbalance = {v.imbalance}", frozenset({"class_labels"})))
+    if cfg.eval.select == "best":  # selection is on validation data, never on test
+        out.append(Requirement("eval.select = 'best'", frozenset({"val_split"})))
     if cfg.pretrain.source != "none":
         out.append(Requirement(f"pretrain.source = {cfg.pretrain.source!r}",
                                frozenset({"server_split", "class_labels", "parameter_groups"})))

@@ -37,6 +37,11 @@ class OutputPathError(FedSightError, ValueError):
     an existing file without ``--force``. The message names the path and why; nothing has been written."""
 
 
+class TrackingError(FedSightError):
+    """An experiment tracker (MLflow: ``fedsight.mlflow_tracking``) that cannot be reached or written: one line
+    naming its URI. Rounds already recorded in the run directory stay; the run resumes."""
+
+
 class WriteError(FedSightError, OSError):
     """A write that failed (a full disk, a file-size limit, no permission): an ``OSError`` with the ``errno``
     of the failure and ``filename``, the file being written, which its message names. What was being replaced

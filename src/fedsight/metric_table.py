@@ -50,6 +50,9 @@ def metric_directions(cfg: Any) -> tuple[dict[str, bool | None], str]:
     out["local/wma"] = out["local/worst10"] = primary
     for s in ENGINE_METRICS:
         out[s.key] = s.higher_is_better
+    from .model_selection import selection_directions
+
+    out.update(selection_directions(cfg))  # eval.select = "best": selected/round, selected/val/*, selected/test/*
     for c in [cfg] + [scfg for _, _, scfg in stage_configs(cfg)]:
         rc = c.recipe
         parts = [(R.WEIGHTINGS, rc.weighting), (R.AGGREGATORS, rc.aggregator), (R.SHARING, rc.sharing),

@@ -17,7 +17,8 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-#: what the parent hears: ("round", index, round, row) after each round of run ``index``
+#: what the parent hears: ("round", index, round, row) after each round of run ``index``, and
+#: ("phase", index, 0, {"phase": text}) when it starts and whenever its phase changes (``api.execute``'s on_phase)
 Message = tuple[str, int, int, dict[str, Any]]
 
 
@@ -46,6 +47,7 @@ def _init(messages: Any, parent: int | None = None) -> None:
 def _worker(config: str, overrides: Sequence[str], only: Sequence[str], index: int, overwrite: bool,
             stop_after: int | None, smoke: bool) -> tuple[int, str, str | None]:
     """Run sweep member ``index``; (index, status, error message or None)."""
+    _MESSAGES.put(("phase", index, 0, {"phase": "starting"}))
     from .api import execute
     from .errors import FedSightError
     from .sweep import load
@@ -56,7 +58,8 @@ def _worker(config: str, overrides: Sequence[str], only: Sequence[str], index: i
         _MESSAGES.put(("round", index, r, {k: v for k, v in row.items() if isinstance(v, (int, float, str))}))
 
     try:
-        out = execute(spec.config, spec.run_dir, overwrite=overwrite, stop_after=stop_after, on_round=on_round)
+        out = execute(spec.config, spec.run_dir, overwrite=overwrite, stop_after=stop_after, on_round=on_round,
+                      on_phase=lambda text: _MESSAGES.put(("phase", index, 0, {"phase": text})))
     except (FedSightError, FileNotFoundError, ValueError, OSError) as exc:
         return index, "failed", " ".join(str(exc).split())
     except KeyboardInterrupt:
@@ -68,7 +71,7 @@ def run_parallel(config: Path, overrides: Sequence[str], only: Sequence[str], co
                  overwrite: bool = False, stop_after: int | None = None, smoke: bool = False,
                  on_message: Callable[[Message], None] | None = None) -> list[tuple[int, str, str | None]]:
     """Run the ``count`` members of a sweep in ``jobs`` processes; one (index, status, error) per member, in
-    index order. ``on_message`` hears every finished round of every member."""
+    index order. ``on_message`` hears every finished round and every phase of every member (``Message``)."""
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     pool = ProcessPoolExecutor(max_workers=max(1, min(jobs, count)), mp_context=ctx, initializer=_init,

@@ -74,10 +74,10 @@ def pretrain_(
         try:
             task = build_task(cfg)  # data errors surface before the progress bar
             with C._progress() as progress:
-                bar = progress.add_task(escape(label), total=cfg.pretrain.epochs, clients="", metrics="")
+                bar = progress.add_task(escape(label), total=cfg.pretrain.epochs, detail="pre-training")
 
                 def on_epoch(epoch: int, loss: float) -> None:
-                    progress.update(bar, completed=epoch, metrics=f"loss {loss:.4f}")
+                    progress.update(bar, completed=epoch, detail=f"epoch {epoch}: train loss {loss:.4f}")
 
                 res = pretrain(cfg, task, out=path, progress=on_epoch)
         except (ConfigError, FileNotFoundError, ValueError) as exc:

@@ -48,6 +48,21 @@ class RunResult:
             self._model = load_model(self.run_dir, self.config)
         return self._model
 
+    @property
+    def selected(self) -> dict[str, Any] | None:
+        """The model selected on validation (``eval.select = "best"``: ``best.json``), ``{"round", "metric",
+        "value", ...}``; None without a selection. Its test metrics are ``final["selected/test/..."]``."""
+        from .model_selection import read_best
+
+        return read_best(self.run_dir)
+
+    @property
+    def selected_model(self) -> Any:
+        """The model selected on validation (``best.safetensors``), built as ``model`` is (loaded on each use)."""
+        from .model_selection import BEST_WEIGHTS
+
+        return load_model(self.run_dir, self.config, BEST_WEIGHTS)
+
     def dataframe(self) -> Any:
         """``history`` as a pandas DataFrame indexed by round (needs pandas; the rest of the API does not)."""
         try:
@@ -109,16 +124,18 @@ def _read(run_dir: Path, cfg: Any) -> RunResult:
                      [r for r in rows if "event" in r], last_values(rows))
 
 
-def load_model(run_dir: Path, cfg: Any) -> Any:
-    """The run's final global model (``model.safetensors``) in a model built from ``run.json``'s ``model_io``."""
+def load_model(run_dir: Path, cfg: Any, name: str = "model.safetensors") -> Any:
+    """The run's final global model (``model.safetensors``; ``name``: another of its weight files, such as the
+    selected model's ``best.safetensors``) in a model built from ``run.json``'s ``model_io``."""
     from . import registry as R
     from .models.base import ModelIO, load_weights
     from .runs import read_run_meta
     from .tasks.base import component_params
 
-    weights = Path(run_dir) / "model.safetensors"
+    weights = Path(run_dir) / name
     if not weights.is_file():
-        raise FileNotFoundError(f"{weights}: no trained model (the run has not completed or stopped yet)")
+        raise FileNotFoundError(f"{weights}: no trained model (the run has not completed or stopped yet"
+                                f"{', or selects no model: eval.select' if name != 'model.safetensors' else ''})")
     io = (read_run_meta(run_dir) or {}).get("model_io")
     if not isinstance(io, dict):
         raise ConfigError(f"{Path(run_dir) / 'run.json'}: no model_io (a run written before FedSight recorded it); "

@@ -13,6 +13,10 @@ Layout::
     RUN_DIR/checkpoints/round-000007.safetensors + round-000007.json
     RUN_DIR/plots/*.png, RUN_DIR/summary.md
     RUN_DIR/tensorboard/         TensorBoard event files (``[run] tensorboard = true``)
+    RUN_DIR/best.safetensors     the global model best on validation, and best.json: its round, metric and
+                                 value (``[eval] select = "best"``: ``fedsight.model_selection``)
+    RUN_DIR/mlflow/, mlflow.json MLflow tracking: the local store, and the MLflow run's id (``[run] mlflow =
+                                 true``: ``fedsight.mlflow_tracking``)
 
 A checkpoint is a safetensors file with every tensor of the run state and a JSON file with the rest
 (round, stage, RNG states as tensors, optimizer hyper-parameters, the sha256 of the safetensors file).
@@ -359,6 +363,8 @@ class RunDir:
         self.path = Path(path)
         #: this session's TensorBoard writer (``fedsight.tensorboard.EventLog``), opened by the first logged round
         self.events: Any = None
+        #: this session's MLflow run (``fedsight.mlflow_tracking.MlflowLog``; ``[run] mlflow = true``)
+        self.tracking: Any = None
 
     @property
     def metrics_path(self) -> Path:
@@ -390,10 +396,29 @@ class RunDir:
             self.events = EventLog(self.path, first_round=r)
         self.events.round(r, row)
 
+    def open_tracking(self, settings: Any) -> None:
+        """Connect this session's MLflow run (``settings``: the ``[run]`` section), level with ``metrics.jsonl``
+        (``fedsight.mlflow_tracking``); nothing without ``mlflow = true`` or when already open."""
+        if settings.mlflow and self.tracking is None:
+            from .mlflow_tracking import MlflowLog
+
+            self.tracking = MlflowLog(self, settings.mlflow_uri, settings.mlflow_experiment)
+
+    def track(self, r: int, row: dict[str, Any], settings: Any) -> None:
+        """Round ``r``'s metrics into MLflow, after its checkpoint (the first call opens the MLflow run, which
+        logs every row of ``metrics.jsonl`` it lacks, this one's included)."""
+        if self.tracking is None:
+            self.open_tracking(settings)
+        else:
+            self.tracking.round(r, row)
+
     def close_events(self) -> None:
         if self.events is not None:
             self.events.close()
             self.events = None
+        if self.tracking is not None:
+            tracking, self.tracking = self.tracking, None
+            tracking.close(self.read_status().get("state"))
 
     def append_client_metrics(self, row: dict[str, Any]) -> None:
         """One line of ``client_metrics.jsonl``: an evaluated round's local-test metrics of every client."""
@@ -474,8 +499,8 @@ class RunDir:
     #: what a run writes, by kind: a file or a folder already there in place of one stops the run before it starts
     OUTPUTS = {"file": ("config.json", "config.toml", METRICS_FILE, "client_weights.jsonl", CLIENT_METRICS_FILE, STATUS_FILE, RUN_META_FILE,
                         "partition.json", "model.safetensors", "summary.md", "plots/curves.png",
-                        "plots/client_weights.png"),
-               "folder": (CKPT_DIR, "client_state", "plots", "tensorboard")}
+                        "plots/client_weights.png", "best.safetensors", "best.json", "mlflow.json"),
+               "folder": (CKPT_DIR, "client_state", "plots", "tensorboard", "private", "mlflow")}
 
     def check_layout(self) -> None:
         """A ``RunFileError`` if something other than a file (a folder) stands where the run writes a file, or
@@ -552,7 +577,8 @@ class RunDir:
         on resume nothing is mid-write): temporary files of atomic writes and checkpoints, and a checkpoint's
         tensor file or marker without the other. Returns the names deleted."""
         gone = []
-        leftovers = [*self.path.glob(".*.tmp"), *self.path.glob("client_state/*/.*.tmp"), *self.path.glob("plots/.*.tmp")]
+        leftovers = [*self.path.glob(".*.tmp"), *self.path.glob("client_state/*/.*.tmp"), *self.path.glob("plots/.*.tmp"),
+                     *self.path.glob("private/.*.tmp")]  # (the server's central-DP secret: fedsight.central_dp)
         if self.ckpt_dir.is_dir():
             leftovers += self.ckpt_dir.glob(".*.tmp")
             for f in self.ckpt_dir.glob("round-*.safetensors"):

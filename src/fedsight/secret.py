@@ -5,7 +5,8 @@ they are never derived from a seed another party knows. What needs one:
 
 * local DP noise (``dp_sgd``'s per-step noise and Poisson batches, ``dct_dp``'s activation noise): the client's
   secret, because the server is the party local DP protects against;
-* central DP noise (``fedsight.flower.dp``): the server's secret, because every participant is;
+* central DP noise (``fedsight.flower.dp``, in-process through ``fedsight.central_dp``): the server's secret, because
+  every participant is;
 * the watermark key (``watermark``): the clients' key, unknown to the server.
 
 ``[privacy] noise`` switches a run (``NOISE_MODES``):
@@ -26,7 +27,8 @@ Where secrets live (never in ``config.json``, a message, a log, ``metrics.jsonl`
   the simulated clients' private store, ``client-0000003.key`` for client 3 and ``watermark.key`` for the
   clients' shared watermark key when no ``key_file`` is given. Without a run directory, in memory.
 * a Flower node: ``<state-dir>/run-<id>/client-<k>/secret/client-<k>.key``, the node's own state folder.
-* the Flower ServerApp: ``RUN_DIR/private/central_dp.key``, the server's private run files.
+* the Flower ServerApp, and the in-process server with ``[privacy.central_dp]``: ``RUN_DIR/private/central_dp.key``,
+  the server's private run files (in-process, read back on resume: ``central_dp.keep_server_secret``).
 
 A secret file is created once (the first time its party needs it) and never rewritten: a second draw finds
 the first (``os.link`` refuses to replace it), so a run killed after a client drew its secret resumes with the

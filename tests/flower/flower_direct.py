@@ -8,7 +8,6 @@ way to the node and back (``wire``), as in a deployment: no object is shared bet
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 
@@ -114,10 +113,11 @@ def run_direct(cfg, run_dir: Path, state_dir: Path, *, num_nodes: int | None = N
     """A whole FedSight run through the Flower adapter over a ``DirectGrid``; returns the grid."""
     from fedsight.api import resolved
     from fedsight.flower.client_app import make_client_app
+    from fedsight.flower.run_config import flat_run_config
     from fedsight.flower.server_app import server_main
 
     n = num_nodes or cfg.partition.num_clients
-    settings = {"fedsight-config": json.dumps(resolved(cfg)), "run-dir": str(run_dir), "poll-interval": 0.0,
+    settings = {**flat_run_config(resolved(cfg)), "run-dir": str(run_dir), "poll-interval": 0.0,
                 "node-wait-timeout": 1.0, **(options or {})}
     nodes = [{"partition-id": i, "num-partitions": cfg.partition.num_clients, "state-dir": str(state_dir / f"node{i}"),
               **((node_extra or [{}] * n)[i])} for i in range(n)]

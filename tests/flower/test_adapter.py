@@ -87,9 +87,10 @@ def test_scaffold_over_flower_messages_equals_in_process(tmp_path):
         sampled = any(c in sample_clients(0, r, 3, 2) for r in (1, 2))
         assert [f.parent.name for f in files] == (["scaffold"] if sampled else [])
     assert not (tmp_path / "flower" / "client_state").exists()
-    # round 1 went to every node (the server learns who holds which client), round 2 only to the sampled ones
+    # round 1 asked every node which client it holds (no model sent), then each round trained only the sampled ones
     trains = [n for t, n in grid.sent if t == "train"]
-    assert trains[:3] == [1000, 1001, 1002] and sorted(trains[3:]) == [1000 + c for c in sample_clients(0, 2, 3, 2)]
+    r1, r2 = ([1000 + c for c in sorted(sample_clients(0, r, 3, 2))] for r in (1, 2))
+    assert trains[:3] == [1000, 1001, 1002] and sorted(trains[3:5]) == r1 and sorted(trains[5:]) == r2, trains
     info = json.loads((tmp_path / "flower" / "flower.json").read_text())
     assert info["node_of_client"] == {"0": 1000, "1": 1001, "2": 1002}
 
@@ -234,6 +235,7 @@ def test_app_command_writes_a_flower_app_that_flwr_builds(tmp_path):
     from typer.testing import CliRunner
 
     from fedsight.flower.cli import flower_app
+    from fedsight.flower.run_config import config_from_run_config
 
     raw = tiny(**SCAFFOLD)
     (tmp_path / "run.toml").write_text(tomli_w.dumps(raw))
@@ -245,7 +247,8 @@ def test_app_command_writes_a_flower_app_that_flwr_builds(tmp_path):
     assert app["components"] == {"serverapp": "fedsight_app.server_app:app", "clientapp": "fedsight_app.client_app:app"}
     assert project["project"]["dependencies"] == ["flwr>=1.41.0"]  # no torch: no per-run install of it
     conf = app["config"]
-    assert validate(json.loads(conf["fedsight-config"])).model_dump() == validate(raw).model_dump()
+    assert validate(config_from_run_config(conf)).model_dump() == validate(raw).model_dump()
+    assert conf["fedsight"]["server"]["rounds"] == raw["server"]["rounds"]  # one key per value (run_config)
     assert (conf["run-dir"], conf["round-timeout"], conf["min-clients"]) == (str(tmp_path / "rd"), 90.0, 2)
     env = {**os.environ, "FLWR_HOME": str(tmp_path / "home")}
     flwr = os.path.join(os.path.dirname(sys.executable), "flwr")

@@ -130,10 +130,8 @@ def test_a_tampered_reply_is_rejected_and_the_run_equals_the_run_without_that_cl
     rejected = [e for e in rows if e.get("event") == "rejected_update"]
     lost = [e["client"] for e in rows if e.get("event") == "client_lost"]
     assert len(rejected) == 1 and rejected[0]["reason"] and rejected[0]["node"] == 1000 + VICTIM, rows
-    if attack == "no meta":  # a first reply without identity: the node is named, its client counts as lost
-        assert rejected[0]["client"] is None and lost == [VICTIM], rows
-    else:
-        assert rejected[0]["client"] == VICTIM and not lost, rows
+    # (even a reply without identity ("no meta"): every node named its client before the first instruction)
+    assert rejected[0]["client"] == VICTIM and not lost, rows
     for k in without_victim:
         assert torch.equal(model[k], without_victim[k]), (attack, k)
 
@@ -415,7 +413,10 @@ def test_random_tamperings_never_end_the_run_nor_move_the_model(tmp_path_factory
 
 @pytest.mark.parametrize("args,msg", [(["--round-timeout", "-5"], "--round-timeout = -5.0 must be > 0"),
                                       (["--dp-noise", "nan"], "--dp-noise = nan must be a finite number"),
-                                      (["--min-clients", "50"], "--min-clients = 50 exceeds")])
+                                      (["--min-clients", "50"], "--min-clients = 50 exceeds"),
+                                      (["--secagg", "--secagg-feature-bound", "-1"],
+                                       "--secagg-feature-bound = -1.0 must be a finite number > 0"),
+                                      (["--secagg-feature-bound", "8"], "configure secure aggregation: add --secagg")])
 def test_flower_options_are_validated_before_anything_starts(tmp_path, args, msg) -> None:
     import tomli_w
     from typer.testing import CliRunner
@@ -691,3 +692,63 @@ def test_a_zero_or_degenerate_update_never_ends_a_central_dp_run(tmp_path, scale
     assert state == "complete"
     assert [r["dp/releases"] for r in rows if "dp/releases" in r] == [1, 2]
     assert not [e for e in rows if e.get("event") == "rejected_update"]
+
+
+def test_a_node_is_told_only_its_own_client(tmp_path) -> None:
+    """A training instruction names only the receiving node's own client, and carries only that client's own
+    broadcasts: a sampled node does not learn who else the round sampled (before: every instruction listed the
+    whole sample, which the amplified DP bound assumes secret). Nodes not sampled are sent nothing."""
+    from fedsight.flower import records as FR
+
+    seen: list[tuple[int, int, list[int]]] = []
+    honest = make_client_app()
+
+    def app(msg: Message, ctx) -> Message:
+        cfg = msg.content["config"]
+        if msg.metadata.message_type == "train" and "nonce" in cfg:
+            seen.append((int(cfg["round"]), int(ctx.node_config["partition-id"]), [int(c) for c in cfg["sampled"]]))
+        return honest(msg, ctx)
+
+    _, rows, state = _run_with(tmp_path, "told", {"partition.num_clients": 4, "server.clients_per_round": 2,
+                                                  "server.rounds": 3}, app)
+    assert state == "complete"
+    for r in (1, 2, 3):
+        sample = sorted(sample_clients(0, r, 4, 2))
+        got = sorted((p, told) for rr, p, told in seen if rr == r)
+        assert got == [(p, [p]) for p in sample], (r, got)  # each sampled node: its own client, nobody else
+
+    per_client = {0: {"k": {"a": torch.zeros(2)}}, 1: {"k": {"a": torch.ones(2)}}}
+    contents = FR.instructions_per_node(1, {10: [0], 11: []}, {"w": torch.ones(3)}, {"b": {"x": torch.zeros(1)}},
+                                        per_client, nonce="n")
+    cfg0, g0, b0 = FR.read_instruction(contents[10], 0)
+    assert cfg0["sampled"] == [0] and cfg0["nonce"] == "n" and torch.equal(g0["w"], torch.ones(3))
+    assert set(b0) == {"b", "k"} and torch.equal(b0["k"]["a"], torch.zeros(2))
+    assert not [k for k in contents[10].keys() if k.endswith("@1")]  # client 1's broadcast is not in node 10's
+    assert FR.read_instruction(contents[11], 1)[0]["sampled"] == [] and "broadcast:k@1" not in contents[11]
+
+
+def test_psnr_and_oks_metrics_declare_their_ranges() -> None:
+    """Issue 43: PSNR and OKS AP/AR had no declared range, so an evaluation reply could claim any finite value.
+    PSNR of clamped 8-bit outputs is >= 0 dB (+inf for a perfect image); OKS AP/AR are percentages. Unquantised SR
+    outputs may leave [0, 1] and so declare no PSNR range."""
+    from fedsight.metrics.state import bounds_of
+    from fedsight.tasks.image_sr import ImageSRParams, image_sr_metrics
+    from fedsight.tasks.keypoints import KeypointParams, keypoint_metrics
+    from fedsight.tasks.video_sr import VideoSRParams, video_sr_metrics
+
+    for metrics in (image_sr_metrics(ImageSRParams()), video_sr_metrics(VideoSRParams())):
+        assert [bounds_of(metrics.specs(), k) for k in ("psnr", "psnr_y", "psnr_rgb")] == [(0.0, float("inf"))] * 3
+    assert bounds_of(image_sr_metrics(ImageSRParams(quantize=False)).specs(), "psnr_y") is None
+    specs = keypoint_metrics(KeypointParams(), num_joints=2).specs()
+    assert [bounds_of(specs, k) for k in ("ap", "ap50", "ap75", "ar", "pckh")] == [(0.0, 100.0)] * 5
+
+
+def test_the_secagg_feature_bound_flag_reaches_the_server_options() -> None:
+    """``--secagg-feature-bound`` (was a run-config key only) becomes the ServerApp's ``secagg-feature-bound``."""
+    from fedsight.flower.cli import _options
+    from fedsight.flower.options import ServerOptions
+
+    cfg = validate(tiny(**CFG))
+    out = _options(cfg, 600.0, 3, 0.0, 1.0, 1e-5, secagg=True, secagg_feature_bound=8.0)
+    assert out["secagg-feature-bound"] == 8.0
+    assert ServerOptions.from_run_config({**out, "run-dir": "r"}).secagg_feature_bound == 8.0

@@ -326,7 +326,7 @@ def test_cli_accounting_options_reach_the_run(tmp_path, accountant, sampling):
     rc = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert (rc["dp-accountant"], rc["dp-sampling"]) == (accountant, sampling)
     run_direct(validate(raw), tmp_path / "run", tmp_path / "nodes",
-               options={k: v for k, v in rc.items() if k not in ("fedsight-config", "run-dir")})
+               options={k: v for k, v in rc.items() if k not in ("fedsight", "run-dir")})
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     [event] = [r for r in rows if r.get("event") == "dp_accounting"]
     assert (event["accountant"], event["sampling"], event["round"]) == (accountant, sampling, 0)
@@ -345,3 +345,67 @@ def test_cli_accounting_options_reach_the_run(tmp_path, accountant, sampling):
     info = json.loads((tmp_path / "run" / "flower.json").read_text())["dp"]
     assert (info["accountant"], info["sampling"], info["dp/epsilon"]) == (accountant, sampling, eps[-1])
     assert f"epsilon by {accountant.upper()}" in (tmp_path / "run" / "summary.md").read_text()
+
+
+# -- the config's [privacy.central_dp] on the Flower path (fedsight.central_dp) --------------------------------------
+
+
+def _with_section(raw: dict, **section) -> dict:
+    raw["privacy"] = {"central_dp": {"noise_multiplier": 1.0, "clipping_norm": 0.5, "delta": 1e-4, **section}}
+    return raw
+
+
+@pytest.mark.parametrize("sampling", ["none", "without-replacement"])
+def test_the_config_section_runs_central_dp_on_flower_with_the_in_process_epsilon(tmp_path, sampling):
+    """A config with ``[privacy.central_dp]`` and no dp-* option: the ServerApp runs central DP from the section, and
+    every round's privacy metrics equal the in-process run's of the same config (one mechanism, one accountant)."""
+    from fedsight.api import build_simulation
+
+    cfg = validate(_with_section(tiny(**{**DP_RUN, "partition.num_clients": 4, "server.clients_per_round": 2}),
+                                 sampling=sampling))
+    run_direct(cfg, tmp_path / "run", tmp_path / "nodes")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    flower = [{k: v for k, v in r.items() if k.startswith("dp/")} for r in lines if "event" not in r]
+    sim, rows = build_simulation(cfg), []
+    sim.run(on_round=lambda r, row, events: rows.append({k: v for k, v in row.items() if k.startswith("dp/")}))
+    assert flower == rows and [r["dp/releases"] for r in rows] == [1, 2] and rows[-1]["dp/delta"] == 1e-4
+    assert (tmp_path / "run" / "private" / "central_dp.key").stat().st_mode & 0o777 == 0o600
+    opts = json.loads((tmp_path / "run" / "flower.json").read_text())["options"]
+    assert (opts["dp_noise_multiplier"], opts["dp_clipping_norm"], opts["dp_sampling"]) == (1.0, 0.5, sampling)
+
+
+def test_dp_options_that_disagree_with_the_config_section_are_refused_in_one_line(tmp_path):
+    """The dp-* options and the section, both switching central DP on: equal is fine, different is one line naming
+    both (run config and CLI flag), before anything starts."""
+    import tomli_w
+    from typer.testing import CliRunner
+
+    from fedsight.cli import app
+    from fedsight.flower.options import preflight
+
+    raw = _with_section(tiny(**DP_RUN))
+    cfg = validate(raw)
+    same = {"dp-noise-multiplier": 1.0, "dp-clipping-norm": 0.5, "dp-delta": 1e-4}
+    assert preflight(cfg, same, tmp_path / "a").dp_noise_multiplier == 1.0
+    assert preflight(cfg, {}, tmp_path / "b").dp_clipping_norm == 0.5  # no options: the section's
+    with pytest.raises(ConfigError, match=r"run config dp-clipping-norm = 1\.0 differs from the config's "
+                                          r"privacy\.central_dp\.clipping_norm = 0\.5"):
+        preflight(cfg, {**same, "dp-clipping-norm": 1.0}, tmp_path / "c")
+    (tmp_path / "c.toml").write_text(tomli_w.dumps(raw))
+    res = CliRunner().invoke(app, ["flower", "app", str(tmp_path / "c.toml"), str(tmp_path / "app"), "--run-dir",
+                                   str(tmp_path / "r"), "--dp-noise", "2.0"])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "--dp-noise = 2.0 differs from the config's privacy.central_dp.noise_multiplier = 1.0" in " ".join(
+        res.output.split())
+    assert not (tmp_path / "app").exists()
+
+
+def test_the_progress_line_shows_epsilon_once_with_the_config_section():
+    from fedsight.api import progress_keys
+    from fedsight.flower.cli import _row_text
+
+    cfg = validate(_with_section(tiny(**DP_RUN)))
+    line = _row_text({"round": 1, "clients/aggregated": 3, "clients/sampled": 3, "train/loss": 1.0, "dp/epsilon": 4.5},
+                     progress_keys(cfg))
+    assert line.count("eps 4.5000") == 1, line

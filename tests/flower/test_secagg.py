@@ -245,3 +245,31 @@ def test_fractions_of_the_sampled_clients_as_shares_and_threshold(tmp_path, runs
                                                           "secagg-reconstruction-threshold": 0.5})
     assert [r["clients/aggregated"] for r in rows if "event" not in r] == [3, 3]
     assert 0 < _gap(model, runs["plain"][0]) < TOL
+
+
+@pytest.mark.parametrize("stage", [Stage.SETUP, Stage.COLLECT_MASKED_VECTORS])
+def test_a_protocol_reply_resent_from_an_earlier_round_is_refused(tmp_path, stage) -> None:
+    """Issue 43: SecAgg+ replies carried no round or nonce, so a node could resend its round-1 reply in round 2 (its
+    masked vector then unmasks to garbage in the sum, unnoticed). Now a masked vector echoes the round and the
+    server's fresh nonce, and a setup reply's public keys must never have been used before in the run: the
+    resent reply is a ``rejected_update`` naming the replay, and the round is aggregated without that node."""
+    from flower_direct import wire
+
+    honest, kept = make_client_app(), {}
+
+    def app(msg: Message, ctx) -> Message:
+        asked = str(_secagg_record(msg.content)[Key.STAGE]) if is_secagg(msg.content) else None
+        reply = honest(msg, ctx)
+        if asked != stage or int(ctx.node_config["partition-id"]) != VICTIM or reply.has_error():
+            return reply
+        if "round 1" not in kept:
+            kept["round 1"] = wire(reply.content)
+            return reply
+        return Message(wire(kept["round 1"]), reply_to=msg)
+
+    _, rows, _ = _run(tmp_path, "replayed", app=app, options=SECAGG)
+    assert json.loads((tmp_path / "replayed" / "status.json").read_text())["state"] == "complete"
+    rejected = [e for e in rows if e.get("event") == "rejected_update"]
+    assert [(e["round"], e["client"]) for e in rejected] == [(2, VICTIM)], rows
+    assert "replay" in rejected[0]["reason"] and stage in rejected[0]["reason"], rejected
+    assert [r["clients/aggregated"] for r in rows if "event" not in r] == [3, 2]

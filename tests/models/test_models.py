@@ -20,6 +20,10 @@ from fedsight.models import FedModel, build_model, load_weights, save_weights
 from fedsight.registry import MODELS
 
 ALL_MODELS = [e.name for e in MODELS.entries() if e.task_family == "classification"]  # video_sr models: tests/video
+#: larger siblings of models whose code the generic tests already run at a smaller size (the same classes, other
+#: widths and depths): generic tests with the suite's slow flag only; tests/models/test_weights.py loads each
+SIBLINGS = {"resnet34_imagenet": "resnet18_imagenet", "vit_b16": "vit_s16"}
+GENERIC = [pytest.param(n, marks=pytest.mark.slow) if n in SIBLINGS else n for n in ALL_MODELS]
 NUM_CLASSES = 5
 
 
@@ -54,7 +58,7 @@ def test_all_families_registered():
     assert {"cnn", "resnet8", "resnet18", "mobilenetv2"} <= set(ALL_MODELS)
 
 
-@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("name", GENERIC)
 @pytest.mark.parametrize("in_channels", [1, 3])
 @pytest.mark.parametrize("image_size", [8, 32])
 def test_output_and_feature_shapes(name, in_channels, image_size):
@@ -73,7 +77,7 @@ def test_output_and_feature_shapes(name, in_channels, image_size):
         torch.testing.assert_close(model.head(feats), model(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("name", GENERIC)
 def test_backward_gives_finite_grads_everywhere(name):
     model = make(name)
     x = torch.randn(2, 3, 8, 8)
@@ -85,7 +89,8 @@ def test_backward_gives_finite_grads_everywhere(name):
     assert any(p.grad.abs().sum() > 0 for p in model.parameters())
 
 
-@pytest.mark.parametrize(("name", "norm"), [(name, norm) for name in ALL_MODELS for norm in norm_choices(name)])
+@pytest.mark.parametrize(("name", "norm"), [(name, norm) for name in ALL_MODELS if name not in SIBLINGS
+                                            for norm in norm_choices(name)])
 def test_parameter_groups(name, norm):
     model = make(name, None if norm is None else {"norm": norm})
     keys = list(model.state_dict())
@@ -100,7 +105,7 @@ def test_parameter_groups(name, norm):
         assert (len(norm_keys) == 0) == (norm == "none")
 
 
-@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("name", GENERIC)
 def test_build_is_deterministic_under_global_seed(name):
     a, b, c = make(name, seed=0).state_dict(), make(name, seed=0).state_dict(), make(name, seed=1).state_dict()
     assert a.keys() == b.keys()
@@ -109,7 +114,7 @@ def test_build_is_deterministic_under_global_seed(name):
     assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point())
 
 
-@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("name", GENERIC)
 def test_safetensors_round_trip(name, tmp_path):
     model = make(name, seed=0)
     model.train()
@@ -130,14 +135,14 @@ def test_safetensors_round_trip(name, tmp_path):
         assert torch.equal(fresh.state_dict()[k], v), k
 
 
-@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("name", GENERIC)
 def test_load_weights_missing_file_names_path(name, tmp_path):
     path = tmp_path / "nowhere.safetensors"
     with pytest.raises(FileNotFoundError, match=re.escape(str(path))):
         load_weights(make(name), path)
 
 
-@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("name", GENERIC)
 def test_load_weights_foreign_file_names_path(name, tmp_path):
     path = tmp_path / "linear.safetensors"
     save_weights(nn.Sequential(nn.Linear(4, 3)), path)
@@ -145,7 +150,7 @@ def test_load_weights_foreign_file_names_path(name, tmp_path):
         load_weights(make(name), path)
 
 
-@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("name", GENERIC)
 def test_load_weights_other_architecture_names_path(name, tmp_path):
     other = next(n for n in ALL_MODELS if n != name)
     path = tmp_path / f"{other}.safetensors"

@@ -68,6 +68,9 @@ class InProcessBackend:
 
     def __init__(self, server: Server, runtime: ClientRuntime):
         self.server, self.runtime = server, runtime
+        #: central DP (``fedsight.central_dp``, the Flower path's ``CentralDP``): admits only full releases, and each
+        #: round's row has its privacy spent
+        self.dp: Any = None
         #: the stages whose sequential training (``engine.vectorize`` on, but not possible) was reported
         self.said: set[int] = set()
 
@@ -124,10 +127,10 @@ class InProcessBackend:
         return cid, res, state
 
     def admit(self, plan: RoundPlan, results: list[ClientResult], events: list[dict[str, Any]]) -> list[ClientResult]:
-        return results
+        return self.dp.admit(plan.round, results, events) if self.dp is not None else results
 
     def round_metrics(self) -> dict[str, Any]:
-        return {}
+        return self.dp.privacy_spent() if self.dp is not None else {}
 
     def client_evaluation(self, r: int, *, local: bool, personal: bool) -> ClientEvaluation:
         out = ClientEvaluation(store=self.runtime.store)
@@ -147,10 +150,12 @@ def needs_client_entries(server: Server) -> bool:
 
 
 def evaluate(server: Server, backend: Backend, r: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """``test/*`` of the global model and, with ``eval.local``, ``local/*`` of the clients' test sets."""
+    """``test/*`` of the global model (with a model selection, ``val/*`` and, after the last round, the selected
+    model's ``selected/*``) and, with ``eval.local``, ``local/*`` of the clients' test sets."""
     local = server.schedule.eval_local
     ev = backend.client_evaluation(r, local=local, personal=needs_client_entries(server))
     out = server.evaluate_global(ev.store)
+    out.update(server.select(r, out, ev.store))  # eval.select = "best": the best model on val so far
     if local:
         out.update(server.summarize_local(ev.states))
         return out, [*ev.events, server.client_metrics(r, ev.states)]

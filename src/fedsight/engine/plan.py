@@ -59,6 +59,10 @@ class Schedule:
     dropout: float = 0.0
     speed_sigma: float = 0.0
     deadline: float | None = None
+    #: ``eval.select = "best"``: the validation metric the best global model is kept by, and its direction
+    #: (``fedsight.model_selection``); None keeps the last model only
+    select_metric: str | None = None
+    select_higher: bool = True
 
 
 def clients_per_round(num_clients: int, count: int | None, fraction: float | None) -> int:

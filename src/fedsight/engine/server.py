@@ -20,6 +20,7 @@ from ..cost import nbytes, result_bytes
 from ..device import to_device
 from ..functional.aggregate import normalize, weighted_mean_state
 from ..metrics import MetricState
+from ..model_selection import SELECTED, Selection
 from ..records import ClientResult
 from ..rng import derive_seed
 from ..state import ClientStateStore
@@ -85,6 +86,9 @@ class Server:
         self.max_examples = 10**9
         #: whether statistics replies carry shares of a secure sum (Flower's SecAgg+, ``UploadContext.secure_sum``)
         self.secure_sum = False
+        #: the best global model on the validation set so far (``eval.select = "best"``; None: the last is kept)
+        self.selection = (Selection(schedule.select_metric, schedule.select_higher)
+                          if schedule.select_metric is not None else None)
         self.stage_index = -1
         self._enter_stage(0)
 
@@ -291,14 +295,40 @@ class Server:
         return EvalContext(self.task, split, self.schedule.eval_batch_size, self.layout.personal_keys,
                            self.layout.shared_params, store, facts=self.facts)
 
-    def evaluate_global(self, store: Any) -> dict[str, float]:
+    def evaluate_global(self, store: Any, val: bool = True) -> dict[str, float]:
         """``test/*`` (and ``test_<name>/*`` for a task's extra test sets): the global model on the global
         test sets, under the stage's evaluation hooks; ``store`` holds the clients' personal entries where a
-        hook needs them (FedBN's test-time rule)."""
+        hook needs them (FedBN's test-time rule). With a model selection (and ``val``), ``val/*`` too: the
+        global model on the server-held validation set."""
         out: dict[str, float] = {}
-        for split in self.task.test_splits:
+        splits = (*self.task.test_splits, *(("val",) if val and self.selection is not None else ()))
+        for split in splits:
             state = evaluate_split(self.stages[self.stage_index], self.global_model, self.eval_context(split, store))
             out.update({f"{split}/{k}": v for k, v in self.task.metrics.compute(state).items()})
+        return out
+
+    def select(self, r: int, evaluated: dict[str, float], store: Any) -> dict[str, float]:
+        """Offer round ``r``'s global model, scored ``evaluated``, to the model selection; after the last round,
+        the selected model's ``selected/round``, ``selected/val/<metric>`` and its scores on the test sets
+        (``selected/test/*``), evaluated with the global model's entries replaced by the selected ones for the
+        time it takes. ``{}`` without a selection."""
+        sel = self.selection
+        if sel is None:
+            return {}
+        sel.offer(r, evaluated, self._gstate)
+        if r != self.schedule.rounds or sel.model is None:
+            return {}
+        out: dict[str, float] = {f"{SELECTED}/round": sel.round, f"{SELECTED}/{sel.metric}": sel.value}
+        last = {k: v.detach().clone() for k, v in self._gstate.items()}
+        try:
+            with torch.no_grad():
+                for k, v in sel.model.items():
+                    self._gstate[k].copy_(v)
+            out.update({f"{SELECTED}/{k}": v for k, v in self.evaluate_global(store, val=False).items()})
+        finally:
+            with torch.no_grad():
+                for k, v in last.items():
+                    self._gstate[k].copy_(v)
         return out
 
     def summarize_local(self, per_client: dict[int, tuple[MetricState, int]]) -> dict[str, float]:
@@ -344,6 +374,7 @@ class Server:
             "totals": dict(self.totals),
             "client_state": self.store.state_dict(),
             "facts": {k: v.detach().clone() for k, v in self.facts.items()},
+            **({"selection": self.selection.state_dict()} if self.selection is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -363,3 +394,5 @@ class Server:
         self.facts.clear()
         self.facts.update(to_device(state.get("facts", {}), self.device))
         self.store.load_state_dict(state.get("client_state", {}))
+        if self.selection is not None:
+            self.selection.load_state_dict(state.get("selection", {}), self._gstate)

@@ -7,7 +7,12 @@
 * ``simulation``: Flower's Ray-backed simulation engine as a FedSight engine option;
 * ``local``: a loopback deployment (SuperLink + N SuperNodes) driven end to end;
 * ``dp``: central DP through Flower's DP strategy wrapper; ``tls``: certificates and node keys;
+* ``run_config``: the FedSight config as Flower run-config keys (``fedsight.server.rounds``) and back;
 * ``cli``: ``fedsight flower ...`` commands.
 
-Requires the ``flower`` extra: ``pip install "fedsight[flower]"``.
+Requires the ``flower`` extra, installed from a FedSight clone (FedSight is not on PyPI): ``INSTALL``.
 """
+
+#: the install of FedSight with Flower, run in a clone of FedSight (the README's install, with the extra)
+INSTALL = 'pip install -c constraints.txt -e ".[flower]"'
+

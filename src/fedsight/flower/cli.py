@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from . import INSTALL
+
 flower_app = typer.Typer(
     help="Run FedSight recipes on Flower: a Flower app for real SuperLink/SuperNode deployments, a loopback "
     "deployment, Flower's Ray simulation engine, TLS material.",
@@ -31,19 +33,22 @@ def _require_flower() -> None:
         import flwr  # noqa: F401
         import flwr.app  # noqa: F401
     except ImportError:
-        _fail('Flower is not installed: pip install -e ".[flower]" (flwr[simulation,dp]==1.41.0)')
+        _fail(f"Flower is not installed: in your FedSight clone, {INSTALL} (flwr[simulation,dp] 1.41)")
 
 
-console = Console()
+# soft_wrap: a line is never broken at the console's width (80 columns off a terminal: a log file, a pipe, SLURM),
+# so every progress line stays one line, whole, for grep and for the reader
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _say(text: str) -> None:
     """Plain text (paths, run names): never read as markup, never wrapped."""
-    console.print(escape(text), highlight=False, soft_wrap=True)
-err = Console(stderr=True)
+    console.print(escape(text), highlight=False)
 
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a config value: key.path=value. Repeatable.")]
-RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the config's, output_dir/run.name/seed<N>).")]
+RunDirOpt = Annotated[Optional[Path], typer.Option(help="Run directory (default: the in-process run's, its name "
+                                                        "followed by -flower-COMMAND).")]
 RoundTimeout = Annotated[float, typer.Option(help="Seconds to wait for a round's replies; later ones count as lost.")]
 MinClients = Annotated[int, typer.Option(min=1, help="Fewer accepted updates in a round: the round is not aggregated.")]
 DpNoise = Annotated[float, typer.Option(min=0.0, help="Central DP noise multiplier z (0: off). Needs weighting 'uniform'.")]
@@ -68,6 +73,8 @@ Provisioning = Annotated[Optional[Path], typer.Option(
     "Without it, client identity is not authenticated.")]
 SecAggClip = Annotated[float, typer.Option(help="SecAgg+ clipping range: each weighted update value is clipped to "
                                                 "+-this before quantisation.")]
+SecAggFeatureBound = Annotated[float, typer.Option(help="Fed3R/FedNCM under SecAgg+: the largest |feature value| "
+                                                        "their sufficient statistics are scaled for.")]
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -75,7 +82,14 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
+def flower_run_dir(in_process: Path, command: str) -> Path:
+    """A Flower run's default directory: the in-process run's (``output_dir/run.name/seed<N>``) with
+    ``-flower-<command>``, so that ``fedsight run``, ``flower simulate`` and ``flower local`` of one config
+    never take each other's directory (each writes a whole run there; ``fedsight report`` compares them)."""
+    return in_process.with_name(f"{in_process.name}-flower-{command}")
+
+
+def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None, command: str):
     from ..config import ConfigError
     from ..sweep import load
 
@@ -86,14 +100,15 @@ def _one_config(config: Path, sets: list[str] | None, run_dir: Path | None):
     if len(specs) != 1:
         _fail(f"{config} defines {len(specs)} runs (a sweep); a Flower run takes one config (pick with --set)")
     spec = specs[0]
-    return spec.config, (run_dir or spec.run_dir).absolute()
+    return spec.config, (run_dir or flower_run_dir(spec.run_dir, command)).absolute()
 
 
 #: run-config keys of the ServerApp -> the flags that set them
 _FLAGS = {"round-timeout": "--round-timeout", "min-clients": "--min-clients", "dp-noise-multiplier": "--dp-noise",
           "dp-clipping-norm": "--dp-clip", "dp-delta": "--dp-delta", "dp-accountant": "--dp-accountant",
           "dp-sampling": "--dp-sampling", "secagg-num-shares": "--secagg-shares",
-          "secagg-reconstruction-threshold": "--secagg-threshold", "secagg-clipping-range": "--secagg-clip"}
+          "secagg-reconstruction-threshold": "--secagg-threshold", "secagg-clipping-range": "--secagg-clip",
+          "secagg-feature-bound": "--secagg-feature-bound"}
 
 
 def _flagged(msg: str) -> str:
@@ -106,7 +121,7 @@ def _flagged(msg: str) -> str:
 def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, dp_clip: float, dp_delta: float,
              overwrite: bool = False, dp_accountant: str = "rdp", dp_sampling: str = "none", secagg: bool = False,
              secagg_shares: float = 3, secagg_threshold: float = 2, secagg_clip: float = 8.0,
-             provisioning: Path | None = None) -> dict[str, Any]:
+             provisioning: Path | None = None, secagg_feature_bound: float = 1024.0) -> dict[str, Any]:
     from .options import ServerOptions
 
     out: dict[str, Any] = {"round-timeout": round_timeout, "min-clients": min_clients, "overwrite": overwrite}
@@ -116,9 +131,11 @@ def _options(cfg: Any, round_timeout: float, min_clients: int, dp_noise: float, 
         from .secagg import count_or_fraction
 
         out.update({"secagg": True, "secagg-num-shares": count_or_fraction(secagg_shares),
-                    "secagg-reconstruction-threshold": count_or_fraction(secagg_threshold), "secagg-clipping-range": secagg_clip})
-    elif (secagg_shares, secagg_threshold, secagg_clip) != (3, 2, 8.0):
-        _fail("--secagg-shares, --secagg-threshold and --secagg-clip configure secure aggregation: add --secagg")
+                    "secagg-reconstruction-threshold": count_or_fraction(secagg_threshold), "secagg-clipping-range": secagg_clip,
+                    "secagg-feature-bound": secagg_feature_bound})
+    elif (secagg_shares, secagg_threshold, secagg_clip, secagg_feature_bound) != (3, 2, 8.0, 1024.0):
+        _fail("--secagg-shares, --secagg-threshold, --secagg-clip and --secagg-feature-bound configure secure "
+              "aggregation: add --secagg")
     if dp_noise != 0:
         if dp_clip <= 0:
             _fail("--dp-clip must be positive with --dp-noise")
@@ -175,15 +192,22 @@ def _row_text(row: dict[str, Any], keys: list[tuple[str, str]]) -> str:
     """One progress line: the round, its clients, ``keys`` (``api.progress_keys``) and DP's epsilon."""
     if "event" in row:
         what = {k: v for k, v in row.items() if k not in ("event", "stage")}
-        return f"[yellow]{row['event']}[/] {json.dumps(what)}"
+        return f"[yellow]{escape(str(row['event']))}[/] {escape(json.dumps(what))}"
     parts = [f"round {row.get('round')}", "initial model" if row.get("round") == 0 else
              f"{row.get('clients/aggregated', 0)}/{row.get('clients/sampled', 0)} clients"]
-    for key, label in [*keys, ("dp/epsilon", "eps")]:
+    for key, label in dict.fromkeys([*keys, ("dp/epsilon", "eps")]):  # (keys has it with [privacy.central_dp])
         if key in row:
             parts.append(f"{label} {row[key]:.4f}")
     if "time/round_s" in row:
         parts.append(f"{row['time/round_s']:.1f} s")
     return "  ".join(parts)
+
+
+def _print_row(row: dict[str, Any], keys: list[tuple[str, str]], elapsed: float | None = None) -> None:
+    """A progress line (``_row_text``), after the seconds since the start when ``elapsed`` is given; one line
+    whatever its length (the consoles soft-wrap)."""
+    head = f"[dim]{elapsed:7.1f} s[/]  " if elapsed is not None else ""
+    console.print(head + _row_text(row, keys), highlight=False)
 
 
 APP_MODULES = ("__init__.py", "server_app.py", "client_app.py")
@@ -217,6 +241,7 @@ def app_cmd(
     secagg_shares: SecAggShares = 3,
     secagg_threshold: SecAggThreshold = 2,
     secagg_clip: SecAggClip = 8.0,
+    secagg_feature_bound: SecAggFeatureBound = 1024.0,
     data_dir_nodes: Annotated[bool, typer.Option("--data-dir-nodes", help="SuperNodes read their own data-dir (no partition.json).")] = False,
     overwrite: Overwrite = False,
     force: Annotated[bool, typer.Option(help="Replace the files of an app already in DIRECTORY.")] = False,
@@ -226,11 +251,12 @@ def app_cmd(
     from .app import PACKAGE, write_app
 
     _guard_folder(directory, ("pyproject.toml", "README.md", *(f"{PACKAGE}/{f}" for f in APP_MODULES)), force)
-    cfg, rd = _one_config(config, set_, run_dir)
+    cfg, rd = _one_config(config, set_, run_dir, "app")
     # a provisioning file that is here is checked now; one only on the SuperLink host, by the ServerApp at start
     here = provisioning is not None and (provisioning.exists() or provisioning.is_symlink())
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
-                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning if here else None)
+                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning if here else None,
+                    secagg_feature_bound=secagg_feature_bound)
     if data_dir_nodes:
         opts["data"] = "data-dir"
     _preflight(cfg, opts, rd, data_here=False)
@@ -272,6 +298,7 @@ def local_cmd(
     secagg_shares: SecAggShares = 3,
     secagg_threshold: SecAggThreshold = 2,
     secagg_clip: SecAggClip = 8.0,
+    secagg_feature_bound: SecAggFeatureBound = 1024.0,
     overwrite: Overwrite = False,
     provisioning: Provisioning = None,
 ) -> None:
@@ -286,9 +313,10 @@ def local_cmd(
     if provisioning is not None and not node_auth:
         _fail(f"--provisioning {provisioning} binds clients to node keys: add --node-auth (SuperNodes without keys get "
               "temporary keys that no provisioning file lists)")
-    cfg, rd = _one_config(config, set_, run_dir)
+    cfg, rd = _one_config(config, set_, run_dir, "local")
     opts = _options(cfg, round_timeout, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
-                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning)
+                    secagg, secagg_shares, secagg_threshold, secagg_clip, provisioning,
+                    secagg_feature_bound=secagg_feature_bound)
     _preflight(cfg, opts, rd)  # before the first line of progress (run_local checks again, for its Python callers)
     _check_free(rd, overwrite)
     if node_auth and not provisioning:  # run_local binds the nodes' keys (local.provision_local)
@@ -300,7 +328,7 @@ def local_cmd(
     keys = progress_keys(cfg)
 
     def on_row(row: dict[str, Any], dep: Any) -> None:
-        console.print(f"[dim]{time.monotonic() - t0:7.1f} s[/]  {_row_text(row, keys)}", highlight=False)
+        _print_row(row, keys, time.monotonic() - t0)
 
     _say(f"starting a SuperLink and {nodes or cfg.partition.num_clients} SuperNodes on 127.0.0.1 ...")
     try:
@@ -335,6 +363,7 @@ def simulate_cmd(
     secagg_shares: SecAggShares = 3,
     secagg_threshold: SecAggThreshold = 2,
     secagg_clip: SecAggClip = 8.0,
+    secagg_feature_bound: SecAggFeatureBound = 1024.0,
     overwrite: Overwrite = False,
 ) -> None:
     """Run CONFIG on Flower's Ray-backed simulation engine (one virtual SuperNode per client)."""
@@ -342,9 +371,10 @@ def simulate_cmd(
     from ..errors import ConfigError
     from .simulation import flower_simulate
 
-    cfg, rd = _one_config(config, set_, run_dir)
+    cfg, rd = _one_config(config, set_, run_dir, "simulate")
     opts = _options(cfg, 600.0, min_clients, dp_noise, dp_clip, dp_delta, overwrite, dp_accountant, dp_sampling,
-                    secagg, secagg_shares, secagg_threshold, secagg_clip)
+                    secagg, secagg_shares, secagg_threshold, secagg_clip,
+                    secagg_feature_bound=secagg_feature_bound)
     _check_free(rd, overwrite)
     t0 = time.monotonic()
     try:
@@ -356,7 +386,7 @@ def simulate_cmd(
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     keys = progress_keys(cfg)
     for row in rows:
-        console.print(_row_text(row, keys), highlight=False)
+        _print_row(row, keys)
     _say(f"done in {time.monotonic() - t0:.1f} s; run directory: {out}")
 
 

@@ -14,8 +14,8 @@ Two handlers, no algorithm logic of their own:
   would use (the global model, or global shared + personal entries, inside the recipe's evaluation
   hooks), for the server's WMA / worst-10% summary and merged metrics.
 
-Settings come from ``context.run_config`` (the app's ``[tool.flwr.app.config]``: ``fedsight-config``
-is the resolved FedSight config as JSON) and ``context.node_config`` (``partition-id``,
+Settings come from ``context.run_config`` (the app's ``[tool.flwr.app.config]``: the ``fedsight.*`` keys
+are the resolved FedSight config, one key per value, ``run_config``) and ``context.node_config`` (``partition-id``,
 ``num-partitions``, ``data-dir``, ``state-dir``, ``device``: where this node trains, default the run's
 ``engine.device``); ``make_client_app(settings)`` overrides the run config (``flwr.simulation.run_simulation``
 passes an empty one).
@@ -41,19 +41,19 @@ from ..state import PERSONAL, ClientStateStore
 from . import records as FR
 from .secagg_node import is_secagg, secagg_train
 from .node import build_node_task, node_config_model, restore_index, state_root
+from .run_config import config_json
 
 
 def _settings(context: Context, settings: Mapping[str, Any] | None) -> tuple[str, dict[str, Any], int, Path]:
     """(the run's FedSight config as JSON, the node config, the node's client id, its state folder)."""
     run_config = {**dict(context.run_config), **dict(settings or {})}
-    if "fedsight-config" not in run_config:
-        raise KeyError("run config has no 'fedsight-config' (write the app with `fedsight flower app`)")
+    config_text = config_json(run_config)  # the fedsight.* keys (or an earlier app's fedsight-config JSON)
     node_config = dict(context.node_config)
     if "partition-id" not in node_config:
         raise KeyError("node config has no 'partition-id' (start the SuperNode with --node-config 'partition-id=K ...')")
     partition = int(node_config["partition-id"])
     state_dir = state_root(node_config, context.run_id, partition, run_config.get("state-dir"))
-    return str(run_config["fedsight-config"]), node_config, partition, state_dir
+    return config_text, node_config, partition, state_dir
 
 
 @lru_cache(maxsize=8)
@@ -153,7 +153,7 @@ def handle_evaluate(msg: Message, context: Context, settings: Mapping[str, Any] 
 
 
 def make_client_app(settings: Mapping[str, Any] | None = None) -> ClientApp:
-    """A FedSight ``ClientApp``; ``settings`` override the run config (e.g. ``fedsight-config``)."""
+    """A FedSight ``ClientApp``; ``settings`` override the run config (e.g. the ``fedsight.*`` config keys)."""
     app = ClientApp()
     fixed = dict(settings or {})
 

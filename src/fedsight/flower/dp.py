@@ -30,9 +30,11 @@ from Google's dp-accounting (the library behind Flower's ``RdpAccountant``):
   under replace-one (``GaussianDpEvent(z / 2)``). Amplification also assumes that the sample is secret: with
   ``"without-replacement"`` the server draws it from its own secret (``engine.plan.sample_clients(..., secret)``,
   the stream ("sample", round) of the secret that also drives its noise), not from the run seed, which
-  ``config.json`` and every node's run config hold. The sampled nodes still learn the round's sample (the
-  training instruction lists it), so the bound is against the other parties and observers of the released
-  models, not against a coalition of sampled nodes. ``"none"`` draws it from the seed (a Flower run then samples as
+  ``config.json`` and every node's run config hold. Each training instruction names only the receiving node's
+  own client (``records.instructions_per_node``), so a sampled node learns that it was sampled, not who else was;
+  a node the server cannot yet identify (no provisioning file, a new or restarted SuperNode) is told the
+  sampled clients that have no online node. The bound is still against the other parties and observers of the
+  released models, not against a coalition of sampled nodes (which together know their part of the sample). ``"none"`` draws it from the seed (a Flower run then samples as
   the in-process one does). Poisson sampling
   (each client independently with probability ``q``) is not what FedSight does, so its bound is refused.
 * ``accountant``: ``"rdp"`` (default): Renyi DP (Mironov 2017) of each release at dp-accounting's default
@@ -75,6 +77,7 @@ regenerate.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from collections.abc import Iterable
@@ -89,34 +92,13 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, 
 from flwr.serverapp.strategy import dp_fixed_clipping as _dp_wrapper
 from flwr.supercore import differential_privacy as _dp_utils
 
+from ..central_dp import accounting_problem  # (with the config section that also names the choices: no Flower import)
 from ..errors import ConfigError
 from ..records import ClientResult
 from ..rng import derive_seed
 from ..runs import atomic_write_bytes
 from ..secret import SERVER_PRIVATE_DIR, draw_secret, secret_numpy_state
 from .records import record_to_tensors, tensors_to_record
-
-
-#: ``dp-accountant`` values: Renyi DP (default) or the privacy loss distribution
-ACCOUNTANTS = ("rdp", "pld")
-#: ``dp-sampling`` values: no amplification (default) or FedSight's fixed-size sampling without replacement
-SAMPLINGS = ("none", "without-replacement")
-
-
-def accounting_problem(accountant: str, sampling: str) -> tuple[str, str] | None:
-    """Why (``accountant``, ``sampling``) cannot account a FedSight DP run, as (the option at fault, why);
-    None: it can."""
-    if accountant not in ACCOUNTANTS:
-        return "dp-accountant", "must be 'rdp' or 'pld'"
-    if sampling == "poisson":
-        return "dp-sampling", ("is not how FedSight samples (exactly server.clients_per_round clients without replacement "
-                               "each round); use 'without-replacement' or 'none'")
-    if sampling not in SAMPLINGS:
-        return "dp-sampling", "must be 'none' or 'without-replacement'"
-    if accountant == "pld" and sampling == "without-replacement":
-        return "dp-accountant", ("has no bound for dp-sampling = 'without-replacement' (dp-accounting 0.6.0's PLD "
-                                 "accountant has no sampling-without-replacement event); use 'rdp' with it")
-    return None
 
 
 class Accountant:
@@ -257,6 +239,29 @@ def _zero_norm_safe_clipping():
         _dp_wrapper.compute_clip_model_update = original
 
 
+@contextlib.contextmanager
+def _outside_flower_runtime():
+    """Flower's wrapper builds (and never sends) one ``Message`` per update, and a ``Message`` reads the task identity
+    Flower's runtime sets in a ServerApp process (flwr 1.41's ``TaskIdentity``). Outside a runtime (the in-process
+    simulator, ``fedsight.central_dp``) nothing set it: a placeholder identity is set for the release and taken back
+    after, and Flower's INFO lines of each release ("parameters are clipped ...") stay off that run's console. Inside
+    a runtime (the identity is set) nothing changes."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    if TaskIdentity._run_id is not None:
+        yield
+        return
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 0, 0, 0
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+
+
 class _ReleaseGrid(Grid):
     """The ``m`` updates of one release, presented to the strategy as ``m`` nodes (``configure_train``
     builds one instruction per node; nothing is sent)."""
@@ -344,16 +349,17 @@ class CentralDP:
                 np.random.set_state(secret_numpy_state(self.secret, "dp-noise", r))
             else:
                 np.random.seed(derive_seed(self.seed, "dp-noise", r) % (2**32))
-            instructions = list(
-                self.strategy.configure_train(r, tensors_to_record(current), ConfigRecord(), _ReleaseGrid(len(results)))
-            )
-            replies = []
-            for ins, res in zip(instructions, results, strict=True):
-                local = {k: current[k] + res.delta[k] for k in keys}
-                content = RecordDict({"arrays": tensors_to_record(local), "metrics": MetricRecord({"num-examples": 1})})
-                replies.append(Message(content, reply_to=ins))
-            with _zero_norm_safe_clipping():
-                arrays, _ = self.strategy.aggregate_train(r, replies)
+            with _outside_flower_runtime():
+                instructions = list(self.strategy.configure_train(r, tensors_to_record(current), ConfigRecord(),
+                                                                  _ReleaseGrid(len(results))))
+                replies = []
+                for ins, res in zip(instructions, results, strict=True):
+                    local = {k: current[k] + res.delta[k] for k in keys}
+                    content = RecordDict({"arrays": tensors_to_record(local),
+                                          "metrics": MetricRecord({"num-examples": 1})})
+                    replies.append(Message(content, reply_to=ins))
+                with _zero_norm_safe_clipping():
+                    arrays, _ = self.strategy.aggregate_train(r, replies)
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
@@ -362,6 +368,15 @@ class CentralDP:
         self.releases = r  # composed only once released
         noised = record_to_tensors(ArrayRecord(arrays) if not isinstance(arrays, ArrayRecord) else arrays)
         return {k: (noised[k].to(current[k]) - current[k]) for k in keys}
+
+    def admit(self, r: int, results: list[ClientResult], events: list[dict[str, Any]]) -> list[ClientResult]:
+        """The accepted ``results`` of round ``r`` if they make a release (exactly ``num_sampled``), else none and a
+        ``dp_release_skipped`` event: a release of fewer updates would have a larger sensitivity than accounted, and
+        a skipped round composes nothing. Every backend admits a DP round here (``engine.loop``, the ServerApp)."""
+        if results and len(results) != self.num_sampled:
+            events.append({"round": r, "event": "dp_release_skipped", "accepted": len(results), "needed": self.num_sampled})
+            return []
+        return results
 
     def privacy_spent(self) -> dict[str, float]:
         """Cumulative (epsilon, delta) of the releases so far (``self.accountant``; ``describe()`` says how)."""
@@ -386,8 +401,9 @@ class CentralDP:
         return {"releases": self.releases}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("releases"):
-            raise ValueError("a central-DP run cannot be resumed (the accountant's state is not checkpointed)")
+        """The accountant's whole state is the number of releases (each is the same event): a resumed in-process run
+        composes on from there (a Flower run is never resumed)."""
+        self.releases = int(state.get("releases", 0))
 
 
 def check_central_dp(sim: Any, sampling: str = "none") -> int:

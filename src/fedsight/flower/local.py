@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import INSTALL
 from .tls import TLSFiles
 
 CONNECTION = "fedsight-local"
@@ -152,7 +153,7 @@ class LocalDeployment:
         here = Path(sys.executable).parent / name
         found = str(here) if here.exists() else shutil.which(name)
         if found is None:
-            raise FileNotFoundError(f"{name} not found: install the flower extra (pip install 'fedsight[flower]')")
+            raise FileNotFoundError(f"{name} not found: install the flower extra (in a FedSight clone: {INSTALL})")
         return found
 
     def _spawn(self, name: str, args: list[str]) -> Proc:

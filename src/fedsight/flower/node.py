@@ -46,13 +46,13 @@ DEFAULT_STATE_DIR = "fedsight-node-state"
 
 @lru_cache(maxsize=8)
 def node_config_model(config_text: str) -> Any:
-    """The validated FedSight config a node runs with: the run's config without ``init.weights``
+    """The validated FedSight config a node runs with: the run's config without its ``[init]`` checkpoint
     (the initial weights arrive with the global model; the file exists only on the server)."""
     from ..config import validate
 
     raw = json.loads(config_text)
-    raw.setdefault("init", {})["weights"] = None
-    return validate(raw, "flower run config (fedsight-config)")
+    raw["init"] = {}
+    return validate(raw, "flower run config (fedsight.*)")
 
 
 # -- per-client state on the node's disk ----------------------------------------------------------

@@ -12,7 +12,7 @@ from ..errors import ConfigError
 from .secagg import OPTIONS as SECAGG_OPTIONS
 
 
-#: run-config keys of the ServerApp (with their defaults); ``fedsight-config`` and ``run-dir`` are required
+#: run-config keys of the ServerApp (with their defaults); the ``fedsight.*`` keys (``run_config``) and ``run-dir`` are required
 OPTIONS: dict[str, Any] = {
     "round-timeout": 600.0,  # seconds to wait for the replies of one round
     "min-clients": 1,  # fewer accepted updates: the round is not aggregated
@@ -98,7 +98,7 @@ class ServerOptions:
         """These options, or a ``ConfigError`` naming the first invalid one (run-config key)."""
         import math
 
-        from .dp import accounting_problem
+        from ..central_dp import accounting_problem
 
         dp_problem = accounting_problem(self.dp_accountant, self.dp_sampling)
         rules = [
@@ -150,7 +150,27 @@ class ServerOptions:
             from .provisioning import read_provisioning
 
             read_provisioning(self.provisioning, n)
-        return self
+        return self.with_config_dp(cfg)
+
+    def with_config_dp(self, cfg: Any) -> "ServerOptions":
+        """These options with the config's ``[privacy.central_dp]`` (``fedsight.central_dp``): a config that sets it
+        runs with central DP on Flower as in-process. The ``dp-*`` options, if they switch central DP on too
+        (``dp-noise-multiplier`` > 0), must say the same: every one equal to the section's (``dp-delta`` 0 and no
+        ``delta`` both mean the default), else a ``ConfigError`` naming both keys. Without the section: these."""
+        spec = getattr(getattr(cfg, "privacy", None), "central_dp", None)
+        if spec is None:
+            return self
+        section = {"dp-noise-multiplier": ("noise_multiplier", spec.noise_multiplier),
+                   "dp-clipping-norm": ("clipping_norm", spec.clipping_norm), "dp-delta": ("delta", spec.delta or 0.0),
+                   "dp-accountant": ("accountant", spec.accountant), "dp-sampling": ("sampling", spec.sampling)}
+        if self.dp_noise_multiplier > 0:
+            for key, (name, value) in section.items():
+                mine = getattr(self, key.replace("-", "_"))
+                if mine != value:
+                    raise ConfigError(f"run config {key} = {mine!r} differs from the config's privacy.central_dp.{name} "
+                                      f"= {getattr(spec, name)!r}: set central DP in one place (the config's section, "
+                                      "or the dp-* options on a config without it)")
+        return dataclasses.replace(self, **{k.replace("-", "_"): v for k, (_, v) in section.items()})
 
     def install(self, server: Any) -> Any:
         """Check the run's ``server`` (an ``engine.server.Server``) against secure aggregation (``secagg.check_secagg``)

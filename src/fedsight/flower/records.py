@@ -87,6 +87,30 @@ def instruction_content(
     return content
 
 
+def instructions_per_node(
+    round: int,
+    sampled_of: Mapping[int, Sequence[int]],
+    global_state: Mapping[str, torch.Tensor],
+    broadcast: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    per_client: Mapping[int, Mapping[str, Mapping[str, torch.Tensor]]] | None = None,
+    **config: Any,
+) -> dict[int, RecordDict]:
+    """One instruction per node (``sampled_of``: node -> the sampled clients it is told of, normally its own or
+    none): each names only those clients and carries only their own broadcasts, so a node does not learn which
+    other clients the round sampled, nor their per-client state. The global model and the common broadcasts are
+    converted once and shared by every instruction (they are serialised per message anyway)."""
+    shared = instruction_content(round, [], global_state, broadcast, **config)
+    out: dict[int, RecordDict] = {}
+    for node, sampled in sampled_of.items():
+        content = RecordDict({k: v for k, v in shared.items() if k != "config"})
+        for cid in sampled:
+            for name, tensors in ((per_client or {}).get(cid) or {}).items():
+                content[f"{BROADCAST}{name}@{int(cid)}"] = tensors_to_record(tensors)
+        content["config"] = ConfigRecord({**dict(shared["config"]), "sampled": [int(c) for c in sampled]})
+        out[int(node)] = content
+    return out
+
+
 def read_instruction(content: RecordDict, client: int | None = None
                      ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """(config, global state, broadcasts) of an instruction written by ``instruction_content``; with

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -226,6 +227,9 @@ class _Expect:
     client_of: dict[int, int]
     shapes: list[tuple[int, ...]]
     max_bytes: int
+    round: int = 0
+    nonce: int | None = None  # the round's fresh server nonce, which each masked-vector reply must echo
+    seen_keys: set = dataclasses.field(default_factory=set)  # every public key accepted so far in this run
 
 
 def reply_problem(stage: str, request: Any, reply: Any, expect: _Expect) -> str | None:
@@ -250,6 +254,9 @@ def reply_problem(stage: str, request: Any, reply: Any, expect: _Expect) -> str 
                 bytes_to_public_key(k)
         except Exception:
             return "a public key does not parse"
+        if any(k in expect.seen_keys for k in keys):  # the protocol's keys are fresh every round
+            return "replay: its public keys were already used in this run"
+        expect.seen_keys.update(keys)
     elif stage == Stage.SHARE_KEYS:
         neighbours = {int(k) for k in asked if k != Key.STAGE} - {node}
         dsts, texts = rec.get(Key.DESTINATION_LIST), rec.get(Key.CIPHERTEXT_LIST)
@@ -275,6 +282,10 @@ def reply_problem(stage: str, request: Any, reply: Any, expect: _Expect) -> str 
             meta = {k: fitres.metrics[f"{META}{k}"] for k in ("client-id", "num-examples", "num-steps", "flops")}
         except Exception as exc:
             return f"its plain records are unreadable ({type(exc).__name__}: {exc})"
+        echoed = (fitres.metrics.get(f"{META}round"), fitres.metrics.get(f"{META}nonce"))
+        if echoed != (expect.round, expect.nonce):
+            return (f"replay: it echoes round {echoed[0]!r}, this is round {expect.round}" if echoed[0] != expect.round
+                    else f"replay: it echoes another nonce than round {expect.round}'s instruction")
         bad = [k for k, v in fitres.metrics.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
         if bad:
             return f"metric {bad[0]!r} is not a number"
@@ -400,6 +411,7 @@ class SecAggRound:
         else:
             self.max_examples = int(server.max_examples)
         server.secure_sum = True  # the reply contract: a statistics reply carries its share of the group's sum
+        self.seen_keys: set = set()  # the protocol public keys accepted in this run (a replayed setup reply reuses some)
 
     def statistics(self, m: int) -> Any:
         """How a statistics stage's clients add their statistics to the sum (``secagg_stats.Statistics``), None in a training
@@ -433,18 +445,19 @@ class SecAggRound:
             s = dataclasses.replace(s, clipping_range=1.0, quantization_range=stats.levels)
         weighting = server.recipe.weighting.name if stats is None else "uniform"
         max_weight = 1.0 if weighting == "uniform" else float(max(1, self.max_examples))
-        extra = {"secagg-params": params, "secagg-buffers": buffers, "secagg-weighting": weighting,
+        nonce = secrets.randbits(62)  # fresh per round: a masked vector resent from an earlier round echoes another
+        extra = {"secagg-nonce": nonce, "secagg-params": params, "secagg-buffers": buffers, "secagg-weighting": weighting,
                  "secagg-max-weight": max_weight, "secagg-clipping-range": s.clipping_range, "secagg-seed": int(server.seed)}
         if stats is not None:
             extra.update(stats.config())
         fitins = {}
         for c, n in nodes.items():
             own = {c: plan.client_broadcast[c]} if c in plan.client_broadcast else None
-            content = FR.instruction_content(r, plan.sampled, gstate, plan.broadcast, own, **b.task_info, **extra)
+            content = FR.instruction_content(r, [c], gstate, plan.broadcast, own, **b.task_info, **extra)  # its own only
             fitins[n] = instruction_fitins(content)
         shapes = ([tuple(gstate[k].shape) for k in params + buffers] if stats is None else
                   [(2, *shape) for _, shape, _ in stats.fields])
-        grid = _CheckedGrid(b.grid, _Expect(client_of, shapes, b.max_reply_bytes), b.opts.round_timeout,
+        grid = _CheckedGrid(b.grid, _Expect(client_of, shapes, b.max_reply_bytes, r, nonce, self.seen_keys), b.opts.round_timeout,
                             b.opts.poll_interval)
         strategy = _Strategy(fitins)
         failed_protocol = None

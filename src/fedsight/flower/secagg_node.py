@@ -97,7 +97,9 @@ def secagg_train(msg: Any, context: Any, train: Callable[[Any], Any]) -> Any:
         metrics: dict[str, Any] = {k: float(v) for k, v in res.metrics.items()}
         metrics.update({f"{META}client-id": int(res.client_id), f"{META}num-examples": int(res.num_examples),
                         f"{META}num-steps": int(res.num_steps), f"{META}flops": float(res.flops),
-                        f"{META}secagg-clipped": clipped})
+                        f"{META}secagg-clipped": clipped,
+                        # the instruction's round and nonce: a masked vector resent in a later round is refused
+                        f"{META}round": int(cfg["round"]), f"{META}nonce": int(cfg["secagg-nonce"])})
         # the mod's stochastic rounding draws from NumPy's global generator right after this returns
         np.random.seed(derive_seed(int(cfg["secagg-seed"]), "secagg", int(cfg["round"]), int(res.client_id)) % (2**32))
         fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(vector), weight, metrics)

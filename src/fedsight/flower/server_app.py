@@ -59,7 +59,7 @@ from ..device import to_device
 from ..engine.loop import ClientEvaluation
 from ..engine.plan import Reply
 from . import records as FR
-from .exchange import exchange
+from .exchange import exchange, exchange_messages
 from .options import ServerOptions
 
 
@@ -121,6 +121,22 @@ class FlowerBackend:
             return None
         return self.provisioned.why_not(node, self._keys.get(node), pid)
 
+    def _told(self, targets: list[int], sampled: list[int]) -> dict[int, list[int]]:
+        """Which sampled clients each target node is told of: the node's own client when it is sampled (the client
+        it is known to hold, or the one a provisioning file lists for its key), else none. A node whose client the
+        server cannot tell (no provisioning file, not yet identified: a new or restarted SuperNode) is told the
+        sampled clients that have no online node, any of which it may hold; no node learns the rest of the
+        sample."""
+        client_of = {n: c for c, n in self.node_of.items()}
+        orphans = [c for c in sampled if self.node_of.get(c) not in self.online]
+        told: dict[int, list[int]] = {}
+        for n in targets:
+            c = client_of.get(n)
+            if c is None and self.provisioned is not None:
+                c = self.provisioned.partition_of.get(self._keys.get(n))
+            told[n] = orphans if c is None else [c] if c in sampled else []
+        return told
+
     def _unidentified(self, known: set[int], r: int, events: list[dict[str, Any]]) -> set[int]:
         """The online nodes not yet known to hold a client that may be sent the model: with a provisioning file,
         only those whose key it lists. A node it does not list never receives the global model; it is a
@@ -159,13 +175,13 @@ class FlowerBackend:
         (and carries no model) is answered by every node with its partition only. Returns the events."""
         self.online = set(int(n) for n in self.grid.get_node_ids())
         self._keys = self._node_keys()
-        unknown = sorted(self.online - set(self.node_of.values()))
+        events: list[dict[str, Any]] = []
+        unknown = sorted(self._unidentified(set(self.node_of.values()), r, events))  # (a key not provisioned: nothing)
         if not unknown:
-            return []
+            return events
         content = FR.instruction_content(r, [], {}, **self.task_info)
         replies, _ = exchange(self.grid, unknown, content, MessageType.TRAIN, f"identify-{r}", self.opts.round_timeout,
                               self.opts.poll_interval)
-        events: list[dict[str, Any]] = []
         for node, reply in replies.items():
             self._admit(node, reply.content, r, events)
         return events
@@ -186,24 +202,24 @@ class FlowerBackend:
         if self.secagg is not None:
             return self.secagg.train(plan)
         r, opts = plan.round, self.opts
-        self.online = set(int(n) for n in self.grid.get_node_ids())
-        self._keys = self._node_keys()
+        # nodes not yet known (the first round, a restarted SuperNode) name their client first, so each node is
+        # sent only its own client's instruction (``_told``)
+        refused = self.identify(r)
         known = set(self.node_of.values())
-        # the nodes of the sampled clients (if Flower still lists them online) and every unidentified node
-        refused: list[dict[str, Any]] = []
+        # the nodes of the sampled clients (if Flower still lists them online) and every node still unidentified
         targets = sorted({self.node_of[c] for c in plan.sampled if self.node_of.get(c) in self.online}
                          | self._unidentified(known, r, refused))
         nonce = secrets.token_hex(16)  # fresh per exchange: a reply resent from an earlier one echoes another
-        content = FR.instruction_content(r, plan.sampled, self.server.global_model.state_dict(), plan.broadcast,
-                                         plan.client_broadcast, nonce=nonce, **self.task_info)
+        contents = FR.instructions_per_node(r, self._told(targets, plan.sampled), self.server.global_model.state_dict(),
+                                            plan.broadcast, plan.client_broadcast, nonce=nonce, **self.task_info)
         wanted = set(plan.sampled)
 
         def enough(replies: dict[int, Message]) -> bool:  # every sampled client answered (a restarted node may)
             return wanted <= {pid for n, m in replies.items() if not FR.is_skipped(m.content)
                               and (pid := FR.reply_partition(m.content)) is not None and self._why_not(n, pid) is None}
 
-        replies, failed = exchange(self.grid, targets, content, MessageType.TRAIN, str(r), opts.round_timeout,
-                                   opts.poll_interval, enough)
+        messages = [Message(contents[n], dst_node_id=n, message_type=MessageType.TRAIN, group_id=str(r)) for n in targets]
+        replies, failed = exchange_messages(self.grid, messages, opts.round_timeout, opts.poll_interval, enough)
         self.failed_nodes = set(failed)
         events = refused
         got: dict[int, Reply] = {}
@@ -263,10 +279,7 @@ class FlowerBackend:
         if results and len(results) < opts.min_clients:
             events.append({"round": r, "event": "too_few_clients", "accepted": len(results), "min_clients": opts.min_clients})
             return []
-        if self.dp is not None and results and len(results) != self.dp.num_sampled:
-            events.append({"round": r, "event": "dp_release_skipped", "accepted": len(results), "needed": self.dp.num_sampled})
-            return []
-        return results
+        return self.dp.admit(r, results, events) if self.dp is not None else results
 
     def round_metrics(self) -> dict[str, Any]:
         row: dict[str, Any] = {"flower/nodes_online": len(self.online)}
@@ -353,7 +366,7 @@ class FlowerServer:
 
         self.cfg, self.opts = cfg, options.checked_for(cfg)
         self.server = build_server(cfg)  # in-memory client store: client state lives on the nodes
-        self.dp = options.install(self.server)
+        self.dp = self.opts.install(self.server)  # (the options with the config's [privacy.central_dp])
         splits = getattr(self.server.task, "splits", None)
         #: what a data-dir node needs to build the run's model whatever classes it holds
         self.task_info: dict[str, Any] = {"class-names": list(splits.train.class_names)} if splits is not None else {}
@@ -448,7 +461,7 @@ class FlowerServer:
         run.write_status("complete", cfg.server.rounds, cfg.server.rounds)
         finish(run.path, server.task, server.global_model, server.recipe.weighting.name, facts=server.facts,
                plots=cfg.run.plots,
-               events=run.events)
+               events=run.events, tracking=run.tracking)
         run.close_events()
         return run.path
 
@@ -456,11 +469,10 @@ class FlowerServer:
 def server_main(grid: Grid, context: Context, settings: Mapping[str, Any] | None = None) -> Path:
     """The ServerApp's main: read the run config (``settings`` override it) and run."""
     from ..config import validate
+    from .run_config import config_from_run_config
 
     rc = {**dict(context.run_config), **dict(settings or {})}
-    if "fedsight-config" not in rc:
-        raise KeyError("run config has no 'fedsight-config' (write the app with `fedsight flower app`)")
-    cfg = validate(json.loads(str(rc["fedsight-config"])), "flower run config (fedsight-config)")
+    cfg = validate(config_from_run_config(rc), "flower run config (fedsight.*)")
     return FlowerServer(cfg, ServerOptions.from_run_config(rc)).run(grid)
 
 

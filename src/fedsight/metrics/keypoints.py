@@ -73,10 +73,12 @@ class OKSAP(Metric):
         return {self.key(k): "cat" for k in ("pred", "gt", "area", "box", "image")}
 
     def specs(self) -> tuple[MetricSpec, ...]:
-        return (MetricSpec("ap", True, "COCO OKS AP@[.5:.95] (%), detections of all clients ranked together"),
-                MetricSpec("ap50", True, "COCO OKS AP at OKS 0.5 (%)"),
-                MetricSpec("ap75", True, "COCO OKS AP at OKS 0.75 (%)"),
-                MetricSpec("ar", True, "COCO OKS AR@[.5:.95] (%)"))
+        # (pycocotools' -1, "no ground truth", cannot occur: ``compute`` gives nothing without a visible joint)
+        pct = (0.0, 100.0)
+        return (MetricSpec("ap", True, "COCO OKS AP@[.5:.95] (%), detections of all clients ranked together", pct),
+                MetricSpec("ap50", True, "COCO OKS AP at OKS 0.5 (%)", pct),
+                MetricSpec("ap75", True, "COCO OKS AP at OKS 0.75 (%)", pct),
+                MetricSpec("ar", True, "COCO OKS AR@[.5:.95] (%)", pct))
 
     def update(self, state: MetricState, pred: torch.Tensor, gt: torch.Tensor, area: torch.Tensor,
                box: torch.Tensor, image: torch.Tensor) -> None:

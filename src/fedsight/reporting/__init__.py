@@ -40,8 +40,9 @@ Conventions used throughout:
 - Plots give every curve of a panel its own (colour, line style, marker) (``plots.line_style``), and axes
   never show matplotlib's offset text: a power-of-ten multiplier goes into the axis label.
 
-Modules: ``runs_view`` (loading runs, series, directions, grouping), ``fmt`` (formatting), ``plots``
-(curves), ``summary`` (``summary.md``), ``compare`` (comparison tables and reports), ``selection`` (the
+Modules: ``runs_view`` (loading runs, series, directions, grouping), ``fmt`` (formatting), ``units`` (metric
+units, numbers in human units: 2.50 GB, 18.9 GFLOP), ``plots`` (curves), ``run_panels`` (which panels one run's
+curves have), ``summary`` (``summary.md``), ``compare`` (comparison tables and reports), ``selection`` (the
 protocols), ``paired`` (paired differences and their confidence intervals), ``export`` (every
 metric as CSV), ``client_weights`` and ``partition`` (who was trusted, and the data each client holds).
 """

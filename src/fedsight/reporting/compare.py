@@ -37,7 +37,9 @@ from .selection import Selection
 def _default_metrics(runs: Sequence[_Run]) -> list[str]:
     """Evaluation metrics (``test/*``, a task's extra ``test_<name>/*``, ``val/*``, ``local/*``; not per-class
     families such as ``test/iou/road``) logged by any run (runs of different tasks log different ones),
-    the runs' primary metric first, then ``time/round_s`` if any run has it."""
+    the runs' primary metric first, then the test metrics of a model selected on validation
+    (``selected/test/*``), then ``time/round_s`` and central DP's ``dp/epsilon`` if any run has them (a private
+    run's comparison shows what its accuracy cost in privacy)."""
     order: dict[str, int] = {}
     for r in runs:
         for k in r.series:
@@ -46,7 +48,9 @@ def _default_metrics(runs: Sequence[_Run]) -> list[str]:
     primary = _primary(runs)
     if primary is not None:
         evals.sort(key=lambda k: k != primary)
-    return evals + (["time/round_s"] if "time/round_s" in order else [])
+    # eval.select = "best": the model selected on validation, scored on test (selected/test/acc)
+    selected = [k for k in order if k.startswith("selected/test") and _is_headline(k.split("/", 1)[1])]
+    return evals + selected + [k for k in ("time/round_s", "dp/epsilon") if k in order]
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -420,7 +424,7 @@ def compare(run_dirs: Iterable[StrPath], metrics: list[str] | None = None, *, ba
 
     ``metrics`` defaults to the evaluation metrics (``test/*``, ``val/*``, ``local/*``) logged by any run
     (a group that never logged one shows "—" for it), the runs' primary metric first (the first run's, if
-    they differ), then ``time/round_s``; pass other keys (``train/loss``, ``dp/epsilon``) explicitly. For
+    they differ), then ``time/round_s`` and ``dp/epsilon``; pass other keys (``train/loss``) explicitly. For
     each group and metric the table holds the mean and sample std (ddof=1; none for a single run) over the
     group's runs of:
 

@@ -39,6 +39,29 @@ def read_partition(run_dir: StrPath) -> dict[str, Any] | None:
     return out
 
 
+def describe_split(split: dict[str, Any]) -> str:
+    """A server-held split of ``partition.json`` (``data.server_split.split_summary``) as one readable line:
+    its size, where it came from, its extras (imbalance, fraction) and its per-class counts."""
+    source = {"carve": "carved from the training pool", "dataset": "from another dataset"}.get(
+        str(split.get("source")), str(split.get("source")))
+    extras = ", ".join(f"{k} {v}" for k, v in split.items()
+                       if k not in ("source", "size", "class_counts", "class_names") and v is not None)
+    counts = split.get("class_counts") or []
+    names = split.get("class_names") or [str(i) for i in range(len(counts))]
+    hist = ", ".join(f"{n}: {c}" for n, c in zip(names, counts))
+    return (f"{split.get('size')} examples, {source}" + (f" ({extras})" if extras else "")
+            + (f"; per class {hist}" if hist else ""))
+
+
+def _wrap_title(text: str, fig_width_in: float, fontsize: float) -> str:
+    """``text``'s lines wrapped at spaces to the figure's width (a character of DejaVu Sans at ``fontsize`` is
+    about 0.55 of it wide on average), so a long title is never cut at the figure's edges."""
+    import textwrap
+
+    chars = max(20, int(fig_width_in * 72 / (0.55 * fontsize)))
+    return "\n".join(textwrap.fill(line, chars, break_long_words=True) for line in text.split("\n"))
+
+
 def _tick_positions(n: int, max_ticks: int) -> np.ndarray:
     """At most about ``max_ticks`` evenly spaced positions in ``0..n-1``, starting at 0."""
     step = max(1, int(math.ceil(n / max_ticks)))
@@ -71,7 +94,8 @@ def plot_partition_heatmap(
     cell_h = 0.32 if annotate else 0.12
     width = 3.5 + min(n_classes, 60) * cell_w
     height = 1.8 + min(n_clients, 120) * cell_h
-    fig = Figure(figsize=(max(width, 6.0), max(height, 3.5)), layout="constrained")
+    fig_width = max(width, 6.0)
+    fig = Figure(figsize=(fig_width, max(height, 3.5)), layout="constrained")
     FigureCanvasAgg(fig)
     gs = fig.add_gridspec(1, 3, width_ratios=[max(n_classes, 4), 2.5, 0.35])
     ax = fig.add_subplot(gs[0, 0])
@@ -104,13 +128,11 @@ def plot_partition_heatmap(
             ax_tot.text(t, i, f" {t}", va="center", ha="left", fontsize=7)
     ax.set_ylim(n_clients - 0.5, -0.5)
     s = partition_summary(counts)
-    fig.suptitle(
+    fig.suptitle(_wrap_title(
         (f"{title}\n" if title else "")
         + f"{n_clients} clients, {int(s['total'])} samples; client size {s['min_size']}-{s['max_size']} "
         f"(median {s['median_size']:g}); {s['mean_classes_per_client']:.1f} "
-        f"{'classes' if key == 'class' else key + 's'}/client",
-        fontsize=10,
-    )
+        f"{'classes' if key == 'class' else key + 's'}/client", fig_width, 10), fontsize=10)
     buf = io.BytesIO()
     fig.savefig(buf, dpi=120, format="png")
     atomic_write_bytes(path, buf.getvalue())  # temp + rename, onto a regular file only (fedsight.safe_write)

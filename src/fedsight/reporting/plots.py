@@ -111,13 +111,24 @@ def _markevery(n_points: int) -> int:
 
 
 def _style_axes(ax: Any, title: str, ylabel: str) -> None:
-    from matplotlib.ticker import MaxNLocator
-
     ax.set_title(title, fontsize=10.5)
     ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    integer_rounds(ax)
     ax.grid(True, alpha=0.3)
+
+
+def integer_rounds(ax: Any) -> None:
+    """Whole-number ticks on a round axis. ``MaxNLocator(integer=True)`` alone still puts ``1.900 ... 2.100`` on
+    an axis whose data span less than one round (one evaluated round), so such an axis is widened to one round
+    either side first."""
+    from matplotlib.ticker import MaxNLocator
+
+    lo, hi = ax.get_xlim()
+    if hi - lo < 1:
+        mid = round((lo + hi) / 2)
+        ax.set_xlim(mid - 1, mid + 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _fold_offset_texts(fig: Any) -> None:
@@ -166,42 +177,76 @@ def _save(fig: Any, path: Path) -> Path:
 def plot_run(run_dir: StrPath, keys: list[str] | None = None) -> Path:
     """Plot the metrics of one run against round into ``RUN_DIR/plots/curves.png``; return its path.
 
-    ``keys`` defaults to every numeric key present except "round" and members of per-class families
-    (``test/iou/road``). Keys share a subplot by prefix
-    (``test/*``, ``local/*``, ``train/*``, ``time/*``) and direction (from the run's ``run.json``), with
-    losses on their own axes and metrics of very different magnitude (accuracy vs PSNR) split apart.
-    Stage changes are marked with dashed lines. Event lines are ignored.
+    ``keys`` defaults to every numeric key present except "round", members of per-class families
+    (``test/iou/road``) and a model selection's ``selected/*`` (one value, after the last round). Panels
+    (``fedsight.reporting.run_panels``): a series equal to another drawn once (``psnr`` = ``psnr_y``), constant bookkeeping (``clients/*``, per-round bytes) named in a note line instead of
+    drawn, upload and download told apart, metrics at several input sizes one panel per metric (a line per size)
+    plus the primary metric against the input size; the rest share a subplot by prefix (``test/*``, ``local/*``,
+    ``train/*``, ``time/*``) and direction (from the run's ``run.json``), with losses on their own axes and metrics
+    of very different magnitude (accuracy vs PSNR) split apart. Axes carry units (MB, GFLOP, dB, %), round axes
+    whole numbers. Stage changes are marked with dashed lines. Event lines are ignored.
     """
+    from .partition import read_partition
+    from .run_panels import plan_panels
+
     run = _Run.load(run_dir)
     series = run.series
-    if keys is None:
-        keys = [k for k in series if _is_headline(k)]
+    if keys is None:  # (not the selected model's numbers: one value, after the last round; summary.md has them)
+        keys = [k for k in series if _is_headline(k) and not k.startswith("selected/")]
     missing = [k for k in keys if k not in series]
     if missing:
         raise ValueError(f"{run.path / METRICS_FILE}: no numeric values for {', '.join(missing)}")
     if not keys:
         raise ValueError(f"{run.path / METRICS_FILE}: no metrics to plot")
 
-    panels = _panel_groups(_display_order(keys), series, run.direction)
+    task = run.config.get("task")
+    task_name = task.get("name") if isinstance(task, dict) else task if isinstance(task, str) else None
+    panels, notes = plan_panels(
+        _display_order(keys), series, run.direction,
+        lambda ks: _panel_groups(ks, series, run.direction) if ks else [],
+        task=task_name, primary=run.primary, partition=read_partition(run.path), style=line_style)
     stages = run.stages
     title = run.name + (f", seed {run.seed}" if run.seed is not None else "")
     if len(stages) > 1:
         title += f"  (stages: {' → '.join(s for s, _ in stages)}, dashed lines)"
     fig, axes = _new_figure(len(panels), title)
-    for ax, (title, ks) in zip(axes, panels):
-        for i, k in enumerate(ks):
-            s = series[k]
-            ax.plot(s.rounds, s.values, label=k, markersize=3, linewidth=1.5, markevery=_markevery(len(s.rounds)),
-                    **line_style(i))
+    for ax, panel in zip(axes, panels):
+        for line in panel.lines:
+            ax.plot(line.x, line.y, label=line.label, markersize=3 if panel.x == "round" else 5, linewidth=1.5,
+                    markevery=_markevery(len(line.x)), **line.style)
+        if panel.x == "size":
+            _style_size_axes(ax, panel)
+            continue
         if len(stages) > 1:
             for stage, start in stages[1:]:
                 ax.axvline(start - 0.5, color="0.5", linestyle="--", linewidth=0.8)
                 ax.text(start - 0.5, 0.98, f" {stage}", transform=ax.get_xaxis_transform(), fontsize=7,
                         color="0.35", ha="left", va="top")
-        ylabel = "seconds" if title.startswith(_PREFIX_TITLES["time"]) else (ks[0] if len(ks) == 1 else "value")
-        _style_axes(ax, title, ylabel)
+        _style_axes(ax, panel.title, panel.ylabel)
         ax.legend(fontsize=8, loc="best")
+    if notes:
+        import textwrap
+
+        width = int(16 * fig.get_figwidth())  # characters of 9-point text a line, about
+        fig.supxlabel("\n".join(textwrap.fill(n, width) for n in notes), fontsize=9, x=0.01, ha="left",
+                      color="0.25")
     return _save(fig, run.path / "plots" / CURVES_FILE)
+
+
+def _style_size_axes(ax: Any, panel: Any) -> None:
+    """A panel against input size: categorical sizes (smallest left), the training rungs shaded and labelled."""
+    labels = list(panel.xticks)
+    for lo, hi, text in panel.spans:
+        ax.axvspan(lo, hi, color="0.88", zorder=0)
+        i = round((lo + hi) / 2)
+        labels[i] = f"{labels[i]}\n{text.replace(': ', chr(10))}"
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_title(panel.title, fontsize=10.5)
+    ax.set_xlabel("input size (H x W; shaded: a training rung)")
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
 
 
 # -- several runs -----------------------------------------------------------------------------------

@@ -10,9 +10,11 @@ import numpy as np
 
 from ..safe_write import atomic_write_text
 from .client_weights import CLIENT_WEIGHTS_FILE
-from .fmt import _fmt, _fmt_duration, _md_escape, _metric_label
+from .fmt import _fmt_duration, _md_escape, _metric_label
 from .partition import read_partition
 from .plots import CURVES_FILE, plot_run
+from .run_panels import channel_label, duplicate_channels
+from .units import human, metric_unit
 from .runs_view import StrPath, _best_direction, _display_order, _Run
 
 SUMMARY_FILE = "summary.md"
@@ -207,6 +209,18 @@ def _privacy_noise(run_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _selected(run: _Run) -> list[str]:
+    """The line of a run with a model selection (``eval.select = "best"``: ``best.json``): the round selected on
+    validation, its validation value and its test metrics (the last row's ``selected/test/*``)."""
+    from ..model_selection import BEST_WEIGHTS, SELECTED, read_best, selected_line
+
+    record = read_best(run.path)
+    if record is None:
+        return []
+    final = next((r for r in reversed(run.metric_records) if f"{SELECTED}/round" in r), {})
+    return [f"- **selected on validation:** {_md_escape(selected_line(record, final))} (`{BEST_WEIGHTS}`)"]
+
+
 def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
     """Write ``RUN_DIR/summary.md`` and return its path.
 
@@ -246,21 +260,32 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
                      f"{len(series['time/round_s'].rounds)} rounds)")
     else:
         lines.append("- **total time:** not recorded (no time/round_s)")
+    lines += _selected(run)
     lines.append("")
     if series:
         lines += ["## Metrics", "",
                   "| metric | final | at round | best | at round |",
                   "|---|---:|---:|---:|---:|"]
+        task = run.config.get("task")
+        task_name = task.get("name") if isinstance(task, dict) else task if isinstance(task, str) else None
+        twins = duplicate_channels(list(series), series)
         for k in _display_order(series):
             s = series[k]
             higher = run.direction(k)
             fv, fr = s.final()
             bv, br = s.best(_best_direction(k, higher))
-            lines.append(f"| {_md_escape(_metric_label(k, higher))} | {_fmt(fv)} | {fr} | {_fmt(bv)} | "
+            unit = metric_unit(k, task_name, run.primary)
+            label = _metric_label(channel_label(k, unit), higher)
+            if k in twins:
+                label += f", = {twins[k]}"
+            lines.append(f"| {_md_escape(label)} | {human(fv, unit)} | {fr} | {'—' if bv is None else human(bv, unit)} | "
                          f"{'—' if br is None else br} |")
         lines += ["", "Final = value at the last round where the metric was logged; "
                   "↑ higher is better, ↓ lower is better; no arrow: no direction, so no best; budget "
-                  "metrics (bytes, FLOPs, seconds, privacy epsilon) have no best either.", ""]
+                  "metrics (bytes, FLOPs, seconds, privacy epsilon) have no best either. Bytes and FLOPs in "
+                  "decimal prefixes (1 MB = 10^6 B)."
+                  + (" (Y): on BT.601 luma, (RGB): on the RGB channels; psnr and ssim are the task's reported channel."
+                     if any(channel_label(k) != k for k in series) else ""), ""]
     else:
         lines += ["No metrics recorded.", ""]
     lines += _events_section(run.records)

@@ -33,7 +33,8 @@ Several named test sets: the data's first test set is the split ``test`` (metric
 for ``test_sets = [Set5, Set14, B100, Urban100]``. ``partition.json`` records which set is which.
 
 Visual output: :meth:`ImageSRTask.save_visuals` writes a PNG with the LR input (nearest-neighbour
-enlarged), output and ground-truth crops of a few test images (the most detailed crop of each), plus the
+enlarged), bicubic (MATLAB ``imresize``), output and ground-truth crops, each titled with its PSNR (dB) on the
+reported channel, of a few test images (the most detailed crop of each), plus the
 raw crops; :func:`interpolation_baseline` scores plain interpolation (MATLAB bicubic by default), the floor
 a trained model must beat.
 """
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -86,13 +88,16 @@ class ImageSRParams(Params):
 def image_sr_metrics(params: ImageSRParams) -> MetricSet:
     """psnr/ssim (on the channel ``params.metric`` picks), the same on Y and RGB, and the loss: means over images."""
     m = params.metric
+    # outputs clamped to [0, 1] and ground truth in [0, 1]: MSE <= 255^2 on the 0..255 scale, so PSNR >= 0 dB (+inf
+    # for a perfect image); unquantised outputs may leave [0, 1], so then no range is declared (finite values only)
+    psnr_range = (0.0, math.inf) if params.quantize else None
     return MetricSet(
         [
-            Mean("psnr", True, f"PSNR (dB) on {m}, mean over images"),
+            Mean("psnr", True, f"PSNR (dB) on {m}, mean over images", psnr_range),
             Mean("ssim", True, f"SSIM on {m}, mean over images", (-1.0, 1.0)),
-            Mean("psnr_y", True, "PSNR (dB) on BT.601 luma"),
+            Mean("psnr_y", True, "PSNR (dB) on BT.601 luma", psnr_range),
             Mean("ssim_y", True, "SSIM on BT.601 luma", (-1.0, 1.0)),
-            Mean("psnr_rgb", True, "PSNR (dB) on RGB"),
+            Mean("psnr_rgb", True, "PSNR (dB) on RGB", psnr_range),
             Mean("ssim_rgb", True, "SSIM on RGB", (-1.0, 1.0)),
             Mean("loss", False, f"mean {params.loss} loss per image", (0.0, float("inf"))),
         ],
@@ -316,9 +321,12 @@ class ImageSRTask(ClientExamples, Task):
 
     @torch.no_grad()
     def save_visuals(self, model: nn.Module, path: str | Path, hooks: Any = None) -> Path:
-        """Write ``path`` (a PNG: per row the LR input, output and ground truth crops of one test image,
-        the most detailed ``visual_crop`` window, with the crop's PSNR) and, beside it, ``visuals/`` with
-        the raw crops and ``visuals.json``. ``hooks(model, split)``: the run's evaluation hooks."""
+        """Write ``path`` (a PNG: per row the LR input, bicubic (MATLAB ``imresize``), output and ground-truth
+        crops of one test image, the most detailed ``visual_crop`` window, each titled with its PSNR in dB on the
+        reported channel, ``metric``) and, beside it, ``visuals/`` with the raw crops and ``visuals.json``.
+        ``hooks(model, split)``: the run's evaluation hooks."""
+        from ..functional.resize import imresize
+
         path = Path(path)
         raw = path.parent / "visuals"
         raw.mkdir(parents=True, exist_ok=True)
@@ -334,9 +342,12 @@ class ImageSRTask(ClientExamples, Task):
                 top, left = detail_crop(hr_u8, crop, s)
                 with hooks(model, split) if hooks is not None else contextlib.nullcontext():
                     out = self.predict(model, _to_float(lr_u8).unsqueeze(0).to(model_device(model)))[0].clamp(0, 1).cpu()
-                lr = _to_float(lr_u8)[:, top // s : (top + crop) // s, left // s : (left + crop) // s]
+                lr_full = _to_float(lr_u8)
+                bicubic = imresize(lr_full.unsqueeze(0).to(torch.float64), float(s))[0].to(torch.float32).clamp(0, 1)
+                lr = lr_full[:, top // s : (top + crop) // s, left // s : (left + crop) // s]
                 imgs = {
                     "lr": lr.repeat_interleave(s, -2).repeat_interleave(s, -1),
+                    "bicubic": bicubic[:, top : top + crop, left : left + crop],
                     "output": out[:, top : top + crop, left : left + crop],
                     "gt": _to_float(hr_u8)[:, top : top + crop, left : left + crop],
                 }
@@ -345,12 +356,13 @@ class ImageSRTask(ClientExamples, Task):
                     _write_png(raw / f"image{j}_{k}.png", a)
                 name = self.test_names[split]
                 meta.append({"split": split, "set": name, "image": im.name, "top": top, "left": left, "size": crop, "scale": s})
-                rows.append((f"{name}/{im.name}", [("LR (nearest)", arrays["lr"]), ("output", arrays["output"]),
+                rows.append((f"{name}/{im.name}", [(f"LR input (x{s} nearest)", arrays["lr"]),
+                                                   ("bicubic", arrays["bicubic"]), ("ours", arrays["output"]),
                                                    ("ground truth", arrays["gt"])]))
         finally:
             model.train(was_training)
         (path.parent / "visuals.json").write_text(json.dumps(meta, indent=1) + "\n")
-        _plot_rows(rows, path, ref_col=2)
+        _plot_rows(rows, path, ref_col=3, channel=self.params.metric, what=f"x{s} crops of {len(rows)} test images")
         return path
 
 

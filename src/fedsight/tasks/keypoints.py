@@ -61,7 +61,7 @@ from .base import ClientExamples, Task, TaskSpec, component_params
 
 __all__ = ["KeypointParams", "KeypointTask", "assign_rungs", "joints_mse"]
 
-PROVIDES = frozenset({"server_split", "soft_targets", "resolution_ladder"})
+PROVIDES = frozenset({"server_split", "soft_targets", "resolution_ladder", "visuals"})
 Size = tuple[int, int]
 
 
@@ -87,6 +87,7 @@ class KeypointParams(Params):
     primary: Literal["pckh", "pck", "ap"] = Field("pckh", description="primary metric (pckh needs head sizes)")
     pckh_threshold: float = Field(0.5, gt=0, description="PCKh threshold, fraction of the head size")
     pck_threshold: float = Field(0.2, gt=0, description="PCK threshold, fraction of the longer person-box side")
+    visual_instances: int = Field(3, ge=0, description="test persons shown in plots/visuals.png, at every rung")
 
     @model_validator(mode="after")
     def _sizes(self) -> "KeypointParams":
@@ -394,6 +395,13 @@ class KeypointTask(ClientExamples, Task):
         box = targets["box"].to(pred.device)
         by_name["pck"].update(state, pred[..., :2], gt[..., :2], visible, box[:, 2:].amax(-1))
         by_name["oks"].update(state, pred, gt, targets["area"], box, targets["image_id"])
+
+    def save_visuals(self, model: nn.Module, path: Any, hooks: Any = None) -> Any:
+        """``plots/visuals.png``: skeleton overlays (ground truth and prediction) of a few test persons at every
+        rung of the ladder (``fedsight.tasks.keypoint_visuals``)."""
+        from .keypoint_visuals import save_keypoint_visuals
+
+        return save_keypoint_visuals(self, model, path, hooks)
 
     def evaluate_at(self, model: nn.Module, size: Size, capture: Size | None = None, mode: str = "bicubic",
                     test_set: str | None = None, batch_size: int = 64) -> dict[str, float]:

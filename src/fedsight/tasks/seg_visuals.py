@@ -1,5 +1,5 @@
-"""Pictures of a segmentation run: test images with ground truth and prediction overlays, and how the classes
-are spread over the clients."""
+"""Pictures of a segmentation run: test images with ground truth and prediction overlays and a colour legend of
+the classes shown (by name), and how the classes are spread over the clients."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -71,9 +71,6 @@ def save_segmentation_visuals(task: Any, model: nn.Module, path: str | os.PathLi
     model's prediction overlaid and the image's mIoU; the model is evaluated as in the run's evaluation
     (``hooks(model, split)``: the stage's evaluation hooks, e.g. SiloBN's test statistics). Also
     ``class_distribution.png``: the clients' class pixel shares. Returns ``path``."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     colours = palette(task.class_names)
@@ -94,30 +91,74 @@ def save_segmentation_visuals(task: Any, model: nn.Module, path: str | os.PathLi
                     pred = torch.nn.functional.interpolate(logits, size=tuple(target.shape), mode="bilinear",
                                                            align_corners=False).argmax(1)[0].cpu().numpy()
                     img, tgt = raw.permute(1, 2, 0).numpy(), target.numpy()
-                    rows.append((s.names[i], img, overlay(img, tgt, colours), overlay(img, pred, colours),
-                                 image_miou(pred, tgt, task.num_classes)))
-            h, w = rows[0][1].shape[:2]
-            fig = Figure(figsize=(3 * 2.4 * w / max(h, w) + 0.4, len(rows) * 2.4 * h / max(h, w) + 0.9),
-                         layout="constrained")
-            FigureCanvasAgg(fig)
-            axes = fig.subplots(len(rows), 3, squeeze=False)
-            for r, (name, img, gt, pred, miou) in enumerate(rows):
-                for c, (title, panel) in enumerate((("image", img), ("ground truth", gt), (f"prediction, mIoU {miou:.2f}", pred))):
-                    ax = axes[r][c]
-                    ax.imshow(panel, interpolation="nearest")
-                    ax.set_xticks([])
-                    ax.set_yticks([])
-                    ax.set_title(title, fontsize=8)
-                    if c == 0:
-                        short = name if len(name) <= 48 else "..." + name[-45:]  # one line a path part: fits the row
-                        ax.set_ylabel(short.replace("/", "/\n") if len(short) > 20 else short, fontsize=7)
-            fig.suptitle(f"{split}: {len(s)} images", fontsize=9)
-            fig.savefig(path if split == "test" else path.with_name(f"visuals_{split[5:]}.png"), dpi=110)
+                    classes = frozenset(np.unique(tgt[tgt != IGNORE]).tolist()) | frozenset(np.unique(pred).tolist())
+                    rows.append(SegRow(s.names[i], img, overlay(img, tgt, colours), overlay(img, pred, colours),
+                                       image_miou(pred, tgt, task.num_classes), classes, bool((tgt == IGNORE).any())))
+            fig = segmentation_figure(rows, task.class_names, colours, f"{split}: {len(s)} images")
+            _save_png(fig, path if split == "test" else path.with_name(f"visuals_{split[5:]}.png"))
     finally:
         model.train(was_training)
     desc_pixels = np.stack([task.class_pixels()[c.train].sum(0) for c in task.clients])
     plot_class_distribution(desc_pixels, task.class_names, path.with_name("class_distribution.png"), colours)
     return path
+
+
+class SegRow(NamedTuple):
+    """One shown test image: its name, the image, the ground-truth and prediction overlays (``overlay``), the
+    image's mIoU, the class ids in its ground truth or prediction, whether its ground truth has ignored pixels."""
+
+    name: str
+    image: np.ndarray
+    gt: np.ndarray
+    pred: np.ndarray
+    miou: float
+    classes: frozenset[int]
+    ignored: bool
+
+
+def segmentation_figure(rows: Sequence[SegRow], class_names: Sequence[str], colours: np.ndarray, title: str) -> Any:
+    """Per row the image, ground-truth and prediction panels, and below them a colour legend of the classes that
+    appear in any shown ground truth or prediction (their names, in class order), plus "ignored (not labelled)"
+    for the darkened pixels where a ground truth has them."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    h, w = rows[0][1].shape[:2]
+    fig = Figure(figsize=(3 * 2.4 * w / max(h, w) + 0.4, len(rows) * 2.4 * h / max(h, w) + 1.6),
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(rows), 3, squeeze=False)
+    for r, (name, img, gt, pred, miou, _, _) in enumerate(rows):
+        for c, (text, panel) in enumerate((("image", img), ("ground truth", gt), (f"prediction, mIoU {miou:.2f}", pred))):
+            ax = axes[r][c]
+            ax.imshow(panel, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(text, fontsize=8)
+            if c == 0:
+                short = name if len(name) <= 48 else "..." + name[-45:]  # one line a path part: fits the row
+                ax.set_ylabel(short.replace("/", "/\n") if len(short) > 20 else short, fontsize=7)
+    present = sorted(set().union(*(r.classes for r in rows)))
+    handles = [Patch(facecolor=colours[i] / 255, edgecolor="0.3", linewidth=0.4, label=str(class_names[i]))
+               for i in present]
+    if any(r.ignored for r in rows):
+        handles.append(Patch(facecolor="0.15", edgecolor="0.3", linewidth=0.4, label="ignored (not labelled)"))
+    ncol = max(1, min(len(handles), int(fig.get_figwidth() * 72 / 95)))  # about 95 points an entry
+    fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=7, frameon=False,
+               handlelength=1.2, columnspacing=0.8)
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def _save_png(fig: Any, path: Path) -> None:
+    import io
+
+    from ..safe_write import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def plot_class_distribution(pixels: np.ndarray, class_names: Sequence[str], path: str | os.PathLike[str],

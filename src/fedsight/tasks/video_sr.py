@@ -29,13 +29,15 @@ FedVSR code: crop_border 0, Y channel for reporting (its REDS4 scripts report RG
 ``metric = "rgb"``).
 
 Visual output: :meth:`VideoSRTask.save_visuals` writes a PNG with LR input (nearest-neighbour
-enlarged), model output and ground-truth crops of a few test clips, plus the raw crops, and
-:func:`assemble_visuals` puts the crops of several runs side by side (LR | run 1 | run 2 | ... | GT).
+enlarged), bicubic, model output and ground-truth crops of a few test clips, each titled with its PSNR (dB) on
+the reported channel, plus the raw crops, and :func:`assemble_visuals` puts the crops of several runs side by
+side (LR | bicubic | run 1 | run 2 | ... | GT).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -63,13 +65,16 @@ def video_sr_metrics(params: "VideoSRParams") -> MetricSet:
     """psnr/ssim (on the channel ``params.metric`` picks), the same on Y and RGB, and the loss: means over
     clips of clip-mean per-frame values."""
     m = params.metric
+    # outputs clamped to [0, 1] and ground truth in [0, 1]: MSE <= 255^2 on the 0..255 scale, so PSNR >= 0 dB (+inf
+    # for a perfect image); unquantised outputs may leave [0, 1], so then no range is declared (finite values only)
+    psnr_range = (0.0, math.inf) if params.quantize else None
     return MetricSet(
         [
-            Mean("psnr", True, f"PSNR (dB) on {m}, mean over clips of the per-frame mean"),
+            Mean("psnr", True, f"PSNR (dB) on {m}, mean over clips of the per-frame mean", psnr_range),
             Mean("ssim", True, f"SSIM on {m}, mean over clips of the per-frame mean", (-1.0, 1.0)),
-            Mean("psnr_y", True, "PSNR (dB) on BT.601 luma"),
+            Mean("psnr_y", True, "PSNR (dB) on BT.601 luma", psnr_range),
             Mean("ssim_y", True, "SSIM on BT.601 luma", (-1.0, 1.0)),
-            Mean("psnr_rgb", True, "PSNR (dB) on RGB"),
+            Mean("psnr_rgb", True, "PSNR (dB) on RGB", psnr_range),
             Mean("ssim_rgb", True, "SSIM on RGB", (-1.0, 1.0)),
             Mean("loss", False, "mean Charbonnier loss per clip", (0.0, float("inf"))),
         ],
@@ -311,30 +316,36 @@ class VideoSRTask(ClientExamples, Task):
             crop = min(self.params.visual_crop, h, w) // s * s
             box = (slice(top, top + crop), slice(left, left + crop))
             lbox = (slice(top // s, (top + crop) // s), slice(left // s, (left + crop) // s))
+            bicubic = torch.nn.functional.interpolate(lr[0, f : f + 1], scale_factor=s, mode="bicubic",
+                                                      align_corners=False)[0]
             imgs = {
                 "lr": lr[0, f][:, lbox[0], lbox[1]].repeat_interleave(s, -2).repeat_interleave(s, -1),
+                "bicubic": bicubic[:, box[0], box[1]],
                 "output": out[:, box[0], box[1]],
                 "gt": hr[:, box[0], box[1]],
             }
             arrays = {k: (v.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy() for k, v in imgs.items()}
-            _write_png(raw / f"clip{j}_lr.png", arrays["lr"])
-            _write_png(raw / f"clip{j}_output.png", arrays["output"])
-            _write_png(raw / f"clip{j}_gt.png", arrays["gt"])
+            for k, a in arrays.items():
+                _write_png(raw / f"clip{j}_{k}.png", a)
             meta.append({"clip": clip.name, "frame": f, "top": top, "left": left, "size": crop, "scale": s})
             rows.append((clip.name, f, arrays))
         model.train(was_training)
         (path.parent / "visuals.json").write_text(json.dumps(meta, indent=1) + "\n")
         _plot_rows(
-            [(f"{name} frame {f}", [("LR (nearest)", a["lr"]), ("output", a["output"]), ("ground truth", a["gt"])]) for name, f, a in rows],
+            [(f"{name} frame {f}", [(f"LR input (x{s} nearest)", a["lr"]), ("bicubic", a["bicubic"]), ("ours", a["output"]),
+                                    ("ground truth", a["gt"])]) for name, f, a in rows],
             path,
-            ref_col=2,
+            ref_col=3,
+            channel=self.params.metric,
+            what=f"x{s} crops of {len(rows)} test clips",
         )
         return path
 
 
 def assemble_visuals(runs: Mapping[str, str | Path] | Sequence[str | Path], out: str | Path) -> Path:
-    """Side-by-side crops of several runs: per test clip, LR | each run's output | ground truth, each
-    output titled with its crop PSNR (Y). ``runs`` maps a label to a run directory (or is a list of run
+    """Side-by-side crops of several runs: per test clip, LR | bicubic | each run's output | ground truth, each
+    output and the bicubic crop titled with its crop PSNR (Y; the bicubic column is left out for runs written
+    before it was saved). ``runs`` maps a label to a run directory (or is a list of run
     directories, labelled by their names); every run must have ``plots/visuals.json`` from
     :meth:`VideoSRTask.save_visuals` with the same crops (same test data)."""
     if not isinstance(runs, Mapping):
@@ -352,13 +363,16 @@ def assemble_visuals(runs: Mapping[str, str | Path] | Sequence[str | Path], out:
         raise ValueError("assemble_visuals: the runs show different crops (different test data or settings)")
     rows = []
     first = items[0][1] / "visuals"
+    bicubic = all((first / f"clip{j}_bicubic.png").is_file() for j in range(len(metas[0])))
     for j, m in enumerate(metas[0]):
         panels = [("LR (nearest)", _read_png(first / f"clip{j}_lr.png"))]
+        if bicubic:
+            panels.append(("bicubic", _read_png(first / f"clip{j}_bicubic.png")))
         panels += [(label, _read_png(d / "visuals" / f"clip{j}_output.png")) for label, d in items]
         panels.append(("ground truth", _read_png(first / f"clip{j}_gt.png")))
         rows.append((f"{m['clip']} frame {m['frame']}", panels))
     out = Path(out)
-    _plot_rows(rows, out, ref_col=len(items) + 1)
+    _plot_rows(rows, out, ref_col=len(rows[0][1]) - 1, what="runs side by side")
     return out
 
 
