@@ -406,9 +406,10 @@ def _verbs() -> dict[str, Any]:
     from fedsight.cli import app
 
     group = typer.main.get_command(app)
-    # command groups (flower, etlc) have their own error tests (tests/flower, tests/imagesr/test_etlc.py), as has
-    # bench (tests/test_bench.py: a command line of bench with one flag changed is a valid run of minutes)
-    return {name: cmd for name, cmd in group.commands.items() if name not in ("flower", "etlc", "bench")}
+    # command groups (flower, etlc, weights) have their own error tests (tests/flower, tests/imagesr/test_etlc.py,
+    # tests/models/test_weights.py), as has bench (tests/test_bench.py: a command line of bench with one flag changed
+    # is a valid run of minutes)
+    return {name: cmd for name, cmd in group.commands.items() if name not in ("flower", "etlc", "weights", "bench")}
 
 
 VERBS = _verbs()
@@ -419,7 +420,7 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
     """(argv, what is wrong) with exactly one wrong thing, for every verb."""
     verb = draw(st.sampled_from(sorted(VERBS)))
     good = {"run": ["c.toml"], "partition": ["c.toml"], "pretrain": ["c.toml"], "resume": [str(S)],
-            "evaluate": [str(F)], "report": [str(F)], "list": []}[verb]
+            "evaluate": [str(F)], "report": [str(F)], "list": [], "init": ["classification"], "schema": []}[verb]
     # options that take a value (a flag alone, --overwrite, --force, --smoke, is a valid command line)
     valued = sorted({o for p in VERBS[verb].params if not getattr(p, "is_flag", False)
                      for o in (*p.opts, *p.secondary_opts) if o.startswith("--")})
@@ -430,8 +431,9 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
     kinds += ["option without value"] if valued else []
     kinds += ["bad int"] if ints else []
     kinds += ["missing argument", "extra argument"] if good else ["unknown kind"]
-    kinds += {"resume": ["bad device"], "evaluate": ["training key"], "partition": ["out in run"],
-              "pretrain": ["out in run"], "report": ["unknown metric"]}.get(verb, [])
+    kinds += {"resume": ["bad device"], "run": ["bad device"], "evaluate": ["training key"], "partition": ["out in run"],
+              "pretrain": ["out in run"], "report": ["unknown metric"], "init": ["out in run"],
+              "schema": ["out in run"]}.get(verb, [])
     kind = draw(st.sampled_from(kinds))
     args = list(good)
     if kind == "unknown option":
@@ -463,7 +465,8 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
         args += ["--set", draw(st.sampled_from(["train.lr=0.5", "server.rounds=9", "model.hidden=3", "seed=1",
                                                 "eval.every=0", "eval.nope=1", "=1", "noequals"]))]
     elif kind == "out in run":
-        args += ["--out", draw(st.sampled_from([f"{S}/metrics.jsonl", f"{F}/x.png", f"{F}/checkpoints/y.safetensors"]))]
+        args += ["--out", draw(st.sampled_from([f"{S}/metrics.jsonl", f"{F}/x.png", f"{F}/checkpoints/y.safetensors",
+                                                f"{S}/x.toml"]))]
     elif kind == "unknown metric":
         args += ["--metric", draw(st.sampled_from(["test/nope", "", "acc", "[x]"]))]
     if verb == "list" and kind in ("missing path", "not a run", "markup path", "dir for file", "file for dir"):
@@ -474,6 +477,11 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
 @H.fuzz_settings(fast=20, slow=120)
 @given(case=bad_command_lines())
 @example(case=(["resume", str(S), "--device", ""], "bad device"))  # found: an empty --device was ignored
+@example(case=(["run", "c.toml", "--device", "cuda:99"], "bad device"))
+@example(case=(["init", "classification", "--out", f"{S}/x.toml"], "out in run"))
+@example(case=(["init", "classification", "--out", f"{S}/metrics.jsonl"], "out in run"))
+@example(case=(["schema", "--out", f"{S}/metrics.jsonl"], "out in run"))
+@example(case=(["init", "no/such/file.toml"], "missing path"))
 def test_bad_command_lines(world, case) -> None:
     args, kind = case
     H.count("command lines")

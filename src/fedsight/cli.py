@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import shlex
 import signal
 import sys
 import time
@@ -19,11 +17,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import ConfigError, FedSightError, OutputPathError
+from .errors import ConfigError, OutputPathError, describe_error
 from .help_text import reflow_help
+from .run_lines import complete_variants
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     help="FedSight: federated learning for real-world vision tasks under heterogeneity.",
     pretty_exceptions_enable=False,
@@ -116,11 +115,14 @@ def run(
     set_: SetOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing run directories of a different config.")] = False,
     stop_after: Annotated[Optional[int], typer.Option(min=1, help="Stop after this round (resume later).")] = None,
-    variant: Annotated[Optional[list[str]], typer.Option(help="Run only this variant of the config (repeatable).")] = None,
+    variant: Annotated[Optional[list[str]], typer.Option(help="Run only this variant of the config (repeatable).",
+                                                         autocompletion=complete_variants)] = None,
     jobs: Annotated[int, typer.Option(min=1, help="Run this many of the sweep's runs at once, each in its own process "
                                                "with its engine.threads (auto: 1).")] = 1,
     smoke: Annotated[bool, typer.Option(help="A smoke test of every variant: first seed, at most 2 rounds a stage, 2 local "
                                              "steps a round, one evaluation, into OUTPUT_DIR/smoke.")] = False,
+    device: Annotated[Optional[str], typer.Option(help='Run on this device ("cpu", "cuda", "cuda:N"; default: the '
+                                                       "config's engine.device).")] = None,
 ) -> None:
     """Run a config: every variant x grid point x seed, each into its own run directory, then a comparison table.
 
@@ -131,28 +133,23 @@ def run(
     """
     from . import sweep as S
     from .reporting import report
+    from .run_lines import again_command, device_override, interrupted_lines
 
     if smoke and stop_after is not None:
         _fail("--smoke with --stop-after: a smoke run is already at most 2 rounds a stage; pass one of them")
+    again = again_command(config, set_ or [], variant or [], device)
+    specs: list[Any] = []
     try:
-        specs = S.load(config, set_ or [], variant or [], smoke=smoke)
+        sets = [*(set_ or []), *([device_override(device)] if device is not None else [])]
+        specs = S.load(config, sets, variant or [], smoke=smoke)
+        dirs = _run_specs(config, sets, variant or [], specs, jobs, overwrite, stop_after, smoke)
     except ConfigError as exc:
         _fail(str(exc))
-    dirs = []
-    if jobs > 1 and len(specs) > 1:
-        dirs = _run_jobs(config, set_ or [], variant or [], specs, jobs, overwrite, stop_after, smoke)
-    for i, spec in enumerate(specs if not dirs else []):
-        label = _spec_label(spec, i, len(specs))
-        try:
-            out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
-        except (ConfigError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
-        if out.status == "skipped":
-            _say(f"{label}: already complete in {out.run_dir}")
-        dirs.append(out.run_dir)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): which run stopped where, and how to go on
+        for line in interrupted_lines([s.run_dir for s in specs], again, device):
+            _say(line)
+        raise typer.Exit(130) from None
     if stop_after is not None:
-        again = shlex.join(["fedsight", "run", str(config), *(f"--set={s}" for s in set_ or []),
-                            *(f"--variant={v}" for v in variant or [])])
         _say(f"stopped after round {stop_after}; continue with: {again}")
         return
     group = Path(os.path.commonpath([d.parent for d in dirs]))  # the sweep's folder
@@ -161,6 +158,24 @@ def run(
     _say(f"runs: {', '.join(str(d) for d in dirs)}")
     _say(f"report: {group / 'report.md'}  {group / 'report.html'}  curves: "
          + ", ".join(str(group / s.curves) for s in rep.sections))
+
+
+def _run_specs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
+               stop_after: int | None, smoke: bool) -> list[Path]:
+    """``fedsight run``'s runs, one after the other with a progress bar each, or ``--jobs`` at once."""
+    if jobs > 1 and len(specs) > 1:
+        return _run_jobs(config, sets, variants, specs, jobs, overwrite, stop_after, smoke)
+    dirs = []
+    for i, spec in enumerate(specs):
+        label = _spec_label(spec, i, len(specs))
+        try:
+            out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
+        except (ConfigError, FileNotFoundError, ValueError) as exc:
+            _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
+        if out.status == "skipped":
+            _say(f"{label}: already complete in {out.run_dir}")
+        dirs.append(out.run_dir)
+    return dirs
 
 
 def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
@@ -210,20 +225,28 @@ def resume(
     another device: to float tolerance)."""
     from .api import load_run_config
     from .reporting import write_summary
+    from .run_lines import finished, interrupted_lines, resume_command
 
     try:
         cfg = load_run_config(run_dir, {"device": device} if device is not None else None)
         out = _execute_with_progress(cfg, run_dir, f"{cfg.run.name} seed {cfg.seed}", resume=True, stop_after=stop_after)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
-    if out.status == "complete":
-        _say(f"complete: {out.run_dir / 'summary.md'}")
-        console.print((out.run_dir / "summary.md").read_text(), markup=False)
-    elif out.status == "skipped":
+    except KeyboardInterrupt:
+        for line in interrupted_lines([run_dir], None, device):
+            _say(line)
+        raise typer.Exit(130) from None
+    if out.status == "skipped":
         _say(f"{run_dir} is already complete")
         write_summary(run_dir)
+    if out.status in ("complete", "skipped"):  # as `fedsight run` ends: the table, then where the files are
+        table, lines = finished(out.run_dir)
+        console.print(table.to_rich())
+        for line in lines:
+            _say(line)
     else:
-        console.print(f"stopped at round {out.last_row['round'] if out.last_row else 0}")
+        _say(f"stopped at round {out.last_row['round'] if out.last_row else 0}; continue with: "
+             f"{resume_command(run_dir, device)}")
 
 
 from .evaluate_cli import evaluate  # noqa: E402  (a run's model again: its own data, other sites, a matrix)
@@ -301,7 +324,7 @@ def report(
 
 @app.command("list")
 def list_(
-    kind: Annotated[Optional[str], typer.Argument(help="Only this kind (e.g. model, dataset, aggregator).")] = None,
+    kind: Annotated[Optional[str], typer.Argument(help="Only this kind, as its heading or singular (models, datasets, optimizers, component).")] = None,
 ) -> None:
     """List registered tasks, datasets, models, partitioners and recipe parts with their parameters."""
     from .listing import registry_tables
@@ -431,85 +454,14 @@ def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
         _say(f"class distribution: {dist}")
 
 
-# -- pretrain: the server's feature extractor (fedsight.pretrain) --
+from .pretrain_cli import pretrain_  # noqa: E402  (the server's feature extractor, fedsight.pretrain)
 
+app.command("pretrain")(pretrain_)
 
-@app.command("pretrain")
-def pretrain_(
-    config: Annotated[Path, typer.Argument(help='TOML config with pretrain.source = "samples"; a sweep pre-trains each distinct setup once.')],
-    set_: SetOpt = None,
-    out: Annotated[
-        Optional[Path],
-        typer.Option(help="Write the extractor here (default: pretrain.weights, else <run.output_dir>/pretrained/<key>.safetensors)."),
-    ] = None,
-    force: Annotated[bool, typer.Option(help="Pre-train again even when the weights file exists.")] = False,
-) -> None:
-    """Pre-train the feature extractor on the server's split of the training pool (no client holds it).
+from .start_cli import init, schema  # noqa: E402  (starting configs, the config's JSON Schema)
 
-    Writes the backbone (safetensors) and a .json sidecar with the training loss and the test accuracy of the pre-trained model with its own head.
-
-    `fedsight run` on the same config loads this file, and pre-trains by itself when the file is missing.
-    """
-    from .safe_write import check_output
-
-    if out is not None:
-        _guard(check_output, out, "--out", force=True)  # an existing file: below (pre-trained, or --force)
-    from . import sweep as S
-    from .api import build_task
-    from .pretrain import pretrain, pretrain_key, pretrain_weights_path, sidecar_path
-
-    try:
-        specs = S.load(config, set_ or [])
-    except ConfigError as exc:
-        _fail(str(exc))
-    todo: dict[Path, Any] = {}
-    for spec in specs:
-        if spec.config.pretrain.source == "none":
-            _fail(f'{config}: pretrain.source = "none" (run {spec.run_dir}); set pretrain.source = "samples" '
-                  "in the config or pass --set pretrain.source=samples")
-        todo.setdefault(out or pretrain_weights_path(spec.config), spec)
-    if out is not None and len({pretrain_key(s.config) for s in specs}) > 1:
-        _fail(f"--out names one file but {config} has {len({pretrain_key(s.config) for s in specs})} distinct pretraining "
-              "setups (seeds or variants); drop --out to give each its own file")
-    for path in todo:  # each file it writes, and its sidecar, before anything is computed
-        for target in (path, sidecar_path(path)):
-            _guard(check_output, target, "--out" if target == out else "", force=True)
-        if path.is_file() and not sidecar_path(path).is_file() and not force:
-            _fail(f"{'--out ' if path == out else ''}{path}: exists without its sidecar {sidecar_path(path)} (not a "
-                  "file `fedsight pretrain` wrote); pass --force to replace it")
-    for path, spec in todo.items():
-        cfg = spec.config
-        label = f"pretrain {spec.variant or cfg.run.name} seed {cfg.seed}"
-        if path.is_file() and sidecar_path(path).is_file() and not force:
-            import json
-
-            meta = json.loads(sidecar_path(path).read_text())
-            _say(f"{label}: already pre-trained (test acc {meta['test'].get('acc', float('nan')):.4f}) in {path}; "
-                 "--force to redo")
-            continue
-        try:
-            task = build_task(cfg)  # data errors surface before the progress bar
-            with _progress() as progress:
-                bar = progress.add_task(escape(label), total=cfg.pretrain.epochs, detail="pre-training")
-
-                def on_epoch(epoch: int, loss: float) -> None:
-                    progress.update(bar, completed=epoch, detail=f"epoch {epoch}: train loss {loss:.4f}")
-
-                res = pretrain(cfg, task, out=path, progress=on_epoch)
-        except (ConfigError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc), 1)
-        extra = res.test.get("acc_pretrain_classes")
-        seen = f" ({extra:.4f} on pretrain.classes)" if extra is not None else ""
-        console.print(
-            f"{label}: {res.num_examples} server examples, {cfg.pretrain.epochs} epochs, final train loss "
-            f"{res.train_loss[-1]:.4f}; test acc {res.test.get('acc', float('nan')):.4f}{seen} (own head)"
-        )
-        _say(f"weights: {res.path}  details: {res.meta_path}")
-        if out is not None:
-            _say(f"use it with: fedsight run {config} --set pretrain.weights={res.path}")
-
-
-# -- end pretrain --
+app.command()(init)
+app.command()(schema)
 
 from .flower.cli import flower_app  # noqa: E402  (flwr itself is imported only when a command runs)
 
@@ -533,24 +485,6 @@ reflow_help(app)  # every command's help paragraphs joined (fedsight.help_text)
 DEBUG_ENV = "FEDSIGHT_DEBUG"
 
 
-#: torch's allocation failures are RuntimeErrors ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory")
-_ALLOC_FAILED = re.compile(r"can't allocate memory|out of memory|alloc_cpu|DefaultCPUAllocator", re.IGNORECASE)
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line for an error that escaped a command: the file and the OS's reason for file-system errors,
-    else the exception's type and message."""
-    if isinstance(exc, OSError) and exc.filename is not None and not isinstance(exc, FedSightError):
-        what = f"{exc.strerror or type(exc).__name__}: {exc.filename}"
-        return what + (f" -> {exc.filename2}" if exc.filename2 else "")
-    if isinstance(exc, FedSightError) or (isinstance(exc, FileNotFoundError) and exc.filename is None and str(exc)):
-        return " ".join(str(exc).split())  # phrased for the user already (FedSight's own, naming the file)
-    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and _ALLOC_FAILED.search(str(exc))):
-        return "out of memory (a size in the config or the data is too large for this machine)"
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -560,7 +494,7 @@ def main() -> None:
     for configuration errors, 1 otherwise); ``FEDSIGHT_DEBUG=1`` shows the traceback instead."""
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a scheduler's time limit: stop as Ctrl-C does
     try:
-        code = app(standalone_mode=False)  # click's usage errors come here, to be printed as one line
+        code = app(prog_name="fedsight", standalone_mode=False)  # click's usage errors come here, to be printed as one line
     except click.exceptions.NoArgsIsHelpError:  # `fedsight` alone: the help was shown
         sys.exit(2)
     except click.UsageError as exc:

@@ -67,8 +67,9 @@ def spec_type(registry: R.Registry[Any], extra: dict[str, Any] | None = None) ->
 
 
 class RunSection(Params):
-    name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9._+\-\[\]=,]+$")
-    output_dir: str = "runs"
+    name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9._+\-\[\]=,]+$",
+                      description="the run's name: its folder under output_dir")
+    output_dir: str = Field("runs", description="folder of the run directories (output_dir/name/[variant/]seedN)")
     checkpoint_keep: int = Field(2, ge=0, description="checkpoints kept on disk (0 = all)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to RUN_DIR/tensorboard")
     mlflow: bool = Field(False, description="also track the run with MLflow (metrics, config, tags, plots); store: "
@@ -121,13 +122,14 @@ class TrainSection(Params):
     (``poly``) or across rounds (``step``, ``cosine``); ``fedsight.training.local.LocalTraining`` has the
     semantics."""
 
-    epochs: int | None = Field(None, ge=1)
-    steps: int | None = Field(None, ge=1)
-    steps_range: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] | None = None
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(0.05, gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    epochs: int | None = Field(None, ge=1, description="local passes over a client's data a round (or steps)")
+    steps: int | None = Field(None, ge=1, description="local optimizer steps a round (instead of epochs)")
+    steps_range: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="[low, high]: local steps drawn per round and client (heterogeneous local work)")
+    batch_size: int = Field(32, ge=1, description="local mini-batch size")
+    lr: float = Field(0.05, gt=0, description="local learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="local L2 penalty (decoupled for adamw)")
     optimizer: Literal["sgd", "adam", "adamw"] = Field(
         "sgd", description="local optimiser: 'sgd' (momentum, L2 weight_decay), 'adam' (torch.optim.Adam: weight_decay is "
         "L2 added to the gradient), 'adamw' (torch.optim.AdamW: decoupled lr*weight_decay*p); Adam's moments start "
@@ -185,7 +187,7 @@ class TrainSection(Params):
 
 class EvalSection(Params):
     every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
-    batch_size: int = Field(512, ge=1)
+    batch_size: int = Field(512, ge=1, description="evaluation batch size (no effect on the numbers)")
     local: bool = Field(True, description="evaluate on every client's local test set (WMA, worst 10%)")
     initial: bool = Field(True, description="evaluate the initial model, before any training, as round 0 (every "
                           "curve starts at the model the run starts from)")
@@ -344,24 +346,31 @@ def _sections() -> dict[str, Any]:
     from .pretrain import PretrainSection  # the server-held pre-training split (Fed3R's extractor)
 
     partition_extra = {
-        "num_clients": (int, Field(..., ge=1)),
-        "local_test_fraction": (float, Field(0.2, ge=0, lt=1)),
+        "num_clients": (int, Field(..., ge=1, description="clients the training pool is split over")),
+        "local_test_fraction": (float, Field(0.2, ge=0, lt=1, description="share of each client's examples kept "
+                                                                                "as its local test set")),
     }
     recipe = create_model(
         "RecipeSection",
         __base__=Params,
-        weighting=(spec_type(R.WEIGHTINGS), Field("data_size", validate_default=True)),
-        aggregator=(spec_type(R.AGGREGATORS), Field("mean", validate_default=True)),
-        sharing=(spec_type(R.SHARING), Field("global", validate_default=True)),
-        components=(list[spec_type(R.COMPONENTS)], Field(default_factory=list)),
+        weighting=(spec_type(R.WEIGHTINGS), Field("data_size", validate_default=True,
+                                                  description="how much each upload counts (fedsight list weightings)")),
+        aggregator=(spec_type(R.AGGREGATORS), Field("mean", validate_default=True,
+                                                    description="how uploads combine (fedsight list aggregators)")),
+        sharing=(spec_type(R.SHARING), Field("global", validate_default=True,
+                                             description="which tensors are global or personal (fedsight list sharing)")),
+        components=(list[spec_type(R.COMPONENTS)], Field(
+            default_factory=list, description="recipe parts, in order (fedsight list components)")),
     )
     server = create_model(
         "ServerSection",
         __base__=Params,
-        rounds=(int, Field(..., ge=1)),
-        clients_per_round=(int | None, Field(None, ge=1)),
-        fraction=(float | None, Field(None, gt=0, le=1)),
-        optimizer=(spec_type(R.SERVER_OPTIMIZERS), Field("sgd", validate_default=True)),
+        rounds=(int, Field(..., ge=1, description="communication rounds")),
+        clients_per_round=(int | None, Field(None, ge=1, description="clients sampled a round (default: all)")),
+        fraction=(float | None, Field(None, gt=0, le=1, description="or: the share of clients sampled a round")),
+        optimizer=(spec_type(R.SERVER_OPTIMIZERS), Field("sgd", validate_default=True, description=(
+            "applied to the negative weighted delta: sgd (lr 1) = FedAvg; fedadam, fedyogi, ... (fedsight list "
+            "optimizers)"))),
         # client failure (in-process; engine.loop.InProcessBackend.train documents the streams)
         min_clients=(int, Field(1, ge=1, description="fewer accepted updates: the round is not aggregated")),
         dropout=(float, Field(0.0, ge=0, lt=1, description="probability a sampled client drops out of a round")),

@@ -4,8 +4,10 @@ unknown key, the keys allowed there."""
 
 from __future__ import annotations
 
+import re
 import types
 import typing
+from collections.abc import Sequence
 from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ValidationError
@@ -139,8 +141,55 @@ def format_validation_error(exc: ValidationError, raw: dict[str, Any], model_cls
             msg = err["msg"].removeprefix("Value error, ")
             value = err.get("input")
             shown = f" = {value!r}" if isinstance(value, (int, float, str, bool)) else ""
-            if not shown and msg.startswith(f"{where}."):  # a section's check that names its keys itself
-                lines.append(f"{source}: {msg}")
+            if not shown and (msg.startswith(f"{where}.") or (not loc and _KEY.search(msg))):
+                lines.append(f"{source}: {msg}")  # a section's or the config's check that names its keys itself
             else:
                 lines.append(f"{source}: {where}{shown}: {msg}")
     return "\n".join(lines)
+
+
+#: a config key as messages spell it: ``server.clients_per_round``, ``recipe.components[1].lr``, or a quoted
+#: unknown key (``unknown key 'foo'``, which may have no dot)
+_KEY = re.compile(r"(?<![\w.])[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)+(?![\w(])")
+_QUOTED = re.compile(r"unknown key '([^']+)'")
+
+
+def _plain(key: str) -> str:
+    return re.sub(r"\[\d+\]", "", key)
+
+
+def blamed(body: str, overrides: Sequence[tuple[str, str]]) -> str | None:
+    """The override (as the user wrote it: ``--set key=value``) that set a key ``body`` names: the first key named
+    (in the message's order) that an override set, itself or a table above it (``--set server.optimizer=fedadam``
+    for an error in ``server.optimizer.lr``); or, for a message about a whole table (``model: Input tag 'nope'
+    ...``), an override inside that table whose value the message quotes. None when no key the message names came
+    from an override."""
+    keys = [m.group(1) for m in _QUOTED.finditer(body)] + [m.group(0) for m in _KEY.finditer(body)]
+    keys.sort(key=body.find)
+    for key in map(_plain, keys):
+        for path, shown in overrides:
+            if key == path or key.startswith(path + "."):
+                return shown
+    table = re.match(r"([a-z_][a-z0-9_.\[\]]*)(?:: | = )", body)
+    if table:
+        for path, shown in overrides:
+            value = shown.partition("=")[2].strip().strip("'\"")
+            if path.startswith(_plain(table.group(1)) + ".") and value and value in body:
+                return shown
+    return None
+
+
+def attribute(message: str, source: str, overrides: Sequence[tuple[str, str]]) -> str:
+    """``message``'s lines (each ``SOURCE...: text``, as ``fedsight.config.validate`` writes them for ``source``)
+    with a line whose keys came from an override blamed on it: ``--set server.clients_per_round=50 on
+    examples/quickstart.toml (variant fedavg): server.clients_per_round = 50 exceeds partition.num_clients = 20``
+    instead of blaming the file for a value it does not hold. ``overrides``: (dotted key, as the user wrote it)."""
+    if not overrides:
+        return message
+    out = []
+    for line in message.splitlines():
+        head, sep, body = line.partition(": ")
+        if sep and head.startswith(source) and (who := blamed(body, overrides)) is not None:
+            line = f"{who} on {head}: {body}"
+        out.append(line)
+    return "\n".join(out)

@@ -7,6 +7,7 @@ line per problem); anything else reaching an entry point is a bug.
 from __future__ import annotations
 
 import errno
+import re
 
 
 class FedSightError(Exception):
@@ -63,3 +64,21 @@ class ModelRefused(FedSightError):
     def __init__(self, message: str, **info: object):
         super().__init__(message)
         self.info = dict(info)
+
+
+#: torch's allocation failures are RuntimeErrors ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory")
+_ALLOC_FAILED = re.compile(r"can't allocate memory|out of memory|alloc_cpu|DefaultCPUAllocator", re.IGNORECASE)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for an error that escaped a command: the file and the OS's reason for file-system errors,
+    else the exception's type and message."""
+    if isinstance(exc, OSError) and exc.filename is not None and not isinstance(exc, FedSightError):
+        what = f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+        return what + (f" -> {exc.filename2}" if exc.filename2 else "")
+    if isinstance(exc, FedSightError) or (isinstance(exc, FileNotFoundError) and exc.filename is None and str(exc)):
+        return " ".join(str(exc).split())  # phrased for the user already (FedSight's own, naming the file)
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and _ALLOC_FAILED.search(str(exc))):
+        return "out of memory (a size in the config or the data is too large for this machine)"
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -19,9 +19,10 @@ def registry_tables(kind: str | None = None) -> list[Table]:
     regs = (R.TASKS, R.DATASETS, R.MODELS, R.PARTITIONERS, R.WEIGHTINGS, R.AGGREGATORS, R.SERVER_OPTIMIZERS,
             R.SHARING, R.COMPONENTS)
     if kind is not None:
-        chosen = [r for r in regs if r.kind == kind or r.kind.replace(" ", "_") == kind or r.kind.split()[-1] == kind]
+        chosen = [r for r in regs if r.answers_to(kind)]
         if not chosen:
-            raise ValueError(f"unknown kind {kind!r}; choose one of: {', '.join(r.kind.replace(' ', '_') for r in regs)}")
+            raise ValueError(f"unknown kind {kind!r}; choose one of: {', '.join(r.kind.replace(' ', '_') for r in regs)} "
+                             "(singular or plural)")
         regs = tuple(chosen)
     tables = []
     for reg in regs:
@@ -30,12 +31,20 @@ def registry_tables(kind: str | None = None) -> list[Table]:
         table.add_column("description", ratio=3)
         table.add_column("parameters (default)", ratio=2, overflow="fold")
         for e in reg.entries():
-            params = ", ".join(
-                f"{k}={'required' if f.is_required() else repr(f.default)}" for k, f in e.params.model_fields.items()
-            )
+            params = ", ".join(_param(k, f) for k, f in e.params.model_fields.items())
             table.add_row(e.name, escape(e.help + _declarations(reg, e)), escape(params) or "-")
         tables.append(table)
     return tables
+
+
+def _param(key: str, field: Any) -> str:
+    """One parameter as ``fedsight list`` shows it: ``key=default``, and for a choice (a ``Literal``) every value
+    it allows after the default (``style='none' [none|fda|cfsi|lab]``): the default alone hid the others."""
+    from .registry import literal_choices
+
+    shown = f"{key}={'required' if field.is_required() else repr(field.default)}"
+    choices = literal_choices(field.annotation)
+    return shown + (f" [{'|'.join(str(c) for c in choices)}]" if len(choices) > 1 else "")
 
 
 def _declarations(reg: Any, e: Any) -> str:

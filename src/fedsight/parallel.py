@@ -88,11 +88,12 @@ def run_parallel(config: Path, overrides: Sequence[str], only: Sequence[str], co
     except BaseException:  # Ctrl-C or SIGTERM: every worker stops as a serial run would, its run marked interrupted
         import signal
 
+        procs = list((getattr(pool, "_processes", None) or {}).values())  # shutdown sets it to None
         pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list(getattr(pool, "_processes", {}).values()):
+        for proc in procs:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
-        for proc in list(getattr(pool, "_processes", {}).values()):
+        for proc in procs:
             proc.join(60)
         raise
     pool.shutdown()

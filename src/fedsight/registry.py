@@ -66,6 +66,19 @@ def _shape_fields(cls: type[BaseModel]) -> dict[str, type]:
     return out
 
 
+def literal_choices(ann: Any) -> tuple[Any, ...]:
+    """The values a ``Literal`` field annotation allows (through ``Annotated`` and ``Optional``; ``None`` left
+    out): what ``fedsight list`` shows beside a choice parameter's default, and ``fedsight init``'s comments.
+    Empty for any other annotation."""
+    while typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
+    if typing.get_origin(ann) is typing.Literal:
+        return typing.get_args(ann)
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return tuple(v for a in typing.get_args(ann) for v in literal_choices(a))
+    return ()
+
+
 def off_but_set(section: BaseModel, table: str, why: str) -> None:
     """A section switched off by ``source = "none"`` whose other keys differ from their defaults: a ValueError
     naming the first such key and ``source`` (its value would silently do nothing; a dump's defaults pass)."""
@@ -141,6 +154,15 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
+
+    def answers_to(self, word: str) -> bool:
+        """Whether ``word`` names this registry on the command line (``fedsight list WORD``): its kind, singular or
+        plural, with spaces, hyphens or underscores ("server_optimizers", "server-optimizer"), or the kind's last
+        word ("optimizers", "components", "sharing"), the words ``fedsight list`` prints as its headings."""
+        w = word.strip().lower().replace("-", " ").replace("_", " ")
+        w = " ".join(w.split())
+        forms = {self.kind, self.kind.split()[-1]}
+        return any(w in (f, f + "s") for f in forms)
 
 
 def build(registry: Registry[Any], name: str, params: Params | dict[str, Any] | None = None, **kwargs: Any) -> Any:

@@ -3,9 +3,10 @@ command line's ``--set`` overrides and ``--variant`` selection applied (``load``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError, create_model, field_validator
 
 from .config import RunSection, parse_override, read_toml, set_path, deep_merge, validate
-from .config_messages import format_validation_error
+from .config_messages import attribute, format_validation_error
 from .errors import ConfigError
 from .registry import Params
 
@@ -261,6 +262,16 @@ def _check_run_dir(run_dir: Path, output_dir: str, source: str) -> None:
         raise ConfigError(str(exc)) from None
 
 
+@contextlib.contextmanager
+def _blaming(source: str, blame: Sequence[tuple[str, str]]) -> Iterator[None]:
+    """A ConfigError raised inside, its lines about a key an override set blamed on that override
+    (``fedsight.config_messages.attribute``): the file does not hold the value the message quotes."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(attribute(str(exc), source, blame)) from None
+
+
 def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only: Sequence[str] = (),
            typed: Sequence[tuple[list[str], Any]] = (), smoke: bool = False) -> list[RunSpec]:
     """Apply ``--set`` overrides, then expand ``[sweep] seeds`` x ``[[variants]]`` x ``grid`` into validated runs.
@@ -276,6 +287,8 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
     at the first seed, under ``run.output_dir/smoke``."""
     raw = copy.deepcopy(raw)
     parsed = [parse_override(text) for text in overrides] + [(list(p), v) for p, v in typed]
+    said = [f"--set {t.strip()}" for t in overrides] + [f"override {'.'.join(p)}={_toml(v)}" for p, v in typed]
+    blame = [(".".join(p), who) for (p, _), who in zip(parsed, said) if not _is_stage_key(p)]
     stage_sets = [(p, v) for p, v in parsed if _is_stage_key(p)]
     sets = [(p, v) for p, v in parsed if not _is_stage_key(p)]
     for path, _ in stage_sets:
@@ -285,7 +298,8 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
         set_path(raw, path, value)
     sweep_raw = raw.pop("sweep", {})
     variants_raw = raw.pop("variants", [])
-    sweep = _section("sweep", SweepSection, sweep_raw, source)
+    with _blaming(source, blame):
+        sweep = _section("sweep", SweepSection, sweep_raw, source)
     if not isinstance(variants_raw, list) or not all(isinstance(v, dict) for v in variants_raw):
         raise ConfigError(f"{source}: variants must be an array of tables ([[variants]])")
     names = []
@@ -318,7 +332,8 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
                 if path[0] not in ("sweep", "variants"):
                     set_path(base, path, value)
         if any(k.endswith(".name") for k in sweep.grid):
-            _unknown_keys_of_the_base(base, source)
+            with _blaming(source, blame):
+                _unknown_keys_of_the_base(base, source)
         for label, point_sets in _grid_points(sweep.grid):
             point = copy.deepcopy(base)
             for path, value in point_sets:
@@ -341,7 +356,8 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
                 if len(parts) > 1:
                     name = parts[1] if v is not None else base_name
                     r["run"] = {**r.get("run", {}), "name": f"{name}[{label}]" if label else name}
-                cfg = validate(r, f"{source} ({what})" if what else source)
+                with _blaming(source, blame):
+                    cfg = validate(r, f"{source} ({what})" if what else source)
                 run_dir = Path(cfg.run.output_dir).joinpath(*parts, f"seed{seed}")
                 _check_run_dir(run_dir, cfg.run.output_dir, f"{source} ({what})" if what else source)
                 specs.append(RunSpec(v["name"] if v else None, seed, cfg, r, run_dir))
