@@ -52,14 +52,25 @@ def variants(name: str) -> list[dict[str, Any]]:
 
 
 MODEL_CASES = [(n, v) for n in builtin(R.MODELS) for v in variants(n)]
+#: cases whose code another case runs at a smaller size (a deeper or wider sibling: the same classes), checked
+#: with the suite's slow flag only; tests/models/test_weights.py loads every one of them
+SIBLING_CASES = {("vit_b16", "{}"), ("resnet34_imagenet", "{'norm': 'batch'}"), ("resnet34_imagenet", "{'norm': 'group'}"),
+                 ("resnet50_imagenet", "{'norm': 'group'}")}
+
+
+def model_params(cases: list[tuple[str, dict]]) -> list[Any]:
+    """``cases`` as pytest parameters (id ``name-params``), the sibling cases marked slow."""
+    return [pytest.param(i, id=f"{n}-{v}", marks=[pytest.mark.slow] if (n, str(v)) in SIBLING_CASES else [])
+            for i, (n, v) in enumerate(cases)]
 
 
 def test_every_builtin_model_family_has_a_conformance_entry():
     assert {R.MODELS.get(n).task_family for n in builtin(R.MODELS)} <= set(FAMILIES)
 
 
-@pytest.mark.parametrize("name,params", MODEL_CASES, ids=[f"{n}-{v}" for n, v in MODEL_CASES])
-def test_model_conformance(name, params, tmp_path):
+@pytest.mark.parametrize("case", model_params(MODEL_CASES))
+def test_model_conformance(case, tmp_path):
+    name, params = MODEL_CASES[case]
     entry = R.MODELS.get(name)
     io, make_input, out_shape = FAMILIES[entry.task_family]
     p = entry.params(**params)

@@ -625,8 +625,19 @@ def _conformance_cases():
     return FAMILIES, MODEL_CASES
 
 
-@pytest.mark.parametrize("case", range(len(_conformance_cases()[1])),
-                         ids=[f"{n}-{v}" for n, v in _conformance_cases()[1]])
+#: ImageNet networks downsample 32x: at the classification family's 16x16 their last stages are 1x1 maps whose
+#: BatchNorm over 2-3 images amplifies rounding (relative gaps of 1e-4 in float64 after two steps, the chaotic regime
+#: of the segmentation note below); at 64x64 the last maps are 2x2
+WIDER_INPUT = {"resnet18_imagenet": 64, "resnet34_imagenet": 64, "resnet50_imagenet": 64}
+
+
+def _model_params() -> list:
+    from test_conformance import MODEL_CASES, model_params
+
+    return model_params(MODEL_CASES)
+
+
+@pytest.mark.parametrize("case", _model_params())
 def test_every_builtin_model_trains_vectorised_as_sequentially(case):
     """Three clients with their own weights, inputs and random streams, two SGD steps each (momentum, a short batch
     for one), vmapped, against the same steps taken one client at a time with ``torch.optim.SGD`` on the model
@@ -640,6 +651,9 @@ def test_every_builtin_model_trains_vectorised_as_sequentially(case):
     name, params = cases[case]
     entry = R.MODELS.get(name)
     io, make_input, _ = families[entry.task_family]
+    if name in WIDER_INPUT:
+        side = WIDER_INPUT[name]
+        make_input = lambda: torch.randn(2, 3, side, side)  # noqa: E731
     torch.manual_seed(0)
     model = R.build(R.MODELS, name, entry.params(**params), io=io).double()
     # (a small rate: the segmentation models train on batches of 2-3 images whose deepest maps are 1x1, where

@@ -167,7 +167,8 @@ def test_the_server_receives_only_masked_integers(runs) -> None:
                   content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]]
         assert all(a.dtype.kind in "iu" for a in arrays)
         assert set(content.config_records["fitres.metrics"]) == {
-            "meta/client-id", "meta/num-examples", "meta/num-steps", "meta/flops", "meta/secagg-clipped"}
+            "meta/client-id", "meta/num-examples", "meta/num-steps", "meta/flops", "meta/secagg-clipped",
+            "meta/round", "meta/nonce"}  # (the instruction's round and nonce, echoed: a replay is refused)
         # unmasked, every level is at most Q <= 2**30; masked, the values are uniform in [0, 2**32)
         assert float((arrays[1] > 2**30).mean()) > 0.5
 

@@ -180,7 +180,8 @@ def _register(size: str, help: str) -> None:
         return VisionTransformer(size, p, num_classes=io.num_outputs, in_channels=io.in_channels,
                                  image_size=p.image_size or io.image_size)
 
-    MODELS.register(size, params=ViTParams, help=help, provides=frozenset({"parameter_groups", "linear_head"}))(build)
+    MODELS.register(size, params=ViTParams, help=help, provides=frozenset({"parameter_groups", "linear_head",
+                                                                                "norm_layers"}))(build)
 
 
 _register("vit_s16", "ViT-S/16 in timm's layout (384 wide, 12 blocks; loads timm's vit_small_patch16_* weights)")
