@@ -175,3 +175,15 @@ def test_the_python_api_reads_the_selection_back(selected_run):
     got = res.selected_model.state_dict()
     assert all(torch.equal(got[k], kept[k]) for k in kept)
     assert not all(torch.equal(res.model.state_dict()[k], kept[k]) for k in kept)
+
+
+def test_evaluate_model_best_is_the_selected_model_of_a_real_selecting_run(selected_run):
+    """``fedsight evaluate RUN --model best`` (cross-site evaluation) reads what ``eval.select = "best"`` wrote: the
+    round best.json names, and the test metrics the run reported for its selected model."""
+    from fedsight.api import evaluate_run
+
+    best = json.loads((selected_run / "best.json").read_text())
+    last = _rows(selected_run)[-1]
+    r, metrics = evaluate_run(selected_run, model="best")
+    assert r == best["round"] == last["selected/round"] != last["round"]
+    assert metrics["test/acc"] == pytest.approx(last["selected/test/acc"], abs=1e-12)

@@ -75,8 +75,9 @@ def evaluate(
                 table.add_row(k, f"{v:.4g}")
         console.print(table)
         if not checked.own_clients:
-            _say("clients: global model only (the site's clients are not the run's: no client's personal state is "
-                 "used; docs/evaluation.md)")
+            why = ("the selected model is a global model" if model == "best"
+                   else "the site's clients are not the run's")
+            _say(f"clients: global model only ({why}: no client's personal state is used; docs/evaluation.md)")
         _say(f"appended to {runs[0] / 'evaluations.jsonl'}")
         return
     if not sites:  # several runs, one site: what --set makes of each run's data
