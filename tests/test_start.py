@@ -29,7 +29,8 @@ def test_init_knows_every_registered_task():
     from fedsight.plugins import load_builtin
 
     load_builtin()
-    assert tasks() == TASKS == R.TASKS.names()  # a new task needs its starting point
+    own = [e.name for e in R.TASKS.entries() if getattr(e.factory, "__module__", "").startswith("fedsight.")]
+    assert tasks() == TASKS == own  # a new task needs its starting point (other tests register toy tasks)
 
 
 @pytest.mark.parametrize("task", TASKS)
