@@ -89,6 +89,8 @@ def test_report_html_of_mixed_tasks_is_one_escaped_self_contained_file(tmp_path:
                                                "image_sr on builtin_sr"]
     for s in rep.sections:  # a section each, in order, with its own table only
         assert f'<section id="s-{s.slug}"><h2>{s.title}</h2>' in page
+        n, m = len(s.table.groups), len(s.runs)  # the contents' counts in words ("1 run", not "1 runs")
+        assert f"{n} group{'s' * (n != 1)}, {m} run{'s' * (m != 1)}</li>" in page
     cls = page[page.index('<section id="s-classification-on-digits">'):page.index('<section id="s-segmentation')]
     assert "test/acc ↑" in cls and "test/miou" not in cls and "test/psnr" not in cls
     assert "95% CI" in cls and re.search(r"<td class=(better|worse|noise)>", cls)  # paired comparisons

@@ -70,6 +70,11 @@ ul.left{color:#4a5561;font-size:13.5px}
 """
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 run``, ``2 runs``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _e(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
@@ -323,7 +328,8 @@ def report_html(rep: Report, out: Path) -> str:
         body.append(f"<p class=meta>{len(rep.runs)} runs in {len(rep.sections)} sections, one per task (and "
                     "dataset where the metrics differ); each compares only its own runs on the metrics they log, "
                     "with its own baseline.</p>")
-    nav = [f'<li><a href="#s-{_e(s.slug)}">{_e(s.title)}</a>: {len(s.table.groups)} groups, {len(s.runs)} runs</li>'
+    nav = [f'<li><a href="#s-{_e(s.slug)}">{_e(s.title)}</a>: {_count(len(s.table.groups), "group")}, '
+           f'{_count(len(s.runs), "run")}</li>'
            for s in rep.sections]
     if rep.left_out:
         nav.append(f"<li>not shown (they log none of the asked metrics): {_e(', '.join(rep.left_out))}</li>")
