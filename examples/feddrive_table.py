@@ -54,7 +54,7 @@ def by_domain(run: Path) -> dict:
             row = json.loads(line)
             if row.get("set") == {"recipe.sharing.test_stats": "domain"}:
                 return row
-    from fedsight.api import evaluate_run
+    from fedsight.crosseval import evaluate_run
 
     return evaluate_run(run, [BY_DOMAIN])[1]
 

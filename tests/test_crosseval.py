@@ -15,7 +15,8 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from fedsight.api import build_task, evaluate_run, execute
+from fedsight.api import build_task, execute
+from fedsight.crosseval import evaluate_run
 from fedsight.cli import app
 from fedsight.config import ConfigError, validate
 from fedsight.crosseval import evaluate_one, parse_sites

@@ -180,7 +180,7 @@ def test_the_python_api_reads_the_selection_back(selected_run):
 def test_evaluate_model_best_is_the_selected_model_of_a_real_selecting_run(selected_run):
     """``fedsight evaluate RUN --model best`` (cross-site evaluation) reads what ``eval.select = "best"`` wrote: the
     round best.json names, and the test metrics the run reported for its selected model."""
-    from fedsight.api import evaluate_run
+    from fedsight.crosseval import evaluate_run
 
     best = json.loads((selected_run / "best.json").read_text())
     last = _rows(selected_run)[-1]

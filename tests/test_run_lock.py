@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from fedsight.api import evaluate_run, execute
+from fedsight.api import execute
+from fedsight.crosseval import evaluate_run
 from fedsight.config import validate
 from fedsight.runs import RunInUse, RunLock
 from helpers import tiny

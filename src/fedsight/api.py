@@ -7,7 +7,7 @@ import os
 import json
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,7 +202,10 @@ def build_simulation(cfg: Any, task: Task | None = None, run_dir: str | Path | N
                      max_clients_per_batch=cfg.engine.max_clients_per_batch, noise=cfg.privacy.noise)
     check_model(cfg, sim.global_model)
     initial_weights(cfg, sim.global_model, task, device)
-    central_dp.install(sim, cfg)  # [privacy.central_dp]: the recipe checked against the mechanism (a ConfigError)
+    if cfg.privacy.central_dp is not None:  # the recipe checked against the mechanism (a ConfigError)
+        from .flower.dp import install_in_process
+
+        install_in_process(sim, cfg)
     return sim
 
 
@@ -548,24 +551,6 @@ def load_run_config(run_dir: str | Path, engine: dict[str, Any] | None = None) -
     return validate(raw, str(run.path / "config.json"))
 
 
-#: what ``evaluate_run`` may change: settings of evaluation only (a key or a prefix of keys)
-EVALUATION_KEYS = ("eval", "engine", "recipe.sharing.test_stats", "task.per_image_miou", "task.eval_pixels",
-                   "task.visual_images", "task.workers", "task.backend")
-
-
-def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = (), *, model: str = "last") -> tuple[int, dict[str, float]]:
-    """Evaluate a run's trained model again, from its last checkpoint (``model = "best"``: its selected best global
-    model), with nothing trained. ``overrides`` (``--set`` syntax) may change evaluation settings
-    (``EVALUATION_KEYS``, e.g. ``recipe.sharing.test_stats=domain``: SiloBN's statistics by domain instead of fresh
-    ones) and the data evaluated on (``fedsight.crosseval.SITE_KEYS``: another dataset of the task, another
-    partition: a cross-site evaluation, refused when the data's model inputs or classes differ from the model's;
-    ``fedsight.crosseval`` says what happens to per-client state). The metrics go to ``RUN_DIR/evaluations.jsonl``
-    and are returned with the checkpoint's round. Overrides of anything that would change what was trained are
-    refused, before anything is evaluated or written."""
-    from .crosseval import evaluate_one
-
-    _, ev = evaluate_one(run_dir, overrides, model)
-    return ev.round, ev.metrics
 
 
 def restore(run: RunDir, sim: Any, notes: list[str] | None = None) -> int | None:
@@ -590,7 +575,6 @@ def restore(run: RunDir, sim: Any, notes: list[str] | None = None) -> int | None
 
 
 __all__ = [
-    "EVALUATION_KEYS", "evaluate_run",
     "Outcome", "build_local", "build_recipe", "build_schedule", "build_server", "build_simulation", "build_stages",
     "build_task", "execute", "load_run_config", "metric_directions", "record_round", "resolved", "restore",
 ]

@@ -4,7 +4,7 @@ The mechanism and the accountants are the Flower path's (``fedsight.flower.dp``)
 fixed clipping through Flower's ``DifferentialPrivacyServerSideFixedClipping`` (each update clipped to L2 norm
 ``C``, the clipped updates averaged with equal weights over the ``m`` sampled clients, ``N(0, (z C / m)^2)`` added),
 and dp-accounting's RDP or PLD accountant (``Accountant``). The in-process run installs the same ``CentralDP``
-object as the recipe's aggregator (``install``), so a simulation reports the epsilon a deployment of the same
+object as the recipe's aggregator (``flower.dp.install_in_process``), so a simulation reports the epsilon a deployment of the same
 config reports, round by round, and releases its noise from the same code.
 
 Choices made here:
@@ -102,26 +102,6 @@ class CentralDPSection(Params):
         if missing:
             raise ValueError(f"central DP needs the flower extra ({', '.join(missing)} not installed): {FLOWER_EXTRA}")
         return self
-
-
-def install(sim: Any, cfg: Any) -> Any:
-    """Install ``cfg``'s central DP on ``sim`` (an ``engine.simulation.Simulation``; none without the section):
-    the Flower path's ``install_central_dp`` on its server (which checks the recipe: a ``ConfigError`` naming the
-    key), the backend's admission and metrics (``engine.loop.InProcessBackend``). The secret is drawn in memory
-    (``[privacy] noise = "secret"``) or there is none (``"simulated"``: the seed's streams); a run with a directory
-    keeps it there (``keep_server_secret``). Returns the ``CentralDP`` or None."""
-    spec = cfg.privacy.central_dp
-    if spec is None:
-        return None
-    from .flower.dp import install_central_dp
-
-    dp = install_central_dp(sim.server, noise_multiplier=spec.noise_multiplier, clipping_norm=spec.clipping_norm,
-                            delta=spec.delta, accountant=spec.accountant, sampling=spec.sampling)
-    if cfg.privacy.noise == "simulated":  # the seed's streams (CentralDP's secret None), said in run.json
-        dp.secret = None
-        sim.server.sample_secret = None
-    sim.backend.dp = dp
-    return dp
 
 
 def server_secret_path(run_dir: str | Path) -> Path:

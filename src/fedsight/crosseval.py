@@ -9,7 +9,7 @@ site's clients' local test sets), with nothing trained.
 
 Choices made:
 
-* **What may change.** Settings of evaluation only (``fedsight.api.EVALUATION_KEYS``) and the site keys above:
+* **What may change.** Settings of evaluation only (``EVALUATION_KEYS``) and the site keys above:
   they choose the examples the model sees, not the model. The run's seed, model, training and recipe stay the
   run's (``--set seed=...`` is refused: it is what the model was trained with).
 * **The model must fit the site** (``model_signature``): the site's task must build the same model inputs and
@@ -57,6 +57,9 @@ from .crosseval_files import MATRIX_FILES, matrix_csv, matrix_markdown, matrix_r
 from .errors import RunFileError
 from .runs import RunDir, RunLock
 
+#: what ``evaluate_run`` may change: settings of evaluation only (a key or a prefix of keys)
+EVALUATION_KEYS = ("eval", "engine", "recipe.sharing.test_stats", "task.per_image_miou", "task.eval_pixels",
+                   "task.visual_images", "task.workers", "task.backend")
 #: config sections that choose a site's data
 SITE_SECTIONS = ("data", "partition", "validation", "pretrain")
 #: what a cross-site evaluation may change besides evaluation settings: the data sections, of ``[pretrain]`` only
@@ -113,8 +116,6 @@ def parse_sites(texts: Sequence[str]) -> list[Site]:
 def split_overrides(overrides: Sequence[str]) -> list[tuple[list[str], Any, bool]]:
     """Each override as (path, value, whether it is a site key); an override of anything else is a
     ``ConfigError`` naming it and what may change."""
-    from .api import EVALUATION_KEYS
-
     out = []
     for text in overrides:
         path, value = parse_override(text)
@@ -487,3 +488,16 @@ def append_matrix(matrix: Matrix) -> None:
 __all__ = ["MATRIX_FILES", "MODELS", "SITE_KEYS", "Site", "append_matrix", "check", "cross_evaluate", "evaluate_one",
            "matrix_csv", "matrix_markdown", "matrix_rows", "model_signature", "parse_sites", "signature_difference",
            "write_matrix"]
+
+
+def evaluate_run(run_dir: str | Path, overrides: Sequence[str] = (), *, model: str = "last") -> tuple[int, dict[str, float]]:
+    """Evaluate a run's trained model again, from its last checkpoint (``model = "best"``: its selected best global
+    model), with nothing trained. ``overrides`` (``--set`` syntax) may change evaluation settings
+    (``EVALUATION_KEYS``, e.g. ``recipe.sharing.test_stats=domain``: SiloBN's statistics by domain instead of fresh
+    ones) and the data evaluated on (``fedsight.crosseval.SITE_KEYS``: another dataset of the task, another
+    partition: a cross-site evaluation, refused when the data's model inputs or classes differ from the model's;
+    ``fedsight.crosseval`` says what happens to per-client state). The metrics go to ``RUN_DIR/evaluations.jsonl``
+    and are returned with the checkpoint's round. Overrides of anything that would change what was trained are
+    refused, before anything is evaluated or written."""
+    _, ev = evaluate_one(run_dir, overrides, model)
+    return ev.round, ev.metrics

@@ -16,19 +16,15 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .crosseval import Matrix
-
 
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.4g}"
 
 
-def _table(matrix: Matrix, key: str) -> list[str]:
+def _table(matrix: Any, key: str) -> list[str]:
     head = ["model \\ site", *[s.name for s in matrix.sites]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, label in enumerate(matrix.labels):
@@ -42,7 +38,7 @@ def _table(matrix: Matrix, key: str) -> list[str]:
 MAX_CLIENT_COLUMNS = 12
 
 
-def _client_columns(matrix: Matrix) -> list[tuple[int, str]]:
+def _client_columns(matrix: Any) -> list[tuple[int, str]]:
     """(site index, client id) of every client with a local test set on any run's evaluation of the site."""
     cols = []
     for j in range(len(matrix.sites)):
@@ -51,7 +47,7 @@ def _client_columns(matrix: Matrix) -> list[tuple[int, str]]:
     return cols
 
 
-def _client_table(matrix: Matrix) -> list[str]:
+def _client_table(matrix: Any) -> list[str]:
     """Each client of each site as a site of its own (NVFlare's sites): the primary metric on its local test set."""
     cols = _client_columns(matrix)
     if not cols:
@@ -69,7 +65,7 @@ def _client_table(matrix: Matrix) -> list[str]:
     return lines + [""]
 
 
-def matrix_markdown(matrix: Matrix, command: Sequence[str] | None = None) -> str:
+def matrix_markdown(matrix: Any, command: Sequence[str] | None = None) -> str:
     """``crosseval.md``: the headline metric of every model on every site, WMA over the sites' clients, what
     each site is, the client-state rule and the provenance of the runs and of this evaluation."""
     from .provenance import provenance as here
@@ -106,7 +102,7 @@ def matrix_markdown(matrix: Matrix, command: Sequence[str] | None = None) -> str
     return "\n".join(lines).rstrip() + "\n"
 
 
-def matrix_rows(matrix: Matrix) -> list[dict[str, Any]]:
+def matrix_rows(matrix: Any) -> list[dict[str, Any]]:
     """One record per (run, site): run, site, model, round, client rule, the site's settings and every metric,
     with each client's local metrics."""
     rows = []
@@ -117,7 +113,7 @@ def matrix_rows(matrix: Matrix) -> list[dict[str, Any]]:
     return rows
 
 
-def matrix_csv(matrix: Matrix) -> str:
+def matrix_csv(matrix: Any) -> str:
     """Long format: run, site, client, model, round, clients (the client-state rule), metric, value: the headline
     metric and ``local/wma`` of each site (client empty), then the primary metric on each client's local test set
     (metric ``local/<primary>``)."""
@@ -141,7 +137,7 @@ def matrix_csv(matrix: Matrix) -> str:
 MATRIX_FILES = ("crosseval.md", "crosseval.csv", "crosseval.json")
 
 
-def write_matrix(matrix: Matrix, out: Path, command: Sequence[str] | None = None) -> list[Path]:
+def write_matrix(matrix: Any, out: Path, command: Sequence[str] | None = None) -> list[Path]:
     """``out/crosseval.md``, ``.csv`` and ``.json`` (each written atomically)."""
     from .runs import atomic_write_text
 

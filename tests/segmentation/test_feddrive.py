@@ -200,7 +200,7 @@ def test_evaluate_a_finished_run_again_with_other_test_statistics(tmp_path) -> N
     """``fedsight evaluate``: the last checkpoint re-evaluated gives the run's own last metrics; with
     SiloBN's statistics switched to "domain" it gives what a run trained with "domain" logs (training does
     not depend on the test-time rule); settings that would change training are refused."""
-    from fedsight.api import evaluate_run
+    from fedsight.crosseval import evaluate_run
     from fedsight.errors import ConfigError
 
     def last(run_dir):

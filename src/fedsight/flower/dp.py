@@ -486,3 +486,21 @@ def install_central_dp(sim: Any, *, noise_multiplier: float, clipping_norm: floa
     if sampling == "without-replacement":  # amplification assumes a secret sample: drawn from the server's secret
         sim.sample_secret = dp.secret
     return dp
+
+
+def install_in_process(sim: Any, cfg: Any) -> CentralDP | None:
+    """Install ``cfg``'s central DP on ``sim`` (an ``engine.simulation.Simulation``; none without the section):
+    ``install_central_dp`` on its server (which checks the recipe: a ``ConfigError`` naming the
+    key), the backend's admission and metrics (``engine.loop.InProcessBackend``). The secret is drawn in memory
+    (``[privacy] noise = "secret"``) or there is none (``"simulated"``: the seed's streams); a run with a directory
+    keeps it there (``central_dp.keep_server_secret``). Returns the ``CentralDP`` or None."""
+    spec = cfg.privacy.central_dp
+    if spec is None:
+        return None
+    dp = install_central_dp(sim.server, noise_multiplier=spec.noise_multiplier, clipping_norm=spec.clipping_norm,
+                            delta=spec.delta, accountant=spec.accountant, sampling=spec.sampling)
+    if cfg.privacy.noise == "simulated":  # the seed's streams (CentralDP's secret None), said in run.json
+        dp.secret = None
+        sim.server.sample_secret = None
+    sim.backend.dp = dp
+    return dp

@@ -56,7 +56,8 @@ from __future__ import annotations
 
 from ..runs import read_config, read_metrics
 from .client_weights import client_weight_matrix, plot_client_weights
-from .compare import ComparisonRow, ComparisonTable, PairedComparison, compare, plot_comparison, provenance, report
+from .compare import ComparisonRow, ComparisonTable, PairedComparison, compare, plot_comparison, provenance
+from .document import report
 from .export import write_csv
 from .paired import PairedDifference, paired_difference
 from .partition import plot_partition_heatmap, read_partition

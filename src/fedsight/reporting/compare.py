@@ -541,16 +541,3 @@ def provenance(run_dirs: Iterable[StrPath]) -> str:
     """The provenance section (``provenance_lines``) of these run directories, as Markdown: what the table
     scripts (``examples/*_table.py``) print under their tables."""
     return "\n".join(provenance_lines(_load_all(run_dirs)))
-
-
-def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None, *,
-           baseline: str | None = None, select: str = "final") -> Any:
-    """Write ``out_dir/report.md``, ``out_dir/report.html`` and the curves of the given runs, a section per
-    task (``fedsight.reporting.document``); return the ``Report`` (its ``sections``, each with its
-    ``ComparisonTable``). ``metrics``, ``baseline`` and ``select`` as in ``compare``; nothing is written when
-    they are wrong."""
-    from .document import plan_report, write_report
-
-    rep = plan_report(run_dirs, metrics, baseline=baseline, select=select)
-    write_report(rep, out_dir)
-    return rep

@@ -172,3 +172,13 @@ def write_report(rep: Report, out_dir: StrPath) -> list[Path]:
     atomic_write_text(out / MD_FILE, report_markdown(rep))
     atomic_write_text(out / HTML_FILE, report_html(rep, out))
     return [out / f for f in rep.files]
+
+
+def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None, *,
+           baseline: str | None = None, select: str = "final") -> Report:
+    """Write ``out_dir/report.md``, ``out_dir/report.html`` and the curves of the given runs, a section per
+    task; return the ``Report`` (its ``sections``, each with its ``ComparisonTable``). ``metrics``, ``baseline`` and ``select`` as in ``compare``; nothing is written when
+    they are wrong."""
+    rep = plan_report(run_dirs, metrics, baseline=baseline, select=select)
+    write_report(rep, out_dir)
+    return rep

@@ -28,7 +28,7 @@ import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -36,9 +36,6 @@ from .compare import provenance_values
 from .fmt import _metric_label
 from .paired import CONFIDENCE
 from .runs_view import _Run
-
-if TYPE_CHECKING:
-    from .document import Report, Section
 
 __all__ = ["report_html"]
 
@@ -172,7 +169,7 @@ def _groups_list(table: Any) -> str:
 # -- pictures -----------------------------------------------------------------------------------------------
 
 
-def _heatmaps(section: Section) -> str:
+def _heatmaps(section: Any) -> str:
     """One heat map per distinct ``partition.json`` among the section's runs, captioned with the groups that
     share it; unreadable or malformed files are named, not drawn."""
     from .partition import partition_heatmap_png, read_partition
@@ -281,7 +278,7 @@ def _run_pictures(run: _Run, budget: _Budget) -> str:
     return out or "<p class=note>This run wrote no pictures under plots/.</p>"
 
 
-def _visuals(section: Section, budget: _Budget) -> str:
+def _visuals(section: Any, budget: _Budget) -> str:
     """Per group a collapsed ``<details>``, per run in it another, with the run's pictures."""
     out = []
     for g, runs in zip(section.table.groups, section.members):
@@ -295,7 +292,7 @@ def _visuals(section: Section, budget: _Budget) -> str:
 # -- the page ----------------------------------------------------------------------------------------------
 
 
-def _section(s: Section, out: Path, budget: _Budget, heading: str) -> str:
+def _section(s: Any, out: Path, budget: _Budget, heading: str) -> str:
     parts = [heading, _values_table(s.table)]
     if s.note:
         parts.append(f"<p class=note>{_e(s.note)}</p>")
@@ -319,7 +316,7 @@ def _provenance(runs: Sequence[_Run]) -> str:
             "session of each).</p><ul>" + "".join(items) + "</ul>")
 
 
-def report_html(rep: Report, out: Path) -> str:
+def report_html(rep: Any, out: Path) -> str:
     """The page of ``rep``, whose curves are already written into ``out``."""
     budget = _Budget([r for s in rep.sections for r in s.runs])
     body = ["<h1>FedSight comparison</h1>"]
