@@ -51,12 +51,19 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
         return read_weights(path, "checkpoint")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic != b"PK" and magic[:1] != b"\x80":  # torch.save's zip archive, or a (legacy) pickle
+        raise ValueError(f"{path}: not a torch checkpoint (neither torch.save's zip archive nor a pickle) and not "
+                         ".safetensors")
     try:
         obj: Any = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # weights_only refused something: code, or a class it does not allow
-        first = (str(exc).strip().splitlines() or ["refused"])[0]
+        lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+        why = next((x.split("error: ", 1)[-1] for x in lines if "Unsupported" in x), lines[0] if lines else "refused")
+        why = why.split(". Please use")[0]  # "Unsupported global: GLOBAL print was not an allowed global by default"
         raise ValueError(f"{path}: not a plain tensor checkpoint; torch.load(weights_only=True) refused it "
-                         f"({first[:160]})") from None
+                         f"({why[:160]})") from None
     except Exception as exc:  # truncated or not a torch file at all
         raise ValueError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {str(exc)[:160]})") from None
     return _tensors(_unwrap(obj), path)
@@ -192,6 +199,9 @@ def convert_file(src: str | Path, dst: str | Path, layout: str) -> int:
 
     from .safe_write import atomic_write_bytes
 
-    state = convert(read_checkpoint(src), layout)
+    try:
+        state = convert(read_checkpoint(src), layout)
+    except ValueError as exc:  # a layout mismatch names the file, as load_checkpoint's errors do
+        raise ValueError(str(exc) if str(exc).startswith(str(src)) else f"{src}: {exc}") from None
     atomic_write_bytes(dst, save({k: v.detach().contiguous() for k, v in state.items()}))
     return len(state)

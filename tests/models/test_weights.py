@@ -157,7 +157,8 @@ class _Evil:
         return (print, ("this would run code",))
 
 
-@pytest.mark.parametrize("case", ["code", "truncated", "not a dict", "no tensors", "other architecture", "missing"])
+@pytest.mark.parametrize("case", ["code", "truncated", "not a dict", "no tensors", "other architecture", "missing",
+                                  "text"])
 def test_a_bad_checkpoint_is_one_line_naming_the_file_and_nothing_loads(case, tmp_path) -> None:
     path = tmp_path / "bad.pth"
     if case == "code":
@@ -171,6 +172,8 @@ def test_a_bad_checkpoint_is_one_line_naming_the_file_and_nothing_loads(case, tm
         torch.save({"epoch": 3}, path)
     elif case == "other architecture":
         torch.save(tv_mobilenet_v2(), path)
+    elif case == "text":  # (a config given as a checkpoint)
+        path.write_text("[model]\nname = 'cnn'\n")
     model = _model("resnet18_imagenet", None)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     err = FileNotFoundError if case == "missing" else ValueError
@@ -178,7 +181,7 @@ def test_a_bad_checkpoint_is_one_line_naming_the_file_and_nothing_loads(case, tm
         load_checkpoint(model, path, "torchvision" if case == "other architecture" else "fedsight")
     msg = str(info.value)
     assert str(path) in msg and "\n" not in msg, msg
-    want = {"code": "weights_only", "truncated": "not a readable checkpoint", "not a dict": "not a dict of tensors",
+    want = {"code": "refused it (Unsupported global: GLOBAL print", "text": "not a torch checkpoint", "truncated": "not a readable checkpoint", "not a dict": "not a dict of tensors",
             "no tensors": "holds no tensors", "other architecture": "keys the model does not have: backbone.features",
             "missing": "not found"}[case]
     assert want in msg, msg
@@ -248,6 +251,8 @@ def test_weights_convert_command(tmp_path) -> None:
         res = run(*args)
         assert res.exit_code == 2 and msg in res.output, res.output
     assert dst.read_bytes() == before and not (tmp_path / "y.safetensors").exists()
+    res = run(src, tmp_path / "w.safetensors", "--from", "timm")  # another layout's keys: the file is named
+    assert res.exit_code == 2 and f"{src}: not a timm VisionTransformer state dict" in res.output, res.output
 
 
 def timm_vit(dim: int, depth: int, num_classes: int = 1000, grid: int = 14, patch: int = 16) -> dict[str, torch.Tensor]:
