@@ -313,3 +313,12 @@ def test_exclude_patterns_match_simplebaselines_own_names(tmp_path):
     assert not [k for k in loaded if k.startswith("backbone.stages.3.")]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in last.items())
     assert torch.equal(model.state_dict()["backbone.stages.2.1.conv1.weight"], tv_resnet("resnet18")["layer3.1.conv1.weight"])
+
+
+def test_bad_vitpose_parameters_name_the_field():
+    with pytest.raises(ValueError, match=r"vitpose_s: model.image_size must be multiples of the patch size 16, got \[250, 192\]"):
+        build_model("vitpose_s", {**TINY, "image_size": [250, 192]}, num_outputs=J)
+    with pytest.raises(ValueError, match="vitpose_b: model.dim 32 is not divisible by model.heads 3"):
+        build_model("vitpose_b", {**TINY, "heads": 3}, num_outputs=J)
+    with pytest.raises(ValueError, match=r"vitpose_s needs an input height and width that are multiples of 16"):
+        tiny_vitpose()(torch.rand(1, 3, 72, 48))

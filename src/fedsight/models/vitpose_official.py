@@ -186,6 +186,7 @@ class ViTPoseOfficial(FedModel):
 
 
 class _ViTPoseParams(Params):
+    dim: int = Field(384, ge=1, description="embedding width (ViT-S: 384, ViT-B: 768)")
     depth: int = Field(12, ge=1, description="transformer blocks (the release: 12)")
     heads: int = Field(12, ge=1, description="attention heads; must divide dim (the release: 12)")
     drop_path: float = Field(0.3, ge=0, lt=1, description="stochastic depth of the last block, linear from 0 "
@@ -216,9 +217,9 @@ def _register(name: str, params: type[_ViTPoseParams], help: str) -> None:
     def build(p: _ViTPoseParams, *, io: ModelIO) -> ViTPoseOfficial:
         _check_io(io)
         if p.dim % p.heads:
-            raise ValueError(f"{name} dim {p.dim} is not divisible by heads {p.heads}")
+            raise ValueError(f"{name}: model.dim {p.dim} is not divisible by model.heads {p.heads}")
         if any(s % PATCH or s < PATCH for s in p.image_size):
-            raise ValueError(f"{name} image_size must be multiples of {PATCH} (the patch size), got "
+            raise ValueError(f"{name}: model.image_size must be multiples of the patch size {PATCH}, got "
                              f"{list(p.image_size)}")
         return ViTPoseOfficial(name, io.num_outputs, p.dim, p.depth, p.heads, p.drop_path, p.image_size, p.head,
                                p.deconv_filters, p.norm, p.group_norm_groups)
@@ -226,6 +227,7 @@ def _register(name: str, params: type[_ViTPoseParams], help: str) -> None:
     MODELS.register(name, params=params, task="keypoints", provides=_provides, help=help)(build)
 
 
-_register("vitpose_s", ViTPoseSParams, "ViTPose-S as the official release (ViT-S, padded patch embedding, "
-          "absolute position embedding, classic decoder); loads its checkpoints")
-_register("vitpose_b", ViTPoseBParams, "ViTPose-B as the official release (ViT-B, 768 wide); loads its checkpoints")
+_register("vitpose_s", ViTPoseSParams, "ViTPose-S as the official release defines it (ViT-S/16, 384 wide), heatmaps "
+          "at H/4; loads its checkpoints")
+_register("vitpose_b", ViTPoseBParams, "ViTPose-B as the official release defines it (ViT-B/16, 768 wide), heatmaps "
+          "at H/4; loads its checkpoints")
