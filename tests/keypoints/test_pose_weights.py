@@ -322,3 +322,22 @@ def test_bad_vitpose_parameters_name_the_field():
         build_model("vitpose_b", {**TINY, "heads": 3}, num_outputs=J)
     with pytest.raises(ValueError, match=r"vitpose_s needs an input height and width that are multiples of 16"):
         tiny_vitpose()(torch.rand(1, 3, 72, 48))
+
+
+@pytest.mark.parametrize("arch,depth", [("resnet18", 18), ("resnet50", 50)])
+def test_simplebaselines_trunk_with_torchvision_weights_computes_torchvisions_trunk(arch, depth, tmp_path):
+    """The renamed keys land where they act: with the same torchvision checkpoint, simplebaseline's backbone equals
+    ``resnet*_imagenet``'s (torchvision's architecture and names) on the ImageNet-normalised input."""
+    from fedsight.models.pose import IMAGENET_MEAN, IMAGENET_STD
+
+    path = tmp_path / f"{arch}.pth"
+    torch.save({k: v * 0.1 if k.endswith("weight") and v.ndim == 4 else v for k, v in tv_resnet(arch).items()}, path)
+    pose = simplebaseline(depth).eval()
+    load_checkpoint(pose, path, "torchvision", exclude=["head.*"])
+    torch.manual_seed(0)
+    ref = build_model(f"{arch}_imagenet", {}, num_classes=1000, in_channels=3).eval()
+    load_checkpoint(ref, path, "torchvision")
+    x = torch.rand(2, 3, 64, 64)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(pose.features(x), ref.backbone.feature_map((x - mean) / std), rtol=1e-5, atol=1e-5)
