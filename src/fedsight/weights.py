@@ -22,7 +22,8 @@ Layouts (``LAYOUTS``; ``convert``):
   ``vitpose_b``, the SimpleBaseline release onto ``simplebaseline`` (``fedsight.weights_pose``).
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
-keep the model's own classifier when the checkpoint's has another number of classes), every remaining key must be
+keep the model's own classifier when the checkpoint's has another number of classes; matched again after the
+model's own ``adapt_checkpoint``, which may rename or resample keys), every remaining key must be
 a key of the model with the model's shape, and with ``strict`` every model key must be given. Any mismatch is one
 ``ValueError`` naming the file and the first mismatching keys (and shapes); the model is left untouched then.
 """
