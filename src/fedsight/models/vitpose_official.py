@@ -14,7 +14,8 @@ to ``[B, J, H/4, W/4]`` heatmaps for any H, W that are multiples of 16 (``stride
 
 * ``patch_embed.proj``: ``Conv2d(3, D, 16, stride=16, padding=2)``; the release's padding ``4 + 2 (ratio // 2 - 1)``
   is 2 at ratio 1. For a multiple of 16 it gives the same H/16 x W/16 grid as an unpadded convolution, every
-  patch window shifted up and left by 2 pixels (the first row and column of windows reach into the zero padding).
+  patch window shifted up and left by 2 pixels: the first row and column of windows reach into the zero padding, and
+  the image's last 2 rows and columns fall in no window.
 * ``pos_embed``: a learned ``[1, 1 + h w, D]`` embedding for the grid of ``image_size`` (256x192: 16x12, the
   configs' ``img_size``), initialised trunc-normal(0.02). Its first entry is the class-token slot that the
   release keeps "since the pretraining model has class token"; there is no class token, and the release adds
