@@ -51,11 +51,16 @@ def variants(name: str) -> list[dict[str, Any]]:
     return [{"norm": c} for c in typing.get_args(field.annotation)]
 
 
+#: paper-size models also checked at a tiny size of the same classes (their paper size: slow, in SIBLING_CASES)
+TINY = {"vitpose_s": {"dim": 16, "depth": 2, "heads": 2, "deconv_filters": 8},
+        "vitpose_b": {"dim": 16, "depth": 1, "heads": 1, "head": "simple"}}
 MODEL_CASES = [(n, v) for n in builtin(R.MODELS) for v in variants(n)]
+MODEL_CASES += [(n, {**TINY[n], **v}) for n, v in MODEL_CASES if n in TINY]
 #: cases whose code another case runs at a smaller size (a deeper or wider sibling: the same classes), checked
 #: with the suite's slow flag only; tests/models/test_weights.py loads every one of them
 SIBLING_CASES = {("vit_b16", "{}"), ("resnet34_imagenet", "{'norm': 'batch'}"), ("resnet34_imagenet", "{'norm': 'group'}"),
                  ("resnet50_imagenet", "{'norm': 'group'}")}
+SIBLING_CASES |= {(n, str({"norm": c})) for n in TINY for c in ("batch", "group")}  # (tests/keypoints/test_pose_weights.py)
 
 
 def model_params(cases: list[tuple[str, dict]]) -> list[Any]:

@@ -18,9 +18,12 @@ Layouts (``LAYOUTS``; ``convert``):
   onto ``resnet18_imagenet`` / ``resnet34_imagenet`` / ``resnet50_imagenet`` (``backbone.<key>``, ``fc`` ->
   ``head``); MobileNetV2 (``features.N``, ``classifier.1``) onto ``mobilenetv2`` with ``cifar_stem = false``
   (an inverted residual's ``conv`` is FedSight's ``block``; ``classifier.1`` -> ``head``).
+* ``vitpose``, ``pose_resnet``: the official ViTPose release (or a plain ViT backbone) onto ``vitpose_s`` /
+  ``vitpose_b``, the SimpleBaseline release onto ``simplebaseline`` (``fedsight.weights_pose``).
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
-keep the model's own classifier when the checkpoint's has another number of classes), every remaining key must be
+keep the model's own classifier when the checkpoint's has another number of classes; matched again after the
+model's own ``adapt_checkpoint``, which may rename or resample keys), every remaining key must be
 a key of the model with the model's shape, and with ``strict`` every model key must be given. Any mismatch is one
 ``ValueError`` naming the file and the first mismatching keys (and shapes); the model is left untouched then.
 """
@@ -36,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from . import weights_pose
 
 #: keys a checkpoint's tensors are commonly wrapped under, the first found wins
 WRAPPERS = ("state_dict", "model", "module", "params_ema", "params")
@@ -130,6 +135,8 @@ LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor
     "fedsight": dict,
     "torchvision": _torchvision,
     "timm": _timm,
+    "vitpose": weights_pose.vitpose,
+    "pose_resnet": weights_pose.pose_resnet,
 }
 
 
@@ -181,7 +188,10 @@ def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "fedsight"
         raise ValueError(str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}") from None
     state = {k: v for k, v in state.items() if kept(k)}
     if hasattr(model, "adapt_checkpoint"):  # e.g. a ViT's position embedding resampled to the model's patch grid
-        state = model.adapt_checkpoint(state)
+        try:
+            state = {k: v for k, v in model.adapt_checkpoint(state).items() if kept(k)}  # (patterns: its names too)
+        except ValueError as exc:
+            raise ValueError(f"{path} ({layout} layout): {exc}") from None
     own = model.state_dict()
     problems = fit_problems(model, state, [k for k in own if kept(k)] if strict else ())
     if problems:
