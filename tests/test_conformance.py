@@ -43,8 +43,18 @@ FAMILIES: dict[str, tuple[ModelIO, Any, tuple[int, ...]]] = {
 }
 
 
+#: models whose default is a paper-size network too slow for every run of the suite: this small size runs always,
+#: the default under the slow flag (SIBLING_CASES)
+SMALL_SIZE: dict[str, dict[str, Any]] = {
+    "basicvsr_basicsr": {"num_feat": 8, "num_block": 1, "hr_feat": 8, "spynet_hidden": [4, 4, 4, 4]},
+}
+
+
 def variants(name: str) -> list[dict[str, Any]]:
-    """The model's default parameters and, for a model with a ``norm`` choice, each choice."""
+    """The model's default parameters and, for a model with a ``norm`` choice, each choice (a ``SMALL_SIZE`` model:
+    that size first)."""
+    if name in SMALL_SIZE:
+        return [SMALL_SIZE[name], {}]
     field = R.MODELS.get(name).params.model_fields.get("norm")
     if field is None:
         return [{}]
@@ -55,7 +65,7 @@ MODEL_CASES = [(n, v) for n in builtin(R.MODELS) for v in variants(n)]
 #: cases whose code another case runs at a smaller size (a deeper or wider sibling: the same classes), checked
 #: with the suite's slow flag only; tests/models/test_weights.py loads every one of them
 SIBLING_CASES = {("vit_b16", "{}"), ("resnet34_imagenet", "{'norm': 'batch'}"), ("resnet34_imagenet", "{'norm': 'group'}"),
-                 ("resnet50_imagenet", "{'norm': 'group'}")}
+                 ("resnet50_imagenet", "{'norm': 'group'}"), ("basicvsr_basicsr", "{}")}
 
 
 def model_params(cases: list[tuple[str, dict]]) -> list[Any]:

@@ -18,6 +18,8 @@ Layouts (``LAYOUTS``; ``convert``):
   onto ``resnet18_imagenet`` / ``resnet34_imagenet`` / ``resnet50_imagenet`` (``backbone.<key>``, ``fc`` ->
   ``head``); MobileNetV2 (``features.N``, ``classifier.1``) onto ``mobilenetv2`` with ``cifar_stem = false``
   (an inverted residual's ``conv`` is FedSight's ``block``; ``classifier.1`` -> ``head``).
+* ``basicsr``: BasicSR's BasicVSR onto ``basicvsr_basicsr`` (the same names), or its standalone SPyNet
+  (``basic_module.*`` -> ``spynet.*``, with ``strict = false``); SPyNet's ImageNet ``mean`` / ``std`` are dropped.
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
 keep the model's own classifier when the checkpoint's has another number of classes), every remaining key must be
@@ -125,11 +127,26 @@ def _timm(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return _rename(state, [(r"^head\.", "head."), (r"^", "backbone.")])
 
 
+def _basicsr_vsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BasicSR's BasicVSR (``spynet.*``, ``backward_trunk.*``: FedSight's ``basicvsr_basicsr`` keeps its names) or a
+    standalone SPyNet (``basic_module.N.*``, e.g. ``spynet_sintel_final``: -> ``spynet.*``, load with
+    ``strict = false``); SPyNet's ``mean`` / ``std`` buffers are checked and dropped (models.spynet)."""
+    from .models.spynet import drop_constants
+
+    if any(k.startswith("spynet.") for k in state) and any(k.startswith("backward_trunk.") for k in state):
+        return drop_constants(state, "spynet.")
+    if state and all(re.match(r"(basic_module\.\d+\.|mean$|std$)", k) for k in state):
+        return drop_constants({f"spynet.{k}": v for k, v in state.items()}, "spynet.")
+    raise ValueError("not a BasicSR BasicVSR or SPyNet state dict (no 'spynet.*' and 'backward_trunk.*' keys, and "
+                     "not only 'basic_module.*' keys)")
+
+
 #: layout name -> key conversion into FedSight's names
 LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = {
     "fedsight": dict,
     "torchvision": _torchvision,
     "timm": _timm,
+    "basicsr": _basicsr_vsr,
 }
 
 
