@@ -37,7 +37,8 @@ Choices and extensions (BasicSR's BasicVSR is x4 only):
   bias, every other convolution PyTorch's default; SPyNet's last convolution of each level starts at zero
   (``spynet_init = "zero_flow"``: identity warping until trained or loaded; ``"pytorch"`` is BasicSR's default
   init). BasicSR's recipe loads the pretrained SPyNet (and trains it at lr x 0.125, frozen for the first 5,000
-  iterations); here SPyNet's parameters train with the rest unless the config freezes ``spynet.*``.
+  iterations); here SPyNet's parameters train with the rest at the same rate (FedSight has no per-module rate,
+  and ``train.freeze`` names whole groups: SPyNet is in ``backbone`` with the trunks).
 * ``spynet_hidden`` shrinks SPyNet's inner widths (published: 32, 64, 32, 16) for CPU tests and demos; BasicSR's
   weights then fit everything but SPyNet.
 * SPyNet's ImageNet mean/std are not in the state dict; the ``basicsr`` weights layout drops BasicSR's
