@@ -199,3 +199,40 @@ def test_other_scales_and_bad_inputs_are_refused():
         make(TINY, 3)
     with pytest.raises(ValueError, match=r"expects LR clips \[B, T, 3, h, w\]"):
         make(TINY)(torch.rand(1, 3, 8, 8))
+
+
+def test_outputs_equal_basicsrs_own_code_on_the_golden_fixture():
+    """``tests/fixtures/golden/basicsr_basicvsr.safetensors``, written by ``benchmarks/golden_basicvsr.py`` running
+    BasicSR's own ``BasicVSR`` (its source commit in the metadata) on seeded weights: FedSight's model, given the same
+    weights through the ``basicsr`` layout, gives BasicSR's SPyNet flows and outputs to float tolerance."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from fedsight.weights import convert, fit_problems
+
+    root = Path(__file__).resolve().parents[2]
+    path = root / "tests" / "fixtures" / "golden" / "basicsr_basicvsr.safetensors"
+    if not path.is_file():
+        pytest.skip(f"no golden fixture {path.relative_to(root)}: run benchmarks/golden_basicvsr.py on a BasicSR tree")
+    sys.path.insert(0, str(root / "benchmarks"))
+    from golden_basicvsr import STRIDE, golden_state
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        x, flows, mean, sub = (f.get_tensor(k) for k in ("input", "flows_backward", "output_mean", "output_sub"))
+    assert meta["source"].startswith("XPixelGroup/BasicSR@")
+    model = make(json.loads(meta["params"]), int(meta["scale"])).eval()
+    state = convert(golden_state(json.loads(meta["shapes"])), meta["layout"])
+    assert fit_problems(model, state, list(model.state_dict())) == []
+    model.load_state_dict(state)
+    b, t, c, h, w = x.shape
+    with torch.no_grad():
+        mine = model.spynet(x[:, :-1].reshape(-1, c, h, w), x[:, 1:].reshape(-1, c, h, w)).view(b, t - 1, 2, h, w)
+        out = model(x)
+    assert flows.abs().max() > 0.5  # the warps move features by more than half a pixel
+    torch.testing.assert_close(mine, flows, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.mean(dim=(2, 3, 4)), mean, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[..., ::STRIDE, ::STRIDE], sub, rtol=1e-4, atol=1e-5)
