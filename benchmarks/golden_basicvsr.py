@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 import types
@@ -75,9 +76,7 @@ def _load_basicsr(src: Path) -> tuple[type, list[str]]:
         sys.modules[name] = m
         return m
 
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torchvision") is None:
         module("torchvision")
         stood_in.append("torchvision")
     module("basicsr", src / "basicsr")
