@@ -43,6 +43,16 @@ FAMILIES: dict[str, tuple[ModelIO, Any, tuple[int, ...]]] = {
 }
 
 
+#: models whose default is a paper-size network too slow for every run of the suite: each of their variants also
+#: runs at this small size (the same classes) always, the paper size under the slow flag only (SIBLING_CASES;
+#: their published keys and shapes are checked on the meta device by their own tests)
+SMALL_SIZE: dict[str, dict[str, Any]] = {
+    "basicvsr_basicsr": {"num_feat": 8, "num_block": 1, "hr_feat": 8, "spynet_hidden": [4, 4, 4, 4]},
+    "vitpose_s": {"dim": 16, "depth": 2, "heads": 2, "deconv_filters": 8},
+    "vitpose_b": {"dim": 16, "depth": 1, "heads": 1, "head": "simple"},
+}
+
+
 def variants(name: str) -> list[dict[str, Any]]:
     """The model's default parameters and, for a model with a ``norm`` choice, each choice."""
     field = R.MODELS.get(name).params.model_fields.get("norm")
@@ -51,16 +61,13 @@ def variants(name: str) -> list[dict[str, Any]]:
     return [{"norm": c} for c in typing.get_args(field.annotation)]
 
 
-#: paper-size models also checked at a tiny size of the same classes (their paper size: slow, in SIBLING_CASES)
-TINY = {"vitpose_s": {"dim": 16, "depth": 2, "heads": 2, "deconv_filters": 8},
-        "vitpose_b": {"dim": 16, "depth": 1, "heads": 1, "head": "simple"}}
 MODEL_CASES = [(n, v) for n in builtin(R.MODELS) for v in variants(n)]
-MODEL_CASES += [(n, {**TINY[n], **v}) for n, v in MODEL_CASES if n in TINY]
+PAPER_SIZE = {(n, str(v)) for n, v in MODEL_CASES if n in SMALL_SIZE}
+MODEL_CASES += [(n, {**SMALL_SIZE[n], **v}) for n, v in MODEL_CASES if n in SMALL_SIZE]
 #: cases whose code another case runs at a smaller size (a deeper or wider sibling: the same classes), checked
 #: with the suite's slow flag only; tests/models/test_weights.py loads every one of them
 SIBLING_CASES = {("vit_b16", "{}"), ("resnet34_imagenet", "{'norm': 'batch'}"), ("resnet34_imagenet", "{'norm': 'group'}"),
-                 ("resnet50_imagenet", "{'norm': 'group'}")}
-SIBLING_CASES |= {(n, str({"norm": c})) for n in TINY for c in ("batch", "group")}  # (tests/keypoints/test_pose_weights.py)
+                 ("resnet50_imagenet", "{'norm': 'group'}")} | PAPER_SIZE
 
 
 def model_params(cases: list[tuple[str, dict]]) -> list[Any]:

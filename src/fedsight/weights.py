@@ -20,6 +20,8 @@ Layouts (``LAYOUTS``; ``convert``):
   (an inverted residual's ``conv`` is FedSight's ``block``; ``classifier.1`` -> ``head``).
 * ``vitpose``, ``pose_resnet``: the official ViTPose release (or a plain ViT backbone) onto ``vitpose_s`` /
   ``vitpose_b``, the SimpleBaseline release onto ``simplebaseline`` (``fedsight.weights_pose``).
+* ``basicsr``: BasicSR's BasicVSR onto ``basicvsr_basicsr`` (the same names), or its standalone SPyNet
+  (``basic_module.*`` -> ``spynet.*``, with ``strict = false``); SPyNet's ImageNet ``mean`` / ``std`` are dropped.
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
 keep the model's own classifier when the checkpoint's has another number of classes; matched again after the
@@ -130,6 +132,20 @@ def _timm(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return _rename(state, [(r"^head\.", "head."), (r"^", "backbone.")])
 
 
+def _basicsr_vsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BasicSR's BasicVSR (``spynet.*``, ``backward_trunk.*``: FedSight's ``basicvsr_basicsr`` keeps its names) or a
+    standalone SPyNet (``basic_module.N.*``, e.g. ``spynet_sintel_final``: -> ``spynet.*``, load with
+    ``strict = false``); SPyNet's ``mean`` / ``std`` buffers are checked and dropped (models.spynet)."""
+    from .models.spynet import drop_constants
+
+    if any(k.startswith("spynet.") for k in state) and any(k.startswith("backward_trunk.") for k in state):
+        return drop_constants(state, "spynet.")
+    if state and all(re.match(r"(basic_module\.\d+\.|mean$|std$)", k) for k in state):
+        return drop_constants({f"spynet.{k}": v for k, v in state.items()}, "spynet.")
+    raise ValueError("not a BasicSR BasicVSR or SPyNet state dict (no 'spynet.*' and 'backward_trunk.*' keys, and "
+                     "not only 'basic_module.*' keys)")
+
+
 #: layout name -> key conversion into FedSight's names
 LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = {
     "fedsight": dict,
@@ -137,6 +153,7 @@ LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor
     "timm": _timm,
     "vitpose": weights_pose.vitpose,
     "pose_resnet": weights_pose.pose_resnet,
+    "basicsr": _basicsr_vsr,
 }
 
 
