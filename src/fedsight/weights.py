@@ -18,6 +18,8 @@ Layouts (``LAYOUTS``; ``convert``):
   onto ``resnet18_imagenet`` / ``resnet34_imagenet`` / ``resnet50_imagenet`` (``backbone.<key>``, ``fc`` ->
   ``head``); MobileNetV2 (``features.N``, ``classifier.1``) onto ``mobilenetv2`` with ``cifar_stem = false``
   (an inverted residual's ``conv`` is FedSight's ``block``; ``classifier.1`` -> ``head``).
+* ``edsr``, ``basicsr_edsr``, ``etc_rdsn``: EDSR as EDSR-PyTorch and BasicSR publish it, onto ``edsr``; the RDSN
+  authors' network onto ``rdsn_etc`` (``fedsight.weights_sr``).
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
 keep the model's own classifier when the checkpoint's has another number of classes), every remaining key must be
@@ -36,6 +38,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .weights_sr import basicsr_edsr, edsr_pytorch, etc_rdsn
 
 #: keys a checkpoint's tensors are commonly wrapped under, the first found wins
 WRAPPERS = ("state_dict", "model", "module", "params_ema", "params")
@@ -130,6 +134,9 @@ LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor
     "fedsight": dict,
     "torchvision": _torchvision,
     "timm": _timm,
+    "edsr": edsr_pytorch,
+    "basicsr_edsr": basicsr_edsr,
+    "etc_rdsn": etc_rdsn,
 }
 
 
@@ -181,7 +188,10 @@ def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "fedsight"
         raise ValueError(str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}") from None
     state = {k: v for k, v in state.items() if kept(k)}
     if hasattr(model, "adapt_checkpoint"):  # e.g. a ViT's position embedding resampled to the model's patch grid
-        state = model.adapt_checkpoint(state)
+        try:
+            state = model.adapt_checkpoint(state)
+        except ValueError as exc:  # (e.g. an EDSR checkpoint's mean shift for another value range)
+            raise ValueError(f"{path} ({layout} layout) does not fit the model: {exc}") from None
     own = model.state_dict()
     problems = fit_problems(model, state, [k for k in own if kept(k)] if strict else ())
     if problems:
