@@ -284,7 +284,7 @@ def test_a_mean_shift_that_is_not_the_models_is_one_line_and_nothing_loads(case,
         load_checkpoint(model, path, "edsr")
     msg = str(info.value)
     assert msg.startswith(f"{path} (edsr layout) does not fit the model: ") and "\n" not in msg, msg
-    want = {"range": "the checkpoint works in [0, 255] (sub_mean.bias = -1 x 255 x the DIV2K mean) and the model has "
+    want = {"range": "the checkpoint works in [0, 255] (sub_mean.bias = -255 x the DIV2K mean) and the model has "
                      "rgb_range = 1: set the model's rgb_range = 255",
             "no mean shift": "the model has mean_shift = false",
             "other mean": "sub_mean.bias = [-127.5, -127.5, -127.5] is not -rgb_range x the DIV2K mean",
@@ -315,3 +315,13 @@ def test_a_checkpoint_of_another_size_names_the_shapes(tmp_path):
     torch.save(materialise(edsr_pytorch_shapes(8, 2, 4)), path)  # x4: two upsampling stages
     with pytest.raises(ValueError, match=r"keys the model does not have: head\.up\.2\.bias, head\.up\.2\.weight"):
         load_checkpoint(_model("edsr", {"features": 8, "blocks": 2, "rgb_range": 255}, 2), path, "edsr")
+
+
+def test_the_configs_layout_choices_are_the_layouts():
+    """``init.layout`` (a Literal, so that a typo is refused at config time) offers exactly ``weights.LAYOUTS``."""
+    import typing
+
+    from fedsight.config_sections import InitSection
+    from fedsight.weights import LAYOUTS
+
+    assert set(typing.get_args(InitSection.model_fields["layout"].annotation)) == set(LAYOUTS)

@@ -203,7 +203,8 @@ def adapt_mean_shift(state: dict[str, torch.Tensor], mean_shift: bool, rgb_range
     if not given:
         return state
     if len(given) != len(MEAN_SHIFT_KEYS):
-        raise ValueError(f"the checkpoint's mean shift is incomplete: it has {', '.join(given)} of {', '.join(MEAN_SHIFT_KEYS)}")
+        raise ValueError(f"the checkpoint's mean shift is incomplete: it has {', '.join(given)} of "
+                         f"{', '.join(MEAN_SHIFT_KEYS)}")
     if not mean_shift:
         raise ValueError("the checkpoint has a mean shift (sub_mean, add_mean) and the model has mean_shift = false")
     eye = torch.eye(3).view(3, 3, 1, 1)
@@ -219,8 +220,9 @@ def adapt_mean_shift(state: dict[str, torch.Tensor], mean_shift: bool, rgb_range
                              f"DIV2K mean {list(DIV2K_MEAN)}")
         found = float(ratio[0])
         if abs(found - rgb_range) > 1e-4 * max(1.0, rgb_range):
-            raise ValueError(f"the checkpoint works in [0, {found:g}] ({k} = {sign:+d} x {found:g} x the DIV2K mean) "
-                             f"and the model has rgb_range = {rgb_range:g}: set the model's rgb_range = {found:g}")
+            raise ValueError(f"the checkpoint works in [0, {found:g}] ({k} = {'-' if sign < 0 else '+'}{found:g} x the "
+                             f"DIV2K mean) and the model has rgb_range = {rgb_range:g}: set the model's rgb_range = "
+                             f"{found:g}")
     return {k: v for k, v in state.items() if k not in given}
 
 
