@@ -325,3 +325,16 @@ def test_the_configs_layout_choices_are_the_layouts():
     from fedsight.weights import LAYOUTS
 
     assert set(typing.get_args(InitSection.model_fields["layout"].annotation)) == set(LAYOUTS)
+
+
+def test_a_converted_file_keeps_the_mean_shift_check_and_loads_as_fedsight(tmp_path):
+    """``fedsight weights convert --from edsr`` keeps ``sub_mean`` / ``add_mean`` (checked again, then dropped, when
+    the converted file loads), so a converted file still refuses a model at another ``rgb_range``."""
+    from fedsight.weights import convert_file
+
+    dst = tmp_path / "edsr.safetensors"
+    convert_file(_edsr_file(tmp_path), dst, "edsr")
+    model = _model("edsr", {"features": 8, "blocks": 2, "rgb_range": 255}, 2)
+    assert set(load_checkpoint(model, dst)) == set(model.state_dict())
+    with pytest.raises(ValueError, match="set the model's rgb_range = 255"):
+        load_checkpoint(_model("edsr", {"features": 8, "blocks": 2}, 2), dst)
