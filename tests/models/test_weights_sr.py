@@ -96,9 +96,11 @@ def etc_rdsn_shapes(G0: int, D: int, C: int, G: int, scale: int, unet: int = 64)
 
 
 def materialise(shapes: dict[str, tuple], seed: int = 0, rgb_range: float = 255.0) -> dict[str, torch.Tensor]:
-    """Random weights (std 0.1, float64) for ``shapes``; the mean-shift convs as ``MeanShift(rgb_range)`` sets them."""
+    """Random float64 weights for ``shapes`` (a conv's std 1 / sqrt(fan-in), so that activations keep their scale
+    through a paper-size network; biases std 0.1); the mean-shift convs as ``MeanShift(rgb_range)`` sets them."""
     g = torch.Generator().manual_seed(seed)
-    state = {k: 0.1 * torch.randn(shape, generator=g, dtype=torch.float64) for k, shape in shapes.items()}
+    std = lambda shape: 1 / math.sqrt(math.prod(shape[1:])) if len(shape) == 4 else 0.1  # noqa: E731
+    state = {k: std(shape) * torch.randn(shape, generator=g, dtype=torch.float64) for k, shape in shapes.items()}
     if "sub_mean.weight" in state:
         for name, sign in (("sub_mean", -1), ("add_mean", 1)):
             state[f"{name}.weight"] = torch.eye(3, dtype=torch.float64).view(3, 3, 1, 1)
@@ -137,12 +139,12 @@ def edsr_pytorch_forward(s, x, B, scale, res_scale):
 
 def basicsr_edsr_forward(s, x, B, scale, res_scale):
     """BasicSR ``EDSR.forward`` (img_range 255)."""
-    h = _c(s, (x - MEAN) * 255, "conv_first")
+    h = _c(s, (x - MEAN.to(x.dtype)) * 255, "conv_first")
     res = h
     for i in range(B):
         res = res + _c(s, F.relu(_c(s, res, f"body.{i}.conv1")), f"body.{i}.conv2") * res_scale
     res = _c(s, res, "conv_after_body") + h
-    return _c(s, _up(s, "upsample", res, scale), "conv_last") / 255 + MEAN
+    return _c(s, _up(s, "upsample", res, scale), "conv_last") / 255 + MEAN.to(x.dtype)
 
 
 def _double(s, t, p):
@@ -338,3 +340,30 @@ def test_a_converted_file_keeps_the_mean_shift_check_and_loads_as_fedsight(tmp_p
     assert set(load_checkpoint(model, dst)) == set(model.state_dict())
     with pytest.raises(ValueError, match="set the model's rgb_range = 255"):
         load_checkpoint(_model("edsr", {"features": 8, "blocks": 2}, 2), dst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["edsr", "etc_rdsn"])
+def test_paper_size_checkpoint_computes_the_published_forward(layout, tmp_path):
+    """At the published size (EDSR x2: 256 features, 32 blocks, res_scale 0.1; the RDSN authors' x2: config B and
+    the 64-wide U-Net), materialised: the loaded model's forward is the published one (float32, one 16 x 16 image)."""
+    if layout == "edsr":
+        shapes, params = edsr_pytorch_shapes(256, 32, 2), {"features": 256, "blocks": 32, "res_scale": 0.1}
+        forward = lambda s, x: edsr_pytorch_forward(s, x, 32, 2, 0.1)  # noqa: E731
+        name = "edsr"
+    else:
+        shapes = etc_rdsn_shapes(64, 16, 8, 64, 2)
+        params = {"features": 64, "blocks": 16, "layers": 8, "growth": 64, "unet_width": 64, "unet_depth": 4}
+        forward = lambda s, x: etc_rdsn_forward(s, x, 16, 8, 2)  # noqa: E731
+        name = "rdsn_etc"
+    state = {k: v.float() for k, v in materialise(shapes).items()}
+    path = tmp_path / "paper.pth"
+    torch.save(state, path)
+    model = _model(name, {**params, "rgb_range": 255}, 2)
+    load_checkpoint(model, path, layout)
+    x = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(5))
+    model.eval()
+    with torch.no_grad():
+        got, want = model(x), forward(state, x)
+    assert want.abs().max() < 1e4  # (the weights keep the activations' scale: a meaningful comparison)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

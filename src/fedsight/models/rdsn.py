@@ -419,8 +419,8 @@ def build_rdsn(params: RDSNParams, *, io: ModelIO) -> RDSN:
     )
 
 
-@MODELS.register("edsr", params=EDSRParams, help="EDSR baseline (residual blocks without BN, DIV2K mean shift)",
-                 task="image_sr", provides=SR_PROVIDES)
+@MODELS.register("edsr", params=EDSRParams, task="image_sr", provides=SR_PROVIDES,
+                 help="EDSR (residual blocks without BN, DIV2K mean shift; loads EDSR-PyTorch, BasicSR weights)")
 def build_edsr(params: EDSRParams, *, io: ModelIO) -> EDSR:
     return EDSR(io.scale, params.features, params.blocks, params.res_scale, params.mean_shift,
                 in_channels=io.in_channels, out_channels=io.num_outputs or 3, rgb_range=params.rgb_range)
