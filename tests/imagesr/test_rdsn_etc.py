@@ -110,3 +110,22 @@ def test_parameter_groups_and_blocks():
     assert len(flat) == len(set(flat)) and set(flat) == set(model.state_dict())
     assert list(blocks) == ["backbone.sfe", "backbone.rdbs.0", "backbone.rdbs.1", "backbone.gff", "backbone.attention",
                             "head"]
+
+
+@pytest.mark.parametrize("scale, h, w", [(2, 5, 7), (3, 4, 4)])
+def test_the_fused_forward_is_each_clients_own(scale, h, w):
+    """Three clients with their own weights through the vectorised engine's fused forward (the U-Net's padding at
+    an odd size, the mean shift at rgb_range 255, the UDC): outputs and each client's gradient against its own
+    module (float64; ``tests/test_fused.py``'s check)."""
+    from test_fused import _each_clients_own
+
+    from fedsight.models.rdsn_etc import ETCRDSN
+    from fedsight.training.fused_trace import fused_plan
+
+    make = lambda: ETCRDSN(scale, features=4, blocks=1, layers=1, growth=4, unet_width=4, unet_depth=2,  # noqa: E731
+                           rgb_range=255, udc=True)
+    assert fused_plan(make()) is not None
+    gen = torch.Generator().manual_seed(scale)
+    x = torch.rand(3, 2, 3, h, w, generator=gen, dtype=torch.float64)
+    out = _each_clients_own(make, x, gen)
+    assert torch.equal(out[..., ::scale, ::scale], x)

@@ -39,8 +39,9 @@ layers = 8, growth = 64, unet_width = 64, unet_depth = 4, rgb_range = 255``. ``a
 Structure for FedSight: ``backbone`` is everything at LR resolution (shallow features, dense blocks, global
 fusion and the U-Net attention; ``features(x)`` is the attended G0-channel map of the mean-shifted input),
 ``head`` the two upsamplers and the output conv; the forward feeds the input to both, so ``split_head = False``.
-No normalisation layers (Opacus' per-example gradients work). Vectorised training runs under ``vmap``: the U-Net's
-padding reads the maps' sizes, which ``torch.fx`` cannot trace, so the fused forward has no plan for it.
+No normalisation layers (Opacus' per-example gradients work). Vectorised training uses the fused forward
+(``fedsight.training.fused``): the U-Net's padding (``pad_to``) reads the maps' sizes, so it is one operation for
+``torch.fx`` that the fused forward applies to all the clients' channels at once.
 """
 
 from __future__ import annotations
@@ -63,11 +64,17 @@ def _double_conv(cin: int, cout: int) -> nn.Sequential:
     return nn.Sequential(_conv(cin, cout), nn.ReLU(), _conv(cout, cout), nn.ReLU())
 
 
-def _pad_to(up: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+def pad_to(up: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
     """``up`` zero-padded on the right and bottom to ``skip``'s spatial size (it is 0 or 1 smaller: the authors'
     ``F.pad(x1, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])`` for those differences)."""
     dy, dx = skip.shape[-2] - up.shape[-2], skip.shape[-1] - up.shape[-1]
     return F.pad(up, (0, dx, 0, dy)) if dx or dy else up
+
+
+# one operation for torch.fx (it reads shapes): the vectorised engine's fused forward pads all the clients' channels at
+# once (``fedsight.training.fused``), as it applies ``apply_udc``
+torch.fx.wrap("pad_to")
+torch.fx.wrap("apply_udc")  # (torch.fx patches a name in the module that wraps it: this module's import too)
 
 
 class UNetAttention(nn.Module):
@@ -105,7 +112,7 @@ class UNetAttention(nn.Module):
             h = stage(self.pool(h))
         for stage in self.dec:
             skip = skips.pop()
-            h = stage(torch.cat([skip, _pad_to(self.shuffle(h), skip)], dim=1))
+            h = stage(torch.cat([skip, pad_to(self.shuffle(h), skip)], dim=1))
         return self.out(h)
 
 
@@ -178,9 +185,9 @@ class ETCRDSN(FedModel):
         return self.backbone(self._shift(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4:
+        if isinstance(x, torch.Tensor) and x.ndim != 4:  # (not while torch.fx traces the forward: a Proxy)
             raise ValueError(f"rdsn_etc expects LR images [B, C, h, w], got shape {tuple(x.shape)}")
-        if min(x.shape[-2:]) < self.min_side:
+        if isinstance(x, torch.Tensor) and min(x.shape[-2:]) < self.min_side:
             raise ValueError(f"rdsn_etc's U-Net attention pools {self.min_side.bit_length() - 1} times: LR inputs "
                              f"need at least {self.min_side} pixels a side, got {tuple(x.shape[-2:])}")
         shifted = self._shift(x)
