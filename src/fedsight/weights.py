@@ -20,8 +20,11 @@ Layouts (``LAYOUTS``; ``convert``):
   (an inverted residual's ``conv`` is FedSight's ``block``; ``classifier.1`` -> ``head``).
 * ``vitpose``, ``pose_resnet``: the official ViTPose release (or a plain ViT backbone) onto ``vitpose_s`` /
   ``vitpose_b``, the SimpleBaseline release onto ``simplebaseline`` (``fedsight.weights_pose``).
-* ``basicsr``: BasicSR's BasicVSR onto ``basicvsr_basicsr`` (the same names), or its standalone SPyNet
+* ``basicsr``: BasicSR's EDSR onto ``edsr`` (``fedsight.weights_sr``), its BasicVSR onto ``basicvsr_basicsr``
+  (the same names), or its standalone SPyNet
   (``basic_module.*`` -> ``spynet.*``, with ``strict = false``); SPyNet's ImageNet ``mean`` / ``std`` are dropped.
+* ``edsr``, ``etc_rdsn``: EDSR as EDSR-PyTorch publishes it, onto ``edsr``; the RDSN
+  authors' network onto ``rdsn_etc`` (``fedsight.weights_sr``).
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
 keep the model's own classifier when the checkpoint's has another number of classes; matched again after the
@@ -43,6 +46,7 @@ import torch
 from torch import nn
 
 from . import weights_pose
+from .weights_sr import basicsr_edsr, edsr_pytorch, etc_rdsn
 
 #: keys a checkpoint's tensors are commonly wrapped under, the first found wins
 WRAPPERS = ("state_dict", "model", "module", "params_ema", "params")
@@ -146,6 +150,19 @@ def _basicsr_vsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                      "not only 'basic_module.*' keys)")
 
 
+def _basicsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BasicSR's checkpoints, told apart by their keys: EDSR (``conv_first``, ``conv_after_body``) or BasicVSR /
+    SPyNet."""
+    if "conv_first.weight" in state and "conv_after_body.weight" in state:
+        return basicsr_edsr(state)
+    try:
+        return _basicsr_vsr(state)
+    except ValueError:
+        raise ValueError("not a BasicSR EDSR, BasicVSR or SPyNet state dict (no 'conv_first.*' and "
+                         "'conv_after_body.*' keys, no 'spynet.*' and 'backward_trunk.*' keys, and not only "
+                         "'basic_module.*' keys)") from None
+
+
 #: layout name -> key conversion into FedSight's names
 LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = {
     "fedsight": dict,
@@ -153,7 +170,9 @@ LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor
     "timm": _timm,
     "vitpose": weights_pose.vitpose,
     "pose_resnet": weights_pose.pose_resnet,
-    "basicsr": _basicsr_vsr,
+    "basicsr": _basicsr,
+    "edsr": edsr_pytorch,
+    "etc_rdsn": etc_rdsn,
 }
 
 
