@@ -157,7 +157,9 @@ def _basicsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return basicsr_edsr(state)
     try:
         return _basicsr_vsr(state)
-    except ValueError:
+    except ValueError as exc:  # (a BasicVSR whose SPyNet constants are wrong says so)
+        if not str(exc).startswith("not a BasicSR"):
+            raise
         raise ValueError("not a BasicSR EDSR, BasicVSR or SPyNet state dict (no 'conv_first.*' and "
                          "'conv_after_body.*' keys, no 'spynet.*' and 'backward_trunk.*' keys, and not only "
                          "'basic_module.*' keys)") from None
@@ -227,7 +229,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "fedsight"
         try:
             state = {k: v for k, v in model.adapt_checkpoint(state).items() if kept(k)}  # (patterns: its names too)
         except ValueError as exc:
-            raise ValueError(f"{path} ({layout} layout): {exc}") from None
+            raise ValueError(f"{path} ({layout} layout) does not fit the model: {exc}") from None
     own = model.state_dict()
     problems = fit_problems(model, state, [k for k in own if kept(k)] if strict else ())
     if problems:

@@ -169,7 +169,7 @@ def test_an_embedding_whose_grid_cannot_be_told_is_refused_naming_the_file(tmp_p
     with pytest.raises(ValueError) as info:
         load_checkpoint(model, path, "vitpose")
     msg = str(info.value)
-    assert msg.startswith(f"{path} (vitpose layout): backbone.pos_embed has 30 patch positions") and "\n" not in msg
+    assert msg.startswith(f"{path} (vitpose layout) does not fit the model: backbone.pos_embed has 30 patch positions") and "\n" not in msg
     assert "model.image_size" in msg
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 

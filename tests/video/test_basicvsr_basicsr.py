@@ -96,7 +96,7 @@ def test_a_checkpoint_that_does_not_fit_is_one_error_and_nothing_loads(case, tmp
         scale, match = 2, r"keys the model does not have: upconv2.bias, upconv2.weight"
     elif case == "edsr":
         state = {"conv_first.weight": torch.zeros(64, 3, 3, 3), "body.0.conv1.weight": torch.zeros(64, 64, 3, 3)}
-        match = "not a BasicSR BasicVSR or SPyNet state dict"
+        match = "not a BasicSR EDSR, BasicVSR or SPyNet state dict"
     else:
         params = {**TINY, "spynet_hidden": [4, 4, 4, 5]}
         match = r"shapes do not fit: spynet.basic_module.0.basic_module.6.bias \[4\] vs the model.s \[5\]"
