@@ -1,0 +1,152 @@
+"""The paper presets (``examples/paper/*.toml``, docs/paper_presets.md): one config per headline table of each seed
+paper at the paper's scale, for a GPU.
+
+CI checks, per preset: the config validates with every variant and grid point; it names the published weights it
+expects (a path under ``weights/``, absent in CI, so loading is skipped: the run's ``[init]`` is removed) or says
+in its header why it loads none; its header quotes the paper's numbers; docs/paper_presets.md has its row; its data
+build from a tiny on-disk fixture of the real layout (``tests/paper_fixtures.py``); its model builds at the
+preset's size (on the meta device; the parameter count checked against the published one where there is one),
+and the task's model takes one training batch of the fixture to a finite loss. Under the suite's slow flag
+(``FEDSIGHT_SLOW=1``) each preset's first variant runs ``--smoke`` on the fixture.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fedsight
+from fedsight.api import build_task
+from fedsight.config import read_toml
+from fedsight.models import build_model
+from fedsight.sweep import expand
+
+from paper_fixtures import overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "examples" / "paper").glob("*.toml"))
+DOC = ROOT / "docs" / "paper_presets.md"
+
+#: models registered on other branches of issue 46 (the lead empties this set when merging them): a preset that
+#: uses one is skipped, saying so
+PENDING_MODELS = {"rvrt", "rdsn_etc"}
+
+#: published parameter counts of the presets' models at 1000 classes and the classifier's input width, so the count
+#: at the preset's number of classes is count - (width + 1) * (1000 - classes): torchvision's model tables
+PUBLISHED = {"resnet18_imagenet": (11_689_512, 512), "mobilenetv2": (3_504_872, 1280)}
+
+#: the number of outputs each preset's model has on the paper's data (the fixture has fewer classes)
+OUTPUTS = {"fedvg_cifar10": 10, "fed3r_cifar100": 100, "personalized_gl": 2028, "raf_table2": 16,
+           "feddrive_cityscapes": 19, "ladd_cityscapes": 19}
+
+
+def _raw(preset: Path) -> dict:
+    return read_toml(preset)
+
+
+def _pending(preset: Path) -> None:
+    model = _raw(preset)["model"]["name"]
+    if model in PENDING_MODELS:
+        pytest.skip(f"model {model} is merged from another branch")
+
+
+def _ids(paths):
+    return [p.stem for p in paths]
+
+
+def test_there_is_a_preset_per_headline_table():
+    assert {p.stem for p in PRESETS} == {
+        "fedvsr_table1_reds", "fedvsr_table1_kinetics", "ppfl_rdsn_tables", "raf_table2", "fedvg_cifar10",
+        "fed3r_cifar100", "personalized_gl", "feddrive_cityscapes", "ladd_cityscapes"}
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
+def test_preset_validates_with_every_variant(preset):
+    _pending(preset)
+    raw = _raw(preset)
+    specs = expand(raw, preset.name)
+    grid = raw.get("sweep", {}).get("grid", {})
+    points = math.prod(len(v) for v in grid.values()) if grid else 1
+    seeds = len(raw.get("sweep", {}).get("seeds", [0]))
+    assert len(specs) == len(raw.get("variants", [None])) * points * seeds
+    assert all(s.run_dir.parts[:2] == ("runs", "paper") for s in specs)
+    assert {s.config.model.name for s in specs} == {raw["model"]["name"]}
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
+def test_preset_names_its_weights_and_the_papers_numbers(preset):
+    text = preset.read_text()
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    assert "\n# Weights:" in header, f"{preset.name}: say which weights it expects (or why none)"
+    assert re.search(r"^# (Paper|Thesis) \(", header, re.M), f"{preset.name}: quote the paper's numbers"
+    assert re.search(r"\d+\.\d", header.split("# Paper (")[-1].split("# Thesis (")[-1])
+    weights = _raw(preset).get("init", {}).get("weights")
+    if weights is not None:
+        assert weights.startswith("weights/") and Path(weights).name in header
+        assert not (ROOT / weights).exists()  # published weights are never committed
+    row = [line for line in DOC.read_text().splitlines() if line.startswith(f"| [`{preset.stem}`]")]
+    assert len(row) == 1, f"docs/paper_presets.md has no row for {preset.stem}"
+    if weights is not None:
+        assert Path(weights).name in row[0]
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
+def test_preset_model_at_paper_size(preset):
+    _pending(preset)
+    raw = _raw(preset)
+    params = {k: v for k, v in raw["model"].items() if k != "name"}
+    with torch.device("meta"):
+        model = build_model(raw["model"]["name"], params, num_outputs=OUTPUTS[preset.stem], in_channels=3)
+    count = sum(p.numel() for p in model.parameters())
+    if raw["model"]["name"] in PUBLISHED:
+        total, width = PUBLISHED[raw["model"]["name"]]
+        assert count == total - (width + 1) * (1000 - OUTPUTS[preset.stem])
+    assert count > 1_000_000  # the paper's model, not a CPU stand-in
+
+
+def _fast_trunc_normal(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+    """``torch.nn.init.trunc_normal_`` drawn as a clamped normal: the same support and nearly the same values,
+    without the inverse-error-function pass that takes 6 s for ViT-S's 22M weights on a CPU."""
+    with torch.no_grad():
+        return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
+def test_preset_data_build_from_its_layout_and_train_one_batch(preset, tmp_path, monkeypatch):
+    _pending(preset)
+    monkeypatch.setattr(torch.nn.init, "trunc_normal_", _fast_trunc_normal)
+    raw = _raw(preset)
+    raw.pop("init", None)  # the published weights are not in CI
+    first = raw.get("variants", [{}])[0].get("name")
+    specs = expand(raw, preset.name, only=[first] if first else (), typed=[(k.split("."), v) for k, v in
+                                                                           overrides(raw, tmp_path).items()])
+    cfg = specs[0].config
+    task = build_task(cfg)
+    assert task.num_clients == cfg.partition.num_clients and task.num_train_examples(0) > 0
+    torch.manual_seed(0)
+    model = task.build_model()
+    assert type(model).__module__.startswith("fedsight.models")
+    inputs, targets = task.train_batch(0, torch.arange(min(2, task.num_train_examples(0))))
+    loss = task.loss(model(inputs), targets)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
+def test_preset_runs_under_smoke_on_its_fixture(preset, tmp_path, monkeypatch):
+    _pending(preset)
+    monkeypatch.chdir(tmp_path)
+    raw = _raw(preset)
+    raw.pop("init", None)
+    first = raw.get("variants", [{}])[0].get("name")
+    grid = raw.get("sweep", {}).get("grid", {})
+    over = {**overrides(raw, tmp_path / "data"), "run.output_dir": "out",
+            **({"sweep.grid": {k: v[:1] for k, v in grid.items()}} if grid else {})}
+    results = fedsight.run(raw, smoke=True, variants=[first] if first else (), **over)
+    for res in results if isinstance(results, list) else [results]:
+        assert res.status == "complete", res.run_dir
+        assert any(k.startswith("test/") for k in res.history[-1])
