@@ -177,6 +177,7 @@ def overrides(raw: dict[str, Any], root: Path) -> dict[str, Any]:
         else:
             out["data.train_dir"] = str(write_image_folder(root / "all", per_class=16))
         out["data.image_size"] = 12
+        out["data.test_fraction"] = 0.25 if not data.get("test_dir") else None
         if raw["partition"]["name"] == "classes":
             clients = 4  # one class each, as the preset
         out["partition.min_size"] = 1 if raw["partition"]["name"] == "dirichlet" else None

@@ -82,16 +82,64 @@ def test_preset_names_its_weights_and_the_papers_numbers(preset):
     text = preset.read_text()
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
     assert "\n# Weights:" in header, f"{preset.name}: say which weights it expects (or why none)"
-    assert re.search(r"^# (Paper|Thesis) \(", header, re.M), f"{preset.name}: quote the paper's numbers"
-    assert re.search(r"\d+\.\d", header.split("# Paper (")[-1].split("# Thesis (")[-1])
+    numbers = re.split(r"^# (?:Paper|Thesis) \(", header, flags=re.M)
+    assert len(numbers) == 2, f"{preset.name}: quote the paper's numbers under '# Paper (...' or '# Thesis (...'"
+    for variant in _raw(preset).get("variants", []):  # each variant beside its number, or said to have none
+        name = re.escape(variant["name"])
+        beside = (rf"(?<![\w+]){name}(?![\w+])(?:\s+\([^)\n]*\))?\s+(?:[A-Z]\w*\s+)?\d+\.\d",  # name (note) 12.3
+                  rf"(?<![\w+]){name}(?![\w+])[^\n:]*:\s*no [^\n]*number")  # "name, other: no ... number"
+        assert any(re.search(b, numbers[1]) for b in beside), \
+            f"{preset.name}: no number beside variant {variant['name']!r}"
     weights = _raw(preset).get("init", {}).get("weights")
     if weights is not None:
         assert weights.startswith("weights/") and Path(weights).name in header
         assert not (ROOT / weights).exists()  # published weights are never committed
     row = [line for line in DOC.read_text().splitlines() if line.startswith(f"| [`{preset.stem}`]")]
     assert len(row) == 1, f"docs/paper_presets.md has no row for {preset.stem}"
+    cells = row[0].split(" | ")
+    assert cells[3].startswith(f"`{_raw(preset)['model']['name']}`"), "the docs' model column is the preset's model"
     if weights is not None:
-        assert Path(weights).name in row[0]
+        assert Path(weights).name in cells[4]
+
+
+def _published_names(model: torch.nn.Module, layout: str) -> dict[str, torch.Tensor]:
+    """The model's state dict under the key names its published checkpoint uses (torchvision's ``resnet*`` and
+    ``mobilenet_v2``: ``conv1``/``bn1``/``layerN``/``fc``, ``features.N[.conv]``/``classifier.1``), with
+    torchvision's 1000-class classifier, as the file holds it."""
+    assert layout == "torchvision", f"no published key names written for layout {layout!r}"
+    out = {}
+    for key, value in model.state_dict().items():
+        if key.startswith("head."):
+            cls = "fc" if hasattr(model.backbone, "layer1") else "classifier.1"
+            value = torch.zeros(1000, *value.shape[1:]) if value.dim() > 1 else torch.zeros(1000)
+            out[key.replace("head.", f"{cls}.", 1)] = value
+        else:
+            out[re.sub(r"^backbone\.(features\.\d+)\.block\.", r"\1.conv.", key).removeprefix("backbone.")] = value
+    return out
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
+def test_preset_init_places_every_key_of_the_published_checkpoint(preset, monkeypatch):
+    """The published file is not in CI: a state dict with its key names (and its 1000-class classifier) stands in,
+    and the preset's ``[init]`` (layout, exclude, strict) must place every key of it into the preset's model."""
+    _pending(preset)
+    raw = _raw(preset)
+    if "init" not in raw:
+        pytest.skip(f"{preset.stem} loads no published weights (its header says why)")
+    from fedsight import weights as W
+
+    params = {k: v for k, v in raw["model"].items() if k != "name"}
+    init = raw["init"]
+    donor = build_model("mobilenetv2" if raw["model"]["name"] == "deeplabv3_mobilenetv2" else raw["model"]["name"],
+                        {"cifar_stem": False} if "mobilenet" in raw["model"]["name"] else params,
+                        num_outputs=1000, in_channels=3)  # DeepLab's backbone: the ImageNet MobileNetV2's
+    published = _published_names(donor, init["layout"])
+    monkeypatch.setattr(W, "read_checkpoint", lambda path: dict(published))
+    model = build_model(raw["model"]["name"], params, num_outputs=OUTPUTS[preset.stem], in_channels=3)
+    loaded = W.load_checkpoint(model, init["weights"], init["layout"], strict=init.get("strict", True),
+                               exclude=init.get("exclude", ()))
+    assert len(loaded) == len(published) - 2  # all but the classifier (weight, bias)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in loaded.items())
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
@@ -125,6 +173,8 @@ def test_preset_data_build_from_its_layout_and_train_one_batch(preset, tmp_path,
     specs = expand(raw, preset.name, only=[first] if first else (), typed=[(k.split("."), v) for k, v in
                                                                            overrides(raw, tmp_path).items()])
     cfg = specs[0].config
+    if getattr(cfg.data, "split_file", None) is not None:  # a published client split fixes the clients
+        assert cfg.partition.name == "predefined"
     task = build_task(cfg)
     assert task.num_clients == cfg.partition.num_clients and task.num_train_examples(0) > 0
     torch.manual_seed(0)
