@@ -39,7 +39,8 @@ FLOOR = 0.005  # seconds: the assumed launch-bound time of one small training st
 SIZES = {
     "fedvg_cifar10": ("fedvg", 10, (32, 32), 390, "CIFAR-10: 65% of 60,000 over 100 clients"),
     "fed3r_cifar100": ("fedavg", 100, (32, 32), 500, "CIFAR-100: one class of 500 a client"),
-    "personalized_gl": ("fed3r+fedavg+oll_fp_psi", 2028, (224, 224), 44, "GL Pers-Users-160k: 80.2 a client, 55% train"),
+    "personalized_gl": ("fed3r+fedavg+oll_fp_psi", 2028, (224, 224), 44,
+                        "GL Pers-Users-160k: 80.2 a client, 55% train"),
     "raf_table2": ("raf_fedavg", 16, (256, 192), 4000, "MPII: 4K instances a client (the high client's size)"),
     "feddrive_cityscapes": ("het_fedavg", 19, (512, 1024), 21, "Cityscapes: 2,975 images over 144 clients"),
     "ladd_cityscapes": ("ladd_cls", 19, (512, 1024), 21, "Cityscapes: 2,975 images over 144 clients"),
