@@ -16,8 +16,10 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import fedsight
 from fedsight.api import build_task
@@ -200,3 +202,69 @@ def test_preset_runs_under_smoke_on_its_fixture(preset, tmp_path, monkeypatch):
     for res in results if isinstance(results, list) else [results]:
         assert res.status == "complete", res.run_dir
         assert any(k.startswith("test/") for k in res.history[-1])
+
+
+# -- examples/paper/cifar_folders.py: the CIFAR binary release into the presets' image folders -------------------
+
+def _cifar_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cifar_folders", ROOT / "examples" / "paper" / "cifar_folders.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _records(path: Path, labels: list[list[int]], seed: int) -> list[bytes]:
+    """Binary CIFAR records: the label bytes, then 3 x 1024 pixel bytes (red, green, blue planes, row-major)."""
+    rng = np.random.default_rng(seed)
+    pixels = [rng.integers(0, 256, 3072, dtype=np.uint8).tobytes() for _ in labels]
+    path.write_bytes(b"".join(bytes(lab) + px for lab, px in zip(labels, pixels)))
+    return pixels
+
+
+def _pixel_planes(png: Path) -> bytes:
+    """A written PNG back in CIFAR's byte order (channel planes, row-major), read independently of the script."""
+    arr = np.asarray(Image.open(png))
+    return b"".join(arr[:, :, k].tobytes() for k in range(3))
+
+
+def test_cifar10_binary_release_into_merged_class_folders(tmp_path):
+    src = tmp_path / "cifar-10-batches-bin"
+    src.mkdir()
+    (src / "batches.meta.txt").write_text("airplane\nautomobile\nbird\n\n")
+    expect = []  # (class, pixels) in file order: train batches 1..5, then test
+    for k, name in enumerate([f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]):
+        labels = [[k % 3], [(k + 1) % 3]]
+        expect += list(zip([lab[0] for lab in labels], _records(src / name, labels, k)))
+    assert _cifar_script().main([str(src), str(tmp_path / "out"), "--merged"]) == 0
+    names = ["airplane", "automobile", "bird"]
+    for i, (label, pixels) in enumerate(expect):
+        assert _pixel_planes(tmp_path / "out" / "all" / names[label] / f"{i:05d}.png") == pixels
+    assert sum(1 for _ in (tmp_path / "out").rglob("*.png")) == len(expect)
+
+
+def test_cifar100_keeps_the_fine_label_and_splits_train_test(tmp_path):
+    src = tmp_path / "cifar-100-binary"
+    src.mkdir()
+    (src / "fine_label_names.txt").write_text("apple\naquarium_fish\nbaby\n")
+    train = _records(src / "train.bin", [[7, 2], [7, 0]], 0)  # coarse label 7 is not a class: the fine one is kept
+    test = _records(src / "test.bin", [[1, 1]], 1)
+    assert _cifar_script().main([str(src), str(tmp_path / "out")]) == 0
+    assert _pixel_planes(tmp_path / "out" / "train" / "baby" / "00000.png") == train[0]
+    assert _pixel_planes(tmp_path / "out" / "train" / "apple" / "00001.png") == train[1]
+    assert _pixel_planes(tmp_path / "out" / "test" / "aquarium_fish" / "00000.png") == test[0]
+
+
+def test_cifar_truncated_file_is_one_line_and_writes_nothing(tmp_path, capsys):
+    src = tmp_path / "cifar-100-binary"
+    src.mkdir()
+    (src / "fine_label_names.txt").write_text("apple\n")
+    _records(src / "train.bin", [[0, 0]], 0)
+    (src / "test.bin").write_bytes(b"\x00" * 100)
+    assert _cifar_script().main([str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(src / "test.bin") in err and "3074-byte" in err
+    assert not (tmp_path / "out").exists()
+    assert _cifar_script().main([str(tmp_path), str(tmp_path / "out")]) == 2  # not a CIFAR folder
+    assert "neither CIFAR-10's" in capsys.readouterr().err
