@@ -1,5 +1,6 @@
 """CIFAR-10 / CIFAR-100 from their official binary release into the image folders the paper presets read
-(``fedvg_cifar10.toml``: ``data/cifar10/all/<class>/``, ``fed3r_cifar100.toml``: ``data/cifar100/{train,test}/<class>/``).
+(``fedvg_cifar10.toml``: ``data/cifar10/all/<class>/``; ``fed3r_cifar100.toml``:
+``data/cifar100/{train,test}/<class>/``).
 
 The binary version (cifar-10-binary.tar.gz, cifar-100-binary.tar.gz from www.cs.toronto.edu/~kriz/cifar.html),
 unpacked, is read as raw records, never unpickled: CIFAR-10's are 1 label byte + 3,072 pixel bytes
