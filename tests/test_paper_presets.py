@@ -41,9 +41,17 @@ PENDING_MODELS = {"rvrt", "rdsn_etc"}
 #: at the preset's number of classes is count - (width + 1) * (1000 - classes): torchvision's model tables
 PUBLISHED = {"resnet18_imagenet": (11_689_512, 512), "mobilenetv2": (3_504_872, 1280)}
 
-#: the number of outputs each preset's model has on the paper's data (the fixture has fewer classes)
-OUTPUTS = {"fedvg_cifar10": 10, "fed3r_cifar100": 100, "personalized_gl": 2028, "raf_table2": 16,
-           "feddrive_cityscapes": 19, "ladd_cityscapes": 19}
+#: what each preset's model is told about its inputs and outputs on the paper's data (``ModelIO`` fields: the
+#: fixture has fewer classes)
+IO = {"fedvg_cifar10": {"num_outputs": 10}, "fed3r_cifar100": {"num_outputs": 100},
+      "personalized_gl": {"num_outputs": 2028}, "raf_table2": {"num_outputs": 16},
+      "feddrive_cityscapes": {"num_outputs": 19}, "ladd_cityscapes": {"num_outputs": 19},
+      "fedvsr_table1_reds": {"num_outputs": 3, "scale": 4, "num_frames": 30},
+      "fedvsr_table1_kinetics": {"num_outputs": 3, "scale": 4, "num_frames": 30},
+      "ppfl_rdsn_tables": {"num_outputs": 3, "scale": 2}}
+
+#: parameter counts the papers print for their models (rounded as printed: FedVSR's Table 1, 10.8M)
+PAPER_COUNTS = {"rvrt": (10.75e6, 10.85e6)}
 
 
 def _raw(preset: Path) -> dict:
@@ -137,7 +145,7 @@ def test_preset_init_places_every_key_of_the_published_checkpoint(preset, monkey
                         num_outputs=1000, in_channels=3)  # DeepLab's backbone: the ImageNet MobileNetV2's
     published = _published_names(donor, init["layout"])
     monkeypatch.setattr(W, "read_checkpoint", lambda path: dict(published))
-    model = build_model(raw["model"]["name"], params, num_outputs=OUTPUTS[preset.stem], in_channels=3)
+    model = build_model(raw["model"]["name"], params, in_channels=3, **IO[preset.stem])
     loaded = W.load_checkpoint(model, init["weights"], init["layout"], strict=init.get("strict", True),
                                exclude=init.get("exclude", ()))
     assert len(loaded) == len(published) - 2  # all but the classifier (weight, bias)
@@ -150,11 +158,14 @@ def test_preset_model_at_paper_size(preset):
     raw = _raw(preset)
     params = {k: v for k, v in raw["model"].items() if k != "name"}
     with torch.device("meta"):
-        model = build_model(raw["model"]["name"], params, num_outputs=OUTPUTS[preset.stem], in_channels=3)
+        model = build_model(raw["model"]["name"], params, in_channels=3, **IO[preset.stem])
     count = sum(p.numel() for p in model.parameters())
     if raw["model"]["name"] in PUBLISHED:
         total, width = PUBLISHED[raw["model"]["name"]]
-        assert count == total - (width + 1) * (1000 - OUTPUTS[preset.stem])
+        assert count == total - (width + 1) * (1000 - IO[preset.stem]["num_outputs"])
+    if raw["model"]["name"] in PAPER_COUNTS:
+        low, high = PAPER_COUNTS[raw["model"]["name"]]
+        assert low <= count <= high
     assert count > 1_000_000  # the paper's model, not a CPU stand-in
 
 
