@@ -106,6 +106,19 @@ def write_image_folder(root: Path, classes: int = 4, per_class: int = 6, size: i
     return root
 
 
+def write_federated_csv(root: Path) -> tuple[Path, Path, Path]:
+    """Hsu et al.'s CSV split (federated_train.csv: user_id, image_id, class; test.csv) over GLDv2's nested
+    train/a/b/c/<id>.jpg tree: users u0 (6 images), u1 (5) and u2 (1, below a min_images of 2)."""
+    rows = [(f"u{k % 2}", f"{'abcdef'[k % 6]}{k}{'fedcba'[k % 6]}{k}", 5 + 4 * (k % 3 == 0)) for k in range(11)]
+    rows.append(("u2", "f6a5", 9))
+    for _, image_id, _ in rows + [("", "a7f6", 5), ("", "b8e7", 9)]:
+        _png(root / "train" / image_id[0] / image_id[1] / image_id[2] / f"{image_id}.jpg", 12, 12)
+    train, test = root / "federated_train.csv", root / "test.csv"
+    train.write_text("user_id,image_id,class\n" + "".join(f"{u},{i},{c}\n" for u, i, c in rows))
+    test.write_text("image_id,class\na7f6,5\nb8e7,9\n")
+    return root, train, test
+
+
 # -- segmentation: Cityscapes (+ FedDrive's LEAF JSON), GTA5 (+ LADD's list) -------------------------------------
 
 CITYSCAPES_IDS = np.r_[np.arange(34), 255]
@@ -166,7 +179,7 @@ def overrides(raw: dict[str, Any], root: Path) -> dict[str, Any]:
     elif name == "div2k":
         out["data.root"] = str(write_div2k(root / "DIV2K"))
         out["data.test_sets"] = [str(write_benchmark(root / "benchmark" / "Set5"))]
-        out["data.patch_size"] = 6
+        out["data.patch_size"] = 16  # rdsn_etc's U-Net pools 4 times at the authors' size: 16 LR pixels a side
     elif name == "mpii":
         out["data.root"] = str(write_mpii(root / "mpii"))
         clients = 3  # one per rung of the ladder
@@ -181,6 +194,10 @@ def overrides(raw: dict[str, Any], root: Path) -> dict[str, Any]:
         if raw["partition"]["name"] == "classes":
             clients = 4  # one class each, as the preset
         out["partition.min_size"] = 1 if raw["partition"]["name"] == "dirichlet" else None
+    elif name == "federated_csv":
+        data_root, train, test = write_federated_csv(root / "gldv2")
+        out.update({"data.root": str(data_root), "data.train_csv": str(train), "data.test_csv": str(test),
+                    "data.min_images": 2, "data.image_size": 12, "data.workers": 0})
     elif name == "cityscapes":
         out["data.root"] = str(write_cityscapes(root / "cityscapes"))
         out["data.split_file"] = str(write_feddrive_split(root / "feddrive" / "all_data_0.json"))

@@ -35,7 +35,7 @@ DOC = ROOT / "docs" / "paper_presets.md"
 
 #: models registered on other branches of issue 46 (the lead empties this set when merging them): a preset that
 #: uses one is skipped, saying so
-PENDING_MODELS = {"rvrt", "rdsn_etc"}
+PENDING_MODELS = {"rvrt"}
 
 #: published parameter counts of the presets' models at 1000 classes and the classifier's input width, so the count
 #: at the preset's number of classes is count - (width + 1) * (1000 - classes): torchvision's model tables
