@@ -7,7 +7,8 @@ Choices:
   command line goes through ``html.escape``.
 * The same sections as ``report.md`` (``fedsight.reporting.document``): per task (and dataset where the metrics
   differ) the comparison table (mean ± std, best in bold), the paired comparisons with the baseline (Δ, 95% CI,
-  verdict), the groups and their run folders, and the curves; then, per section, the partition heat maps
+  verdict), the groups and their run folders, the curves, the cost to each ``--target`` and the metric against
+  cumulative cost (``cost_target``); then, per section, the partition heat maps
   drawn from the runs' ``partition.json`` (one per distinct partition, naming the groups that share it) and
   every PNG the runs wrote under ``plots/`` (task visuals, those of sub-folders such as ``plots/visuals/`` after
   the top-level ones, the run's own curves last), in a collapsed ``<details>`` per group and run, so the page
@@ -300,6 +301,14 @@ def _section(s: Any, out: Path, budget: _Budget, heading: str) -> str:
     curves = _read_png(out / s.curves, 64 << 20)
     parts.append(_img(curves, f"comparison curves of {s.title}") if curves is not None
                  else f"<p class=note>{_e(s.curves)} could not be read.</p>")
+    if s.targets:
+        from .cost_target import targets_html
+
+        parts += ["<h3>Cost to target</h3>", targets_html(s.targets)]
+    if s.cost_curves:
+        cost = _read_png(out / s.cost_curves, 64 << 20)
+        parts += ["<h3>Metric against cost</h3>", _img(cost, f"metric against cost, {s.title}") if cost is not None
+                  else f"<p class=note>{_e(s.cost_curves)} could not be read.</p>"]
     parts += [_heatmaps(s), _visuals(s, budget)]
     return "\n".join(p for p in parts if p)
 
