@@ -139,7 +139,7 @@ def _comparisons_table(table: Any) -> str:
     many_sel = len({c.selection for c in rows}) > 1
     title = f"Compared with the baseline {bases[0]}" if len(bases) == 1 else "Compared with the baselines"
     heads = ["metric", "run", *(["baseline"] if len(bases) > 1 else []), *(["selection"] if many_sel else []),
-             "n", "Δ", f"{CONFIDENCE:.0%} CI", "verdict"]
+             "n", "Δ", f"{CONFIDENCE:.0%} CI", "verdict", "Wilcoxon p"]
     out = [f"<h3>{_e(title)}</h3>", f"<p class=note>{_e(table.comparison_note(selection_column=many_sel))}</p>",
            "<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead>"]
     by_metric: dict[str, list[Any]] = {}
@@ -153,7 +153,8 @@ def _comparisons_table(table: Any) -> str:
             cells += [f"<td>{_e(c.group)}</td>"] + ([f"<td>{_e(c.baseline)}</td>"] if len(bases) > 1 else [])
             cells += [f"<td>{_e(c.selection)}</td>"] if many_sel else []
             cells += [f"<td class=num>{c.stats.n}</td>", f"<td class=num>{_e(delta)}</td>",
-                      f"<td class=num>{_e(ci)}</td>", f"<td class={_VERDICT_CLASS.get(verdict, 'noise')}>{_e(verdict)}</td>"]
+                      f"<td class=num>{_e(ci)}</td>", f"<td class={_VERDICT_CLASS.get(verdict, 'noise')}>{_e(verdict)}</td>",
+                      f"<td class=num>{_e(table._wilcoxon_cell(c))}</td>"]
             out.append("<tr>" + "".join(cells) + "</tr>")
         out.append("</tbody>")
     return "\n".join(out + ["</table>"])
