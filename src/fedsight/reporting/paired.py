@@ -70,7 +70,8 @@ def paired_difference(method: Mapping[int, float], baseline: Mapping[int, float]
     ``PairedDifference``). The interval is mean ± t.ppf((1 + CONFIDENCE) / 2, n - 1) · s / sqrt(n), s the
     sample std (ddof=1) of the differences: what ``scipy.stats.ttest_rel(method, baseline)
     .confidence_interval()`` gives, so a verdict other than "within noise" means a two-sided paired t-test
-    p-value below 1 - CONFIDENCE. ``wilcoxon`` is ``wilcoxon_p`` of the differences (None below 2 pairs, as the interval)."""
+    p-value below 1 - CONFIDENCE. ``wilcoxon`` is ``wilcoxon_p`` of the differences (None below 2 pairs, as the
+    interval)."""
     from scipy import stats
 
     seeds = tuple(sorted(set(method) & set(baseline)))
