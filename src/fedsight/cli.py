@@ -156,8 +156,9 @@ def run(
     rep = report(dirs, group)
     rep.print(console)
     _say(f"runs: {', '.join(str(d) for d in dirs)}")
+    costs = [str(group / s.cost_curves) for s in rep.sections if s.cost_curves]
     _say(f"report: {group / 'report.md'}  {group / 'report.html'}  curves: "
-         + ", ".join(str(group / s.curves) for s in rep.sections))
+         + ", ".join(str(group / s.curves) for s in rep.sections) + (f"  cost: {', '.join(costs)}" if costs else ""))
 
 
 def _run_specs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
