@@ -138,3 +138,19 @@ def test_bad_target_is_one_line_and_writes_nothing(tmp_path: Path, monkeypatch: 
     assert res.exit_code == 2, res.output
     assert len(res.output.strip().splitlines()) == 1 and res.output.startswith(message), res.output
     assert not (tmp_path / "rep").exists()
+
+
+def test_run_curves_draw_the_4_byte_count_once_where_it_equals_the_bytes_sent() -> None:
+    from test_run_plots import _plan, sr_rows
+
+    rows = sr_rows()
+    for r in rows:
+        r["cost/up_bytes_fp32"], r["cost/total_up_bytes_fp32"] = r["cost/up_bytes"], r["cost/total_up_bytes"]
+    panels, notes = _plan(rows)
+    drawn = {ln.label for p in panels for ln in p.lines}
+    assert "cost/total_up_bytes_fp32" not in drawn and "cost/total_up_bytes" in drawn
+    assert any("cost/total_up_bytes_fp32 = cost/total_up_bytes" in n for n in notes)
+    for r in rows:  # float64 statistics: half the bytes at 4 a number, drawn beside them
+        r["cost/up_bytes_fp32"], r["cost/total_up_bytes_fp32"] = r["cost/up_bytes"] / 2, r["cost/total_up_bytes"] / 2
+    (total,) = [p for p in _plan(rows)[0] if p.title.startswith("Cumulative communication")]
+    assert "cost/total_up_bytes_fp32" in [ln.label for ln in total.lines]
