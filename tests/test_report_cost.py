@@ -154,3 +154,10 @@ def test_run_curves_draw_the_4_byte_count_once_where_it_equals_the_bytes_sent() 
         r["cost/up_bytes_fp32"], r["cost/total_up_bytes_fp32"] = r["cost/up_bytes"] / 2, r["cost/total_up_bytes"] / 2
     (total,) = [p for p in _plan(rows)[0] if p.title.startswith("Cumulative communication")]
     assert "cost/total_up_bytes_fp32" in [ln.label for ln in total.lines]
+
+
+def test_a_bare_target_applies_to_the_primary_metric_even_when_the_table_shows_others(tmp_path: Path) -> None:
+    dirs = [write_run(tmp_path, "a", s, [0.5, 0.8]) for s in (0, 1)]
+    rep = report(dirs, tmp_path / "rep", ["test/loss"], targets=["0.7"])
+    assert [(t.metric, [r.round for r in t.reaches]) for t in rep.sections[0].targets] == [("test/acc", [2, 2])]
+    assert rep.sections[0].cost_metrics == ("test/acc", "test/loss")  # the target's, then the asked

@@ -136,12 +136,11 @@ def plan_report(run_dirs: Iterable[StrPath], metrics: list[str] | None = None, *
             note = (f"The baseline {baseline} is not among these runs: compared with {table.baseline}. {note}").strip()
         curves = CURVES_FILE if len(parts) == 1 else f"curves-{part.slug}.png"
         directions = {r.metric: r.higher_is_better for r in table.rows}
-        for t in goals:  # a target metric this section logs but does not show: its direction from the runs
-            if t.metric and t.metric not in directions:
-                dirs = {r.direction(t.metric) for r in part.runs if t.metric in r.series}
-                directions[t.metric] = dirs.pop() if len(dirs) == 1 else None
-        logged = {k for r in part.runs for k in r.series}
         primary = part.runs[0].primary
+        for m in {t.metric or primary for t in goals} - {None, *directions}:  # logged here, not in the table
+            dirs = {r.direction(m) for r in part.runs if m in r.series}
+            directions[m] = dirs.pop() if len(dirs) == 1 else None
+        logged = {k for r in part.runs for k in r.series}
         resolved = resolve(goals, primary, directions, logged)
         rows = target_rows(table.groups, members, resolved)
         cost_file, shown = None, ()
