@@ -277,7 +277,7 @@ def targets_html(rows: Sequence[TargetRow]) -> str:
         out.append("<tbody>")
         for i, r in enumerate(rs):
             first = f'<td rowspan="{len(rs)}">{e(label)}</td>' if i == 0 else ""
-            cells = "".join(f"<td class=num>{e(c)}</td>" for c in r.cells())
+            cells = "".join(f"<td class=num>{e(c).replace(' [', '<br>[')}</td>" for c in r.cells())  # CI below
             out.append(f"<tr>{first}<td>{e(r.group)}</td>{cells}</tr>")
         out.append("</tbody>")
     return "\n".join(out + ["</table>"])
