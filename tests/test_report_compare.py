@@ -116,9 +116,9 @@ def test_one_common_seed_has_no_interval_and_says_so(tmp_path: Path) -> None:
     assert comparison(table, "none").stats.n == 0 and comparison(table, "none").stats.mean is None
     md = (tmp_path / "rep" / "report.md").read_text()
     (line,) = [ln for ln in md.splitlines() if ln.startswith("| test/acc ↑ | one | base |")]
-    assert line.endswith("| 1 | +0.1000 | n/a (1 seed) | n < 2: no interval |")
+    assert line.endswith("| 1 | +0.1000 | n/a (1 seed) | n < 2: no interval | — |")  # no Wilcoxon p either
     (line,) = [ln for ln in md.splitlines() if ln.startswith("| test/acc ↑ | none | base |")]
-    assert line.endswith("| 0 | — | n/a (no common seed) | n < 2: no interval |")
+    assert line.endswith("| 0 | — | n/a (no common seed) | n < 2: no interval | — |")
 
 
 finite = st.floats(min_value=-100, max_value=100, allow_nan=False, allow_subnormal=False)

@@ -150,7 +150,7 @@ def test_report_html_of_a_tiny_sweep_renders_in_chromium(tmp_path: Path, monkeyp
     assert "Compared with the baseline fedavg" in text and "95% CI" in text
     assert text.count("<figcaption>Partition of fedavg, fedadam") == 2  # each seed deals its own; variants share it
     assert text.count("This run wrote no pictures under plots/.") == 4
-    _assert_renders(tmp_path / "runs/quick/report.html", 1 + 2)  # the curves and the two partitions
+    _assert_renders(tmp_path / "runs/quick/report.html", 1 + 1 + 2)  # the curves, the cost figure, two partitions
 
 
 @needs_chromium

@@ -156,8 +156,9 @@ def run(
     rep = report(dirs, group)
     rep.print(console)
     _say(f"runs: {', '.join(str(d) for d in dirs)}")
+    costs = [str(group / s.cost_curves) for s in rep.sections if s.cost_curves]
     _say(f"report: {group / 'report.md'}  {group / 'report.html'}  curves: "
-         + ", ".join(str(group / s.curves) for s in rep.sections))
+         + ", ".join(str(group / s.curves) for s in rep.sections) + (f"  cost: {', '.join(costs)}" if costs else ""))
 
 
 def _run_specs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
@@ -281,6 +282,8 @@ def report(
     select: Annotated[str, typer.Option(help="Which evaluation stands for a run: final (its last), best (its best "
                                              "round, selected on the test set for test metrics) or last:N (the "
                                              "mean of its last N).")] = "final",
+    target: Annotated[Optional[list[str]], typer.Option(help="Tabulate rounds, bytes and FLOPs to first reach "
+                                                         "VALUE (primary metric) or METRIC=VALUE.")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing report file or --csv file (not needed "
                                              "for the unchanged files of an earlier report into the same --out)."
                                         )] = False,
@@ -289,7 +292,7 @@ def report(
     differ only by seed (the best per metric in bold within each grid point), and every run against the baseline:
     the per-seed paired difference of each metric with a direction, its mean, 95% CI (Student t), n and a verdict
     (better, worse, within noise). Writes report.md, report.html (one self-contained page, with the partitions and
-    the runs' pictures) and the curves into --out."""
+    the runs' pictures), the curves and the metric against cumulative bytes and client FLOPs into --out."""
     from .reporting import write_csv
     from .reporting.document import plan_report, write_report
     from .reporting.outputs import RECORD, Outputs
@@ -298,8 +301,8 @@ def report(
     runs = _find_runs(paths)
     _guard(check_output_folder, out, "--out", force=force)
     try:
-        rep = plan_report(runs, metric or None, baseline=baseline, select=select)
-    except ConfigError as exc:  # a bad --baseline or --select: nothing written
+        rep = plan_report(runs, metric or None, baseline=baseline, select=select, targets=target)
+    except ConfigError as exc:  # a bad --baseline, --select or --target: nothing written
         _fail(str(exc))
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 1)

@@ -8,6 +8,12 @@ Conventions, the thesis's where it states one:
   within a stage and are not re-sent, so FedAvg(phi) costs b down and FedAvg(psi) dC (Table 3.2). Fed3R
   and FedNCM clients use the pre-trained, public feature extractor and download nothing. A client
   *uploads* its delta, shared buffers and extras (Fed3R statistics, SCAFFOLD's control delta).
+* **Bytes at 4 a number** (``up_bytes_fp32``, logged as ``cost/up_bytes_fp32`` beside ``cost/up_bytes``): the
+  same upload with every number counted at 4 bytes whatever its dtype, the thesis's convention ("plots multiply
+  by 4 bytes (FP32)", Sec. 3.9.2, Tables 3.2 and 3.7). Fed3R's statistics travel as float64 (the server's
+  solve needs it), so ``cost/up_bytes`` counts them at 8 bytes and shrinks Fed3R's advantage against the
+  thesis's figures by up to half; compare with the thesis on ``cost/total_up_bytes_fp32``. For an FP32 model's
+  update the two are equal. Integer tensors (Fed3R's class ids) count at 4 too: every number sent.
 * **FLOPs** are estimated from the model's forward cost, counted once per model with
   ``torch.utils.flop_counter.FlopCounterMode`` (matrix products and convolutions, 2 FLOPs per
   multiply-add; element-wise work is not counted). A backward pass costs twice the forward of the part it
@@ -73,6 +79,12 @@ def model_cost(model: nn.Module, example: torch.Tensor) -> ModelCost:
 def nbytes(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> int:
     values = tensors.values() if isinstance(tensors, Mapping) else tensors
     return int(sum(t.numel() * t.element_size() for t in values))
+
+
+def result_numbers(result) -> int:
+    """How many numbers a ``ClientResult`` uploads: delta, shared buffers and every extra tensor."""
+    tensors = [*result.delta.values(), *result.buffers.values(), *(t for v in result.extras.values() for t in v.values())]
+    return int(sum(t.numel() for t in tensors))
 
 
 def result_bytes(result) -> int:

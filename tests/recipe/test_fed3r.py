@@ -95,8 +95,11 @@ def test_each_client_reports_once_and_sync_after_all_groups_equals_fed3r():
         ck = len(np.unique(task.ys[c].numpy()))
         exact += 8 * (p * (p + 1) // 2 + ck * p + ck + ck)  # A upper, b rows, class ids (int64), counts
     assert sim1.totals["up_bytes"] == exact
+    # the thesis's count (Sec. 3.9.2): every number at 4 bytes, half the float64 and int64 bytes here
+    assert sim1.totals["up_bytes_fp32"] == exact / 2
     assert sim1.totals["down_bytes"] == 0  # the public pre-trained extractor is not downloaded
     assert sim2.totals["up_bytes"] == 5 * 8 * (p * (p + 1) // 2 + 4 * p + 4 + 4)
+    assert sim2.totals["up_bytes_fp32"] == 5 * 4 * (p * (p + 1) // 2 + 4 * p + 4 + 4)
 
 
 def test_rejected_client_is_revisited_and_resume_mid_stage_is_identical():
@@ -188,3 +191,14 @@ def test_fed3r_rf_head_follows_the_models_dtype():
     assert isinstance(model.head, RFFHead) and model.head.linear.weight.dtype == torch.float64
     out = model(torch.randn(5, 3, dtype=torch.float64))
     assert out.dtype == torch.float64 and out.shape == (5, 2)
+
+
+def test_an_fp32_model_update_costs_the_same_at_4_bytes_a_number():
+    """``cost/up_bytes_fp32`` (the thesis's 4 bytes a number) equals ``cost/up_bytes`` for an FP32 model's update,
+    round by round and in total."""
+    sim = toy_sim(rounds=2)
+    rows = [sim.train_round(r)[0] for r in (1, 2)]
+    n_params = sum(p.numel() for p in sim.global_model.parameters())
+    for i, row in enumerate(rows, start=1):
+        assert row["cost/up_bytes_fp32"] == row["cost/up_bytes"] == 4 * n_params * sim.task.num_clients
+        assert row["cost/total_up_bytes_fp32"] == i * row["cost/up_bytes"]

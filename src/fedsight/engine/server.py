@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cost import nbytes, result_bytes
+from ..cost import nbytes, result_bytes, result_numbers
 from ..device import to_device
 from ..functional.aggregate import normalize, weighted_mean_state
 from ..metrics import MetricState
@@ -72,7 +72,7 @@ class Server:
         self.global_model: nn.Module = model.to(self.device)
         self._gstate = self.global_model.state_dict(keep_vars=True)
         #: cumulative communication and computation over the run
-        self.totals = {"up_bytes": 0.0, "down_bytes": 0.0, "flops": 0.0}
+        self.totals = {"up_bytes": 0.0, "down_bytes": 0.0, "flops": 0.0, "up_bytes_fp32": 0.0}
         #: named tensors server-side parts establish for later rounds and stages (``ServerContext.facts``)
         self.facts: dict[str, torch.Tensor] = {}
         #: the server's secret the client sample is drawn from (None: the seed; ``engine.plan.sample_clients``)
@@ -197,7 +197,7 @@ class Server:
         by_client = {rep.client: rep for rep in replies}
         results: list[ClientResult] = []
         device = self.device
-        spent = {"up_bytes": 0.0, "flops": 0.0}
+        spent = {"up_bytes": 0.0, "flops": 0.0, "up_bytes_fp32": 0.0}
         contract = self.contract(plan.round)
         for cid in plan.sampled:
             rep = by_client.get(cid)
@@ -221,6 +221,7 @@ class Server:
             # (after the contract: a rejected reply's numbers, its FLOPs above all, count nowhere)
             spent["up_bytes"] += result_bytes(rep.result) if rep.up_bytes is None else rep.up_bytes
             spent["flops"] += rep.result.flops
+            spent["up_bytes_fp32"] += 4.0 * result_numbers(rep.result)  # the thesis's 4 bytes a number
             results.append(result_to(rep.result, device))
         return results, spent
 
@@ -273,10 +274,13 @@ class Server:
             down_each += self.model_bytes
         down = down_each * len(plan.sampled) + sum(nbytes([t for sent in own.values() for t in sent.values()])
                                                    for own in plan.client_broadcast.values())
-        round_cost = {"up_bytes": spent["up_bytes"], "down_bytes": float(down), "flops": spent["flops"]}
-        if r == 1:  # what the clients share once before training (a style bank)
+        round_cost = {"up_bytes": spent["up_bytes"], "down_bytes": float(down), "flops": spent["flops"],
+                      "up_bytes_fp32": spent["up_bytes_fp32"]}
+        if r == 1:  # what the clients share once before training (a style bank; counted as sent in both)
             for k, v in self.task.setup_cost().items():
                 round_cost[k] += float(v)
+                if k == "up_bytes":
+                    round_cost["up_bytes_fp32"] += float(v)
         for k, v in round_cost.items():
             self.totals[k] += v
             row[f"cost/{k}"] = v

@@ -163,7 +163,7 @@ class PFedMeParams(Params):
         15.0, gt=0,
         description="lambda: the Moreau-envelope regularisation (lambda/2)||theta - w||^2 of the inner problem",
     )
-    inner_steps: int = Field(5, ge=1, description="K: gradient steps of the inner solver per local step")
+    inner_steps: int = Field(5, ge=1, description="K: inner solver steps per local step (the thesis's costs imply 2)")
     personal_lr: float = Field(0.01, gt=0, description="learning rate of the inner solver (the paper's personal learning rate)")
 
 

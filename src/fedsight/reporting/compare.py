@@ -253,7 +253,10 @@ class ComparisonTable:
         text = (f"Each row: the run minus the baseline, paired by seed (only the seeds both have; n pairs). {values} "
                 f"Δ = mean of the per-seed differences; {pct} CI = Student t interval of that mean (n − 1 degrees "
                 "of freedom). Verdict: better / worse when the interval excludes 0 (in the metric's direction), "
-                "within noise when it holds 0; no interval below 2 pairs.")
+                "within noise when it holds 0; no interval below 2 pairs. Wilcoxon p = two-sided Wilcoxon signed-rank "
+                "test of the same differences (scipy, exact; zero differences dropped); n pairs cannot give a p "
+                "below 2^(1 − n) (0.25 with 3 seeds, 0.125 with 4, 0.0625 with 5: fewer than 6 never reach 0.05), "
+                "marked (min) where it is that floor.")
         noise = self.noise_note()
         return f"{text} {noise}" if noise else text
 
@@ -279,18 +282,27 @@ class ComparisonTable:
             ci = {0: "n/a (no common seed)", 1: "n/a (1 seed)"}.get(st.n, "n/a")
         return delta, ci, st.verdict
 
+    @staticmethod
+    def _wilcoxon_cell(c: PairedComparison) -> str:
+        """The comparison's Wilcoxon p (3 significant digits), "(min)" at the floor its pairs allow; "—" for none."""
+        p, floor = c.stats.wilcoxon, c.stats.min_wilcoxon_p
+        if p is None:
+            return "—"
+        return f"{p:.3g}" + (" (min)" if floor is not None and math.isclose(p, floor) else "")
+
     def comparison_markdown(self) -> str:
         """The paired comparisons as a markdown table (empty when there are none)."""
         if not self.comparisons:
             return ""
         pct = f"{CONFIDENCE:.0%}"
         lines = [self.comparison_note(), "",
-                 f"| metric | run | baseline | selection | n | Δ | {pct} CI | verdict |",
-                 "|---|---|---|---|---:|---:|---|---|"]
+                 f"| metric | run | baseline | selection | n | Δ | {pct} CI | verdict | Wilcoxon p |",
+                 "|---|---|---|---|---:|---:|---|---|---:|"]
         for c in self.comparisons:
             delta, ci, verdict = self._comparison_cells(c)
             lines.append(f"| {_md_escape(_metric_label(c.metric, c.higher_is_better))} | {_md_escape(c.group)} | "
-                         f"{_md_escape(c.baseline)} | {c.selection} | {c.stats.n} | {delta} | {ci} | {verdict} |")
+                         f"{_md_escape(c.baseline)} | {c.selection} | {c.stats.n} | {delta} | {ci} | {verdict} | "
+                         f"{self._wilcoxon_cell(c)} |")
         return "\n".join(lines) + "\n"
 
     def comparison_rich(self) -> Any:
@@ -314,13 +326,15 @@ class ComparisonTable:
         table.add_column("n", justify="right")
         table.add_column("Δ", justify="right", no_wrap=True)
         table.add_column(f"{CONFIDENCE:.0%} CI", justify="right", no_wrap=True)
-        table.add_column("verdict", no_wrap=True)
+        table.add_column("verdict\nWilcoxon p", no_wrap=True)  # (one column: the table fits 80 columns)
         for i, c in enumerate(rows):
             first = i == 0 or rows[i - 1].metric != c.metric
             last = i + 1 == len(rows) or rows[i + 1].metric != c.metric
             cells = [_metric_label(c.metric, c.higher_is_better) if first else "", escape(c.group)]
             cells += [escape(c.baseline)] if len(bases) > 1 else []
-            table.add_row(*cells, str(c.stats.n), *self._comparison_cells(c), end_section=last)
+            delta, ci, verdict = self._comparison_cells(c)
+            p = self._wilcoxon_cell(c)
+            table.add_row(*cells, str(c.stats.n), delta, ci, verdict + (f"\np={p}" if p != "—" else ""), end_section=last)
         return table
 
 

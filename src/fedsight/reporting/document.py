@@ -5,12 +5,14 @@
 ``plan_report`` computes everything (and raises on a bad ``--baseline``, ``--select`` or ``--metric``) before
 ``write_report`` writes a byte, so the command can check every output path first and bad input writes nothing.
 One section keeps the layout and names a single-task report always had (``curves.png``, ``##`` headings); several
-get a contents list, a ``##`` heading each and ``curves-<section>.png``.
+get a contents list, a ``##`` heading each and ``curves-<section>.png``. A section whose runs log costs also gets
+its cost figure (``cost.png``, ``cost-<section>.png``) and, for ``--target``s, the cost to reach each
+(``cost_target``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from typing import Any
 from ..errors import ConfigError
 from ..safe_write import atomic_write_text
 from .compare import ComparisonTable, _baselines, _compare_runs, _plot_table, provenance_lines
+from .cost_target import (Target, TargetRow, check_targets, cost_metrics, has_costs, parse_targets, plot_cost_curves,
+                          resolve, target_rows, targets_markdown, targets_rich)
 from .fmt import _md_escape
 from .plots import CURVES_FILE
 from .runs_view import StrPath, _load_all, _Run
@@ -28,6 +32,7 @@ __all__ = ["HTML_FILE", "MD_FILE", "Report", "Section", "plan_report", "write_re
 
 MD_FILE = "report.md"
 HTML_FILE = "report.html"
+COST_FILE = "cost.png"
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,11 @@ class Section:
     members: tuple[tuple[_Run, ...], ...]
     curves: str
     note: str = ""
+    #: each group against each ``--target`` (``cost_target.TargetRow``), and the cost figure's file name and
+    #: metrics (None and () where no run of the section logs costs)
+    targets: tuple[TargetRow, ...] = ()
+    cost_curves: str | None = None
+    cost_metrics: tuple[str, ...] = ()
 
     @property
     def runs(self) -> list[_Run]:
@@ -61,7 +71,8 @@ class Report:
     @property
     def files(self) -> list[str]:
         """The file names written into the report folder."""
-        return [MD_FILE, HTML_FILE, *(s.curves for s in self.sections)]
+        return [MD_FILE, HTML_FILE, *(s.curves for s in self.sections),
+                *(s.cost_curves for s in self.sections if s.cost_curves)]
 
     def print(self, console: Any) -> None:
         """Each section's comparison table and paired comparisons on a ``rich`` console, under a rule with the
@@ -74,6 +85,8 @@ class Report:
             console.print(s.table.to_rich())
             if (paired := s.table.comparison_rich()) is not None:
                 console.print(paired)
+            if s.targets:
+                console.print(targets_rich(s.targets))
 
     @property
     def table(self) -> ComparisonTable:
@@ -86,14 +99,18 @@ class Report:
 
 
 def plan_report(run_dirs: Iterable[StrPath], metrics: list[str] | None = None, *, baseline: str | None = None,
-                select: str = "final") -> Report:
+                select: str = "final", targets: Sequence[str] | Sequence[Target] | None = None) -> Report:
     """Load the runs, split them into sections (``sections.split_runs``) and compare each: ``metrics`` (the
     section's default evaluation metrics when None; those of them its runs log otherwise, and a section that
     logs none of them is left out), ``baseline`` (a group's label or a sweep variant's name, in the sections
     that have it; the others compare with their first group and say so) and ``select`` as in ``compare``.
-    Raises ``ConfigError`` for a baseline no section has or a bad protocol, ``ValueError`` for a metric no
-    run logs."""
+    ``targets`` (``--target``: ``0.9`` on each section's primary metric, or ``test/acc=0.9``) add the cost to
+    reach each (``cost_target``). Raises ``ConfigError`` for a baseline no section has, a bad protocol or a bad
+    target, ``ValueError`` for a metric no run logs."""
     runs = _load_all(run_dirs)
+    goals = tuple(t for t in targets or () if isinstance(t, Target)) + parse_targets(
+        [t for t in targets or () if not isinstance(t, Target)])
+    check_targets(goals, runs)
     if metrics is not None:
         absent = [m for m in metrics if not any(m in r.series for r in runs)]
         if absent:
@@ -118,7 +135,20 @@ def plan_report(run_dirs: Iterable[StrPath], metrics: list[str] | None = None, *
             missed.append(table)
             note = (f"The baseline {baseline} is not among these runs: compared with {table.baseline}. {note}").strip()
         curves = CURVES_FILE if len(parts) == 1 else f"curves-{part.slug}.png"
-        sections.append(Section(part.title, part.slug, table, tuple(tuple(m) for m in members), curves, note))
+        directions = {r.metric: r.higher_is_better for r in table.rows}
+        primary = part.runs[0].primary
+        for m in {t.metric or primary for t in goals} - {None, *directions}:  # logged here, not in the table
+            dirs = {r.direction(m) for r in part.runs if m in r.series}
+            directions[m] = dirs.pop() if len(dirs) == 1 else None
+        logged = {k for r in part.runs for k in r.series}
+        resolved = resolve(goals, primary, directions, logged)
+        rows = target_rows(table.groups, members, resolved)
+        cost_file, shown = None, ()
+        if any(has_costs(r) for r in part.runs):
+            shown = tuple(cost_metrics(resolved, table.metrics, primary, metrics is not None, directions))
+            cost_file = (COST_FILE if len(parts) == 1 else f"cost-{part.slug}.png") if shown else None
+        sections.append(Section(part.title, part.slug, table, tuple(tuple(m) for m in members), curves, note,
+                                rows, cost_file, shown))
     if baseline is not None and len(missed) == len(sections):  # no section has it: name every group
         _baselines([g for t in missed for g in t.groups], baseline)
     return Report(tuple(sections), tuple(runs), tuple(left_out), metrics is not None)
@@ -138,7 +168,12 @@ def _section_markdown(s: Section, level: str) -> list[str]:
     for g, text in zip(table.groups, table.group_lines()):
         dirs = ", ".join(f"`{d}`" for d in g.run_dirs)
         lines.append(f"- **{_md_escape(g.label)}**{_md_escape(text[len(g.label):])} — {dirs}")
-    return lines + ["", f"{level} Curves", "", f"![comparison curves]({s.curves})", ""]
+    lines += ["", f"{level} Curves", "", f"![comparison curves]({s.curves})", ""]
+    if s.targets:
+        lines += [f"{level} Cost to target", "", targets_markdown(s.targets)]
+    if s.cost_curves:
+        lines += [f"{level} Metric against cost", "", f"![metric against cost]({s.cost_curves})", ""]
+    return lines
 
 
 def report_markdown(rep: Report) -> str:
@@ -169,16 +204,25 @@ def write_report(rep: Report, out_dir: StrPath) -> list[Path]:
     out = Path(out_dir)
     for s in rep.sections:
         _plot_table(s.table, s.members, out / s.curves, chosen=rep.chosen)
+        if s.cost_curves:
+            goals: dict[str, list[float]] = {}
+            for t in s.targets:
+                if t.value not in goals.setdefault(t.metric, []):
+                    goals[t.metric].append(t.value)
+            directions = {r.metric: r.higher_is_better for r in s.table.rows}
+            directions.update({t.metric: t.higher for t in s.targets})
+            plot_cost_curves(s.table.groups, s.members, s.cost_metrics, goals, directions, out / s.cost_curves)
     atomic_write_text(out / MD_FILE, report_markdown(rep))
     atomic_write_text(out / HTML_FILE, report_html(rep, out))
     return [out / f for f in rep.files]
 
 
 def report(run_dirs: Iterable[StrPath], out_dir: StrPath, metrics: list[str] | None = None, *,
-           baseline: str | None = None, select: str = "final") -> Report:
+           baseline: str | None = None, select: str = "final",
+           targets: Sequence[str] | Sequence[Target] | None = None) -> Report:
     """Write ``out_dir/report.md``, ``out_dir/report.html`` and the curves of the given runs, a section per
-    task; return the ``Report`` (its ``sections``, each with its ``ComparisonTable``). ``metrics``, ``baseline`` and ``select`` as in ``compare``; nothing is written when
-    they are wrong."""
-    rep = plan_report(run_dirs, metrics, baseline=baseline, select=select)
+    task; return the ``Report`` (its ``sections``, each with its ``ComparisonTable``). ``metrics``, ``baseline`` and
+    ``select`` as in ``compare``, ``targets`` as in ``plan_report``; nothing is written when they are wrong."""
+    rep = plan_report(run_dirs, metrics, baseline=baseline, select=select, targets=targets)
     write_report(rep, out_dir)
     return rep

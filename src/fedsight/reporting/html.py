@@ -7,7 +7,8 @@ Choices:
   command line goes through ``html.escape``.
 * The same sections as ``report.md`` (``fedsight.reporting.document``): per task (and dataset where the metrics
   differ) the comparison table (mean ± std, best in bold), the paired comparisons with the baseline (Δ, 95% CI,
-  verdict), the groups and their run folders, and the curves; then, per section, the partition heat maps
+  verdict), the groups and their run folders, the curves, the cost to each ``--target`` and the metric against
+  cumulative cost (``cost_target``); then, per section, the partition heat maps
   drawn from the runs' ``partition.json`` (one per distinct partition, naming the groups that share it) and
   every PNG the runs wrote under ``plots/`` (task visuals, those of sub-folders such as ``plots/visuals/`` after
   the top-level ones, the run's own curves last), in a collapsed ``<details>`` per group and run, so the page
@@ -138,7 +139,7 @@ def _comparisons_table(table: Any) -> str:
     many_sel = len({c.selection for c in rows}) > 1
     title = f"Compared with the baseline {bases[0]}" if len(bases) == 1 else "Compared with the baselines"
     heads = ["metric", "run", *(["baseline"] if len(bases) > 1 else []), *(["selection"] if many_sel else []),
-             "n", "Δ", f"{CONFIDENCE:.0%} CI", "verdict"]
+             "n", "Δ", f"{CONFIDENCE:.0%} CI", "verdict", "Wilcoxon p"]
     out = [f"<h3>{_e(title)}</h3>", f"<p class=note>{_e(table.comparison_note(selection_column=many_sel))}</p>",
            "<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead>"]
     by_metric: dict[str, list[Any]] = {}
@@ -152,7 +153,8 @@ def _comparisons_table(table: Any) -> str:
             cells += [f"<td>{_e(c.group)}</td>"] + ([f"<td>{_e(c.baseline)}</td>"] if len(bases) > 1 else [])
             cells += [f"<td>{_e(c.selection)}</td>"] if many_sel else []
             cells += [f"<td class=num>{c.stats.n}</td>", f"<td class=num>{_e(delta)}</td>",
-                      f"<td class=num>{_e(ci)}</td>", f"<td class={_VERDICT_CLASS.get(verdict, 'noise')}>{_e(verdict)}</td>"]
+                      f"<td class=num>{_e(ci)}</td>", f"<td class={_VERDICT_CLASS.get(verdict, 'noise')}>{_e(verdict)}</td>",
+                      f"<td class=num>{_e(table._wilcoxon_cell(c))}</td>"]
             out.append("<tr>" + "".join(cells) + "</tr>")
         out.append("</tbody>")
     return "\n".join(out + ["</table>"])
@@ -300,6 +302,14 @@ def _section(s: Any, out: Path, budget: _Budget, heading: str) -> str:
     curves = _read_png(out / s.curves, 64 << 20)
     parts.append(_img(curves, f"comparison curves of {s.title}") if curves is not None
                  else f"<p class=note>{_e(s.curves)} could not be read.</p>")
+    if s.targets:
+        from .cost_target import targets_html
+
+        parts += ["<h3>Cost to target</h3>", targets_html(s.targets)]
+    if s.cost_curves:
+        cost = _read_png(out / s.cost_curves, 64 << 20)
+        parts += ["<h3>Metric against cost</h3>", _img(cost, f"metric against cost, {s.title}") if cost is not None
+                  else f"<p class=note>{_e(s.cost_curves)} could not be read.</p>"]
     parts += [_heatmaps(s), _visuals(s, budget)]
     return "\n".join(p for p in parts if p)
 

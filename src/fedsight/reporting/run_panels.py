@@ -4,7 +4,8 @@ Choices, in order (each says itself in the figure's note line or its legends):
 
 * **The same series twice is drawn once.** ``psnr`` and ``ssim`` are the task's reported channel (``metric = "y"``
   or ``"rgb"``) and repeat ``psnr_y`` or ``psnr_rgb``; when the values are equal only the channel-named key is
-  drawn and its legend says which channel (``psnr_y (Y)``, ``psnr_rgb (RGB)``).
+  drawn and its legend says which channel (``psnr_y (Y)``, ``psnr_rgb (RGB)``). Likewise ``cost/*_fp32`` (every
+  number at 4 bytes, ``fedsight.cost``) where it equals the bytes as sent (an FP32 model's update).
 * **Constant bookkeeping is said, not drawn.** A series outside evaluation and training (``clients/*``,
   ``cost/*``, ...) that has the same value at every one of two or more rounds is left out of the panels and
   named in the note line with its value in human units (``clients/sampled = 3``, ``cost/up_bytes = 1.45 MB
@@ -73,10 +74,14 @@ def _same(a: _Series, b: _Series) -> bool:
 
 def duplicate_channels(keys: Sequence[str], series: dict[str, _Series]) -> dict[str, str]:
     """``{"test/psnr": "test/psnr_y", ...}``: every ``P/psnr`` or ``P/ssim`` whose series equals ``P/psnr_y`` or
-    ``P/psnr_rgb`` (the task's reported channel), mapped to the channel-named key it repeats."""
+    ``P/psnr_rgb`` (the task's reported channel), mapped to the channel-named key it repeats; and every
+    ``cost/X_fp32`` equal to ``cost/X``, mapped to it."""
     present = set(keys)
     out: dict[str, str] = {}
     for k in keys:
+        if k.startswith("cost/") and k.endswith("_fp32") and k[:-5] in present and _same(series[k], series[k[:-5]]):
+            out[k] = k[:-5]
+            continue
         head, _, leaf = k.rpartition("/")
         if leaf not in ("psnr", "ssim"):
             continue

@@ -107,7 +107,7 @@ def keypoint_figure(task: Any, model: nn.Module, hooks: Callable[[nn.Module, str
                 x, y = next(task.instance_batches(data, np.asarray(picks), size, len(picks)))
                 heat = task.predict(model, x.to(device))
             src = task.decode(heat, y["inverse"], size).cpu().numpy()  # source pixels, for the score
-            xy, _ = decode_heatmaps(heat.float(), refine=p.refine)
+            xy, _ = decode_heatmaps(heat.float(), refine=p.use_refine)
             crop_pred = (xy.cpu() * torch.tensor([size[1] / heat.shape[-1], size[0] / heat.shape[-2]])).numpy()
             gt_src = y["gt"].numpy()
             for r in range(len(picks)):

@@ -26,8 +26,12 @@ unlabelled joints and joints that leave the heatmap). Loss: ``JointsMSELoss(use_
 by training, as the paper's 320x240 and 384x288): the split ``test`` is the first test set at the top rung,
 ``test_<H>x<W>`` the same images at another size, and ``test_<name>`` / ``test_<name>_<H>x<W>`` further test
 sets. Decoding: argmax plus SimpleBaseline's quarter-pixel shift towards the higher neighbour, optionally with
-the flip test (mean of the heatmaps of the image and of its mirror, mapped back); coordinates go back to the
-source image through the inverse crop affine. Metrics (percentages): ``pckh`` (PCKh@``pckh_threshold``: the
+the flip test (mean of the heatmaps of the image and of its mirror, mapped back): ``decoder = "simplebaseline"``,
+the default, as SimpleBaseline and ViTPose evaluate. ``decoder = "argmax"`` is what the RAF paper's text
+states (its task description: each joint's coordinate is the argmax of its heatmap; no flip test or sub-pixel
+step is mentioned): the first maximum in row-major order, no flip test, no quarter-pixel shift, whatever
+``flip_test`` and ``refine`` default to (setting either to true with it is a config error). Coordinates go back
+to the source image through the inverse crop affine. Metrics (percentages): ``pckh`` (PCKh@``pckh_threshold``: the
 normaliser is the dataset's head size, 0.6 x the head box diagonal; joints in the skeleton's ``pckh_exclude``,
 MPII's pelvis and thorax, left out of the mean), ``pck`` (PCK@``pck_threshold`` of the longer side of the
 person box), ``ap``/``ap50``/``ap75``/``ar`` (COCO OKS through pycocotools with the skeleton's sigmas; the
@@ -84,10 +88,30 @@ class KeypointParams(Params):
     rotation_prob: float = Field(0.6, ge=0, le=1, description="probability of a random rotation (SimpleBaseline: 0.6)")
     flip_test: bool = Field(True, description="average the heatmaps of the image and of its mirror at evaluation")
     refine: bool = Field(True, description="quarter-pixel refinement of the argmax when decoding")
+    decoder: Literal["simplebaseline", "argmax"] = Field(
+        "simplebaseline", description="simplebaseline (flip_test, refine as set) or argmax (RAF's plain argmax)")
     primary: Literal["pckh", "pck", "ap"] = Field("pckh", description="primary metric (pckh needs head sizes)")
     pckh_threshold: float = Field(0.5, gt=0, description="PCKh threshold, fraction of the head size")
     pck_threshold: float = Field(0.2, gt=0, description="PCK threshold, fraction of the longer person-box side")
     visual_instances: int = Field(3, ge=0, description="test persons shown in plots/visuals.png, at every rung")
+
+    @model_validator(mode="after")
+    def _decoding(self) -> "KeypointParams":
+        on = [f for f in ("flip_test", "refine") if f in self.model_fields_set and getattr(self, f)]
+        if self.decoder == "argmax" and on:
+            raise ValueError(f"decoder = 'argmax' is the plain argmax the RAF paper describes: it has no "
+                             f"{' and no '.join(on)}; drop {', '.join(on)} or use decoder = 'simplebaseline'")
+        return self
+
+    @property
+    def use_flip_test(self) -> bool:
+        """Whether evaluation averages the mirrored image's heatmaps in (``flip_test``, never under ``argmax``)."""
+        return self.flip_test and self.decoder != "argmax"
+
+    @property
+    def use_refine(self) -> bool:
+        """Whether decoding adds the quarter-pixel shift (``refine``, never under ``argmax``)."""
+        return self.refine and self.decoder != "argmax"
 
     @model_validator(mode="after")
     def _sizes(self) -> "KeypointParams":
@@ -366,7 +390,7 @@ class KeypointTask(ClientExamples, Task):
 
     def predict(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         out = model(inputs)
-        if self.params.flip_test:
+        if self.params.use_flip_test:
             flipped = model(inputs.flip(-1))
             out = 0.5 * (out + flip_heatmaps(flipped, self.skeleton.flip_pairs, shift=True))
         return out
@@ -374,7 +398,7 @@ class KeypointTask(ClientExamples, Task):
     def decode(self, heatmaps: torch.Tensor, inverse: torch.Tensor, size: Size) -> torch.Tensor:
         """Predicted joints ``[B, J, 3]`` (x, y in source pixels, heatmap maximum) of heatmaps for ``size`` inputs
         whose crop -> source affine is ``inverse``."""
-        xy, score = decode_heatmaps(heatmaps.float(), refine=self.params.refine)
+        xy, score = decode_heatmaps(heatmaps.float(), refine=self.params.use_refine)
         sx, sy = size[1] / heatmaps.shape[-1], size[0] / heatmaps.shape[-2]
         xy = xy * torch.tensor([sx, sy], dtype=xy.dtype, device=xy.device)
         src = transform_points(xy.to(torch.float64), inverse.to(device=xy.device, dtype=torch.float64))
