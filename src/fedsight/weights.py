@@ -18,6 +18,8 @@ Layouts (``LAYOUTS``; ``convert``):
   onto ``resnet18_imagenet`` / ``resnet34_imagenet`` / ``resnet50_imagenet`` (``backbone.<key>``, ``fc`` ->
   ``head``); MobileNetV2 (``features.N``, ``classifier.1``) onto ``mobilenetv2`` with ``cifar_stem = false``
   (an inverted residual's ``conv`` is FedSight's ``block``; ``classifier.1`` -> ``head``).
+* ``kair``: KAIR's / the RVRT release's RVRT (``params``) onto ``rvrt``: the same keys, the buffered constants
+  (SPyNet's mean/std, the windows' relative position indices) checked and dropped (``models.rvrt.from_kair``).
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
 keep the model's own classifier when the checkpoint's has another number of classes), every remaining key must be
@@ -125,11 +127,18 @@ def _timm(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return _rename(state, [(r"^head\.", "head."), (r"^", "backbone.")])
 
 
+def _kair(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from .models.rvrt import from_kair
+
+    return from_kair(state)
+
+
 #: layout name -> key conversion into FedSight's names
 LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = {
     "fedsight": dict,
     "torchvision": _torchvision,
     "timm": _timm,
+    "kair": _kair,
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedsight.models import bisenetv2, cnn, deeplab, imagenet_resnet, mobilenetv2, pose, rdsn, resnet, vit, vsr  # noqa: F401  (registration side effect)
+from fedsight.models import bisenetv2, cnn, deeplab, imagenet_resnet, mobilenetv2, pose, rdsn, resnet, rvrt, vit, vsr  # noqa: F401  (registration side effect)
 from fedsight.models.base import FedModel, ModelIO, load_weights, save_weights
 from fedsight.registry import MODELS, Params, build
 
