@@ -9,12 +9,16 @@ with zero and integer offsets."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from fedsight.models.base import ModelIO
 from fedsight.models.deform_attn import GuidedDeformAttn, deform_attn
@@ -313,3 +317,32 @@ def test_bad_scale_input_and_sizes_are_one_line_errors():
         make({**TINY, "embed_dims": [8, 16, 8]})
     with pytest.raises(ValueError, match="attention_heads must divide"):
         make({**TINY, "attention_heads": 3})
+
+
+# -- numerical equivalence with the reference ------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "fixtures" / "golden" / "kair_rvrt_small.safetensors"
+
+
+def test_with_seeded_weights_it_gives_the_reference_implementations_output():
+    """``benchmarks/golden_rvrt.py`` ran the authors' ``network_rvrt.py`` (GDA by this plain kernel, which the
+    tests above check against the CUDA kernel's rule) on a fixed clip with seeded weights: the same weights in
+    FedSight's model give the same output."""
+    if not GOLDEN.is_file():
+        pytest.skip(f"no fixture {GOLDEN.relative_to(ROOT)}: run `python benchmarks/golden_rvrt.py --reference DIR` "
+                    "with DIR a checkout of JingyunLiang/RVRT")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from golden_weights import seeded_state
+
+    with safe_open(str(GOLDEN), "pt") as f:
+        meta = f.metadata()
+        x, want, sums = f.get_tensor("input"), f.get_tensor("output"), f.get_tensor("sums")
+    model = make(json.loads(meta["params"])).double().eval()
+    state = {k: v.double() for k, v in seeded_state(json.loads(meta["shapes"])).items()}
+    assert set(state) == {k for k, _ in model.named_parameters()}
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        out = model(x)
+    torch.testing.assert_close(out[..., ::4, ::4], want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out.sum((-2, -1)), sums, rtol=1e-9, atol=1e-7)
