@@ -51,16 +51,19 @@ def variants(name: str) -> list[dict[str, Any]]:
     return [{"norm": c} for c in typing.get_args(field.annotation)]
 
 
-MODEL_CASES = [(n, v) for n in builtin(R.MODELS) for v in variants(n)]
+#: paper-size models run at a small size too (the same classes; their defaults are sibling cases, below)
+SMALL_CASES = [("rvrt", {"embed_dims": (8, 8, 8), "num_heads": (2, 2, 2), "num_blocks": (1, 1, 1), "window_size": (2, 4, 4),
+                         "deformable_groups": 4, "attention_heads": 2})]
+MODEL_CASES = [(n, v) for n in builtin(R.MODELS) for v in variants(n)] + SMALL_CASES
 #: cases whose code another case runs at a smaller size (a deeper or wider sibling: the same classes), checked
 #: with the suite's slow flag only; tests/models/test_weights.py loads every one of them
 SIBLING_CASES = {("vit_b16", "{}"), ("resnet34_imagenet", "{'norm': 'batch'}"), ("resnet34_imagenet", "{'norm': 'group'}"),
-                 ("resnet50_imagenet", "{'norm': 'group'}")}
+                 ("resnet50_imagenet", "{'norm': 'group'}"), ("rvrt", "{}")}
 
 
-def model_params(cases: list[tuple[str, dict]]) -> list[Any]:
-    """``cases`` as pytest parameters (id ``name-params``), the sibling cases marked slow."""
-    return [pytest.param(i, id=f"{n}-{v}", marks=[pytest.mark.slow] if (n, str(v)) in SIBLING_CASES else [])
+def model_params(cases: list[tuple[str, dict]], slow: frozenset | set = frozenset()) -> list[Any]:
+    """``cases`` as pytest parameters (id ``name-params``), the sibling cases and ``slow`` ones marked slow."""
+    return [pytest.param(i, id=f"{n}-{v}", marks=[pytest.mark.slow] if (n, str(v)) in SIBLING_CASES | slow else [])
             for i, (n, v) in enumerate(cases)]
 
 
