@@ -215,8 +215,9 @@ def _neighbourhoods(frame, kernel, dy=0, dx=0):
     kh, kw = kernel
     m = max(kh, kw) + abs(dy) + abs(dx)
     padded = F.pad(frame, (m, m, m, m))
-    return torch.stack([padded[:, m - kh // 2 + i + dy:m - kh // 2 + i + dy + h, m - kw // 2 + j + dx:m - kw // 2 + j + dx + w]
-                        for i in range(kh) for j in range(kw)], 1)
+    tops = [m - kh // 2 + i + dy for i in range(kh)]
+    lefts = [m - kw // 2 + j + dx for j in range(kw)]
+    return torch.stack([padded[:, top:top + h, left:left + w] for top in tops for left in lefts], 1)
 
 
 def plain_attention(q, kv, kernel, heads, dy=0, dx=0):
@@ -231,7 +232,8 @@ def plain_attention(q, kv, kernel, heads, dy=0, dx=0):
             keys = nbhd[:, :c].reshape(clip, heads, d, -1, h, w)
             vals = nbhd[:, c:].reshape(clip, heads, d, -1, h, w)
             qq = q[b * clip + j].view(heads, d, h, w) * d**-0.5
-            logits = torch.einsum("edyx,nedkyx->eyxnk", qq, keys).flatten(-2).softmax(-1).unflatten(-1, (clip, keys.shape[3]))
+            logits = torch.einsum("edyx,nedkyx->eyxnk", qq, keys).flatten(-2)
+            logits = logits.softmax(-1).unflatten(-1, (clip, keys.shape[3]))
             out[b * clip + j] = torch.einsum("eyxnk,nedkyx->edyx", logits, vals).reshape(c, h, w)
     return out
 

@@ -63,8 +63,8 @@ def deform_attn(q: torch.Tensor, kv: torch.Tensor, offset: torch.Tensor, kernel:
     if q.shape != (b * clip, c, h, w) or offset.shape != (b * clip, clip * groups * k * 2, h, w):
         raise ValueError(f"deform_attn: q {tuple(q.shape)} or offset {tuple(offset.shape)} does not fit kv "
                          f"{tuple(kv.shape)} with {groups} groups and a {kh}x{kw} window")
-    # the frame read by offset set s of query frame j: (s + j) mod clip
-    idx = (torch.arange(clip)[:, None] + torch.arange(clip)[None, :]) % clip  # [j, s]
+    # the frame read by offset set s of query frame j: (s + j) mod clip; idx[j, s]
+    idx = (torch.arange(clip, device=kv.device)[:, None] + torch.arange(clip, device=kv.device)[None, :]) % clip
     frames = kv[:, idx.flatten()].reshape(b * clip * clip * groups, c2 // groups, h, w)
     off = offset.view(b * clip, clip, groups, k, 2, h, w)
     ys = torch.arange(h, dtype=q.dtype, device=q.device).view(h, 1)
@@ -83,10 +83,14 @@ def deform_attn(q: torch.Tensor, kv: torch.Tensor, offset: torch.Tensor, kernel:
     d = c // heads
     keys = keys.reshape(b * clip, clip, heads, d, k, h, w)
     values = values.reshape(b * clip, clip, heads, d, k, h, w)
-    qh = q.reshape(b * clip, heads, d, h, w) * d**-0.5
-    logits = torch.einsum("nedyx,nsedkyx->neyxsk", qh, keys).flatten(-2)
-    attn = logits.softmax(-1).unflatten(-1, (clip, k))
-    out = torch.einsum("neyxsk,nsedkyx->nedyx", attn, values)
+    qh = q.reshape(b * clip, 1, heads, d, 1, h, w) * d**-0.5
+    # products summed over the head's channels, then a softmax over the clip * K samples (dims 1 and 3), in the
+    # sampled maps' own memory order: an einsum would first permute them (a copy of the largest tensor here)
+    logits = (keys * qh).sum(3)  # [B*clip, clip, heads, K, H, W]
+    logits = logits - logits.amax((1, 3), keepdim=True)
+    attn = logits.exp()
+    attn = attn / attn.sum((1, 3), keepdim=True)
+    out = (values * attn.unsqueeze(3)).sum((1, 4))  # [B*clip, heads, d, H, W]
     return out.reshape(b * clip, c, h, w)
 
 
@@ -134,7 +138,8 @@ class GuidedDeformAttn(nn.Module):
     def __init__(self, dim: int, window: tuple[int, int] = (3, 3), heads: int = 12, groups: int = 12,
                  max_residue: float = 10.0):
         super().__init__()
-        self.dim, self.window, self.heads, self.groups, self.max_residue = dim, tuple(window), heads, groups, max_residue
+        self.dim, self.window, self.heads, self.groups = dim, tuple(window), heads, groups
+        self.max_residue = max_residue
         k, clip = window[0] * window[1], self.clip
         if (2 * dim) % heads or (4 * dim) % groups:
             raise ValueError(f"GDA: {2 * dim} projected channels do not split into {heads} heads, or {4 * dim} key "

@@ -137,7 +137,8 @@ class WindowAttention(nn.Module):
         attn = attn + bias.permute(2, 0, 1).unsqueeze(0)
         if mask is not None:
             nw = mask.shape[0]
-            attn = (attn.view(b // nw, nw, self.heads, n, n) + mask[:, :n, :n].unsqueeze(1).unsqueeze(0)).view(-1, self.heads, n, n)
+            attn = attn.view(b // nw, nw, self.heads, n, n) + mask[:, :n, :n].unsqueeze(1).unsqueeze(0)
+            attn = attn.view(-1, self.heads, n, n)
         attn = attn.softmax(-1)
         return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
 
@@ -178,7 +179,8 @@ class STL(nn.Module):
 class STG(nn.Module):
     """A group of ``depth`` Swin layers, every second one with windows shifted by half a window."""
 
-    def __init__(self, dim: int, depth: int, heads: int, window: tuple[int, int, int], mlp_ratio: float, qkv_bias: bool):
+    def __init__(self, dim: int, depth: int, heads: int, window: tuple[int, int, int], mlp_ratio: float,
+                 qkv_bias: bool):
         super().__init__()
         self.window, self.shift = window, tuple(s // 2 for s in window)
         self.blocks = nn.ModuleList([STL(dim, heads, window, (0, 0, 0) if i % 2 == 0 else self.shift, mlp_ratio,
@@ -270,8 +272,8 @@ class RVRTParams(Params):
     @model_validator(mode="after")
     def _fits(self) -> "RVRTParams":
         e = self.embed_dims
-        if min(e + self.depths + self.num_heads + self.window_size + self.attention_window + self.inputconv_groups) < 1 \
-                or min(self.num_blocks) < 0:
+        sizes = e + self.depths + self.num_heads + self.window_size + self.attention_window + self.inputconv_groups
+        if min(sizes) < 1 or min(self.num_blocks) < 0:
             raise ValueError("embed_dims, depths, num_heads, window_size, attention_window and inputconv_groups must "
                              "be >= 1 and num_blocks >= 0")
         if e[0] != e[1]:
@@ -354,8 +356,10 @@ class RVRT(FedModel):
                     base = name.replace("_2", "_1")
                     flow1, flow2 = updated[f"{base}_n1"][i - 1], updated[f"{base}_n2"][i - 1]
                 q, k = flip(feats[prev_key][idx]), flip(feats[prev_key][clip_order[i - 1]])
-                warped1 = flow_warp(prop.flatten(0, 1), flow1.permute(0, 1, 3, 4, 2).flatten(0, 1)).view(n, CLIP, c, h, w)
-                warped2 = flow_warp(prop.flip(1).flatten(0, 1), flow2.permute(0, 1, 3, 4, 2).flatten(0, 1)).view(n, CLIP, c, h, w)
+                # the previous clip's frames (0, 1) warped to frames (2, 3), and (1, 0) to (2, 3)
+                warped1 = flow_warp(prop.flatten(0, 1), flow1.permute(0, 1, 3, 4, 2).flatten(0, 1))
+                warped2 = flow_warp(prop.flip(1).flatten(0, 1), flow2.permute(0, 1, 3, 4, 2).flatten(0, 1))
+                warped1, warped2 = warped1.view(n, CLIP, c, h, w), warped2.view(n, CLIP, c, h, w)
                 prop, flow1, flow2 = self.deform_align[name](q, k, prop, [warped1, warped2], [flow1, flow2])
                 if first:
                     updated[f"{name}_n1"].append(flow1)
@@ -399,7 +403,7 @@ class RVRT(FedModel):
 
     def blocks(self) -> dict[str, list[str]]:
         """SPyNet, feature extraction, each branch (its alignment and refinement), reconstruction, upsampling."""
-        out = {"spynet": state_keys(self.spynet, "spynet"), "feat_extract": state_keys(self.feat_extract, "feat_extract")}
+        out = {name: state_keys(getattr(self, name), name) for name in ("spynet", "feat_extract")}
         for name in BRANCHES:
             out[name] = (state_keys(self.deform_align[name], f"deform_align.{name}")
                          + state_keys(self.backbone[name], f"backbone.{name}"))
@@ -431,6 +435,7 @@ def from_kair(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @MODELS.register("rvrt", params=RVRTParams, task="video_sr", provides=frozenset({"parameter_groups", "norm_layers"}),
-                 help="RVRT (Liang et al. 2022) in KAIR's layout; plain-PyTorch guided deformable attention")
+                 help="RVRT (Liang et al. 2022; FedVSR's 10.8M model) in the authors' (KAIR's) layout, plain-PyTorch "
+                 "guided deformable attention")
 def build_rvrt(params: RVRTParams, *, io: ModelIO) -> RVRT:
     return RVRT(params, io.scale)
