@@ -17,7 +17,8 @@ and values are sampled with different offsets (the first half of the groups hold
 values.
 
 **Plain path.** Every sample is read with ``grid_sample`` (bilinear, zeros outside, ``align_corners=False`` with
-pixel ``x`` at ``(2x + 1) / W - 1``), the attention is an ``einsum`` and a softmax. It trains on any device (the
+pixel ``x`` at ``(2x + 1) / W - 1``); the attention is broadcast products summed over each head's channels, a
+softmax (max subtracted) and a weighted sum, in the sampled maps' memory order. It trains on any device (the
 CUDA extension has no CPU path at all, not even a forward on CPU). Where it may differ from the CUDA kernel:
 
 * *Sampling positions*: the kernel reads pixel coordinates directly; here they go through ``grid_sample``'s
@@ -28,14 +29,15 @@ CUDA extension has no CPU path at all, not even a forward on CPU). Where it may 
   by zero, which gives the same value, including the partial samples in (-1, 0) and (H - 1, H). At a position
   within rounding of -1 or H the two may decide differently (a value of order 1e-7 times the feature).
 * *Accumulation order*: the kernel sums each sample's four bilinear terms in the order (top-left, top-right,
-  bottom-left, bottom-right), then does one ``matmul`` per batch element; here ``grid_sample`` and ``einsum``
-  choose their own order. Differences are float rounding, ~1e-6 relative in float32.
+  bottom-left, bottom-right), then does one ``matmul`` per batch element and ATen's softmax; here ``grid_sample``
+  and the reductions choose their own order. Differences are float rounding, ~1e-6 relative in float32.
 * *Gradients*: autograd through ``grid_sample`` (the derivative of the bilinear weights, one-sided at integer
   positions, as the kernel's ``get_coordinate_weight``) instead of the kernel's hand-written backward with
   atomic adds (whose order on a GPU is not deterministic).
 
-Cost: the ``clip * groups`` sample maps are materialised, ``clip^2 * 2C * K`` values per pixel and clip (the
-kernel keeps one batch element's at a time), about 1.3 MB per LR pixel pair at RVRT's size in float32.
+Cost: the sampled keys and values are materialised, ``clip^2 * 2C * K`` values per pixel and clip (the kernel
+keeps one batch element's at a time): at RVRT's size (C = 288 projected channels, K = 9) 20,736 values, 83 kB per
+LR pixel and clip in float32, and as much again for the products' temporary.
 """
 
 from __future__ import annotations

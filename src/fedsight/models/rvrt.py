@@ -42,8 +42,10 @@ Choices made here (and where this differs from the reference):
 * **Constants.** The relative position index of the window attention and SPyNet's ImageNet mean/std are
   non-persistent buffers (no state to aggregate); the ``kair`` layout checks a checkpoint's copies equal them and
   drops them.
-* **SPyNet init.** SPyNet starts at zero flow (``identity_init``); the reference trains from the published SPyNet
-  weights, which a ``kair`` (or ``basicsr`` SPyNet) checkpoint provides.
+* **Init.** PyTorch's defaults, as the reference (which has no init of its own beyond zero offset-net outputs and
+  zero position bias tables), so an untrained model is the bilinear upsampling plus a random residual. SPyNet
+  starts at zero flow (``identity_init``); the reference trains from the published SPyNet weights, which a
+  ``kair`` checkpoint provides.
 * **GDA** is the plain-PyTorch path of ``fedsight.models.deform_attn`` (its docstring says where it can differ
   from the CUDA kernel). Nothing else in RVRT uses a custom kernel.
 * **Vectorised training** works (no in-place op on a parameter, no data-dependent control flow); the shifted
