@@ -348,3 +348,11 @@ def test_with_seeded_weights_it_gives_the_reference_implementations_output():
         out = model(x)
     torch.testing.assert_close(out[..., ::4, ::4], want, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(out.sum((-2, -1)), sums, rtol=1e-9, atol=1e-7)
+
+
+def test_a_bfloat16_model_runs_in_bfloat16():
+    """(The shifted windows' mask is float32: added as it is, it turned the attention to float32.)"""
+    model = make().to(torch.bfloat16)
+    with torch.no_grad():
+        out = model(torch.rand(1, 3, 3, 8, 8).to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
