@@ -43,6 +43,18 @@ FAMILIES: dict[str, tuple[ModelIO, Any, tuple[int, ...]]] = {
 }
 
 
+#: models whose default is a paper-size network too slow for every run of the suite: each of their variants also
+#: runs at this small size (the same classes) always, the paper size under the slow flag only (SIBLING_CASES;
+#: their published keys and shapes are checked on the meta device by their own tests)
+SMALL_SIZE: dict[str, dict[str, Any]] = {
+    "basicvsr_basicsr": {"num_feat": 8, "num_block": 1, "hr_feat": 8, "spynet_hidden": [4, 4, 4, 4]},
+    "vitpose_s": {"dim": 16, "depth": 2, "heads": 2, "deconv_filters": 8},
+    "vitpose_b": {"dim": 16, "depth": 1, "heads": 1, "head": "simple"},
+    "rvrt": {"embed_dims": (8, 8, 8), "num_heads": (2, 2, 2), "num_blocks": (1, 1, 1), "window_size": (2, 4, 4),
+             "deformable_groups": 4, "attention_heads": 2, "spynet_hidden": (4, 4, 4, 4)},
+}
+
+
 def variants(name: str) -> list[dict[str, Any]]:
     """The model's default parameters and, for a model with a ``norm`` choice, each choice."""
     field = R.MODELS.get(name).params.model_fields.get("norm")
@@ -51,19 +63,18 @@ def variants(name: str) -> list[dict[str, Any]]:
     return [{"norm": c} for c in typing.get_args(field.annotation)]
 
 
-#: paper-size models run at a small size too (the same classes; their defaults are sibling cases, below)
-SMALL_CASES = [("rvrt", {"embed_dims": (8, 8, 8), "num_heads": (2, 2, 2), "num_blocks": (1, 1, 1), "window_size": (2, 4, 4),
-                         "deformable_groups": 4, "attention_heads": 2})]
-MODEL_CASES = [(n, v) for n in builtin(R.MODELS) for v in variants(n)] + SMALL_CASES
+MODEL_CASES = [(n, v) for n in builtin(R.MODELS) for v in variants(n)]
+PAPER_SIZE = {(n, str(v)) for n, v in MODEL_CASES if n in SMALL_SIZE}
+MODEL_CASES += [(n, {**SMALL_SIZE[n], **v}) for n, v in MODEL_CASES if n in SMALL_SIZE]
 #: cases whose code another case runs at a smaller size (a deeper or wider sibling: the same classes), checked
 #: with the suite's slow flag only; tests/models/test_weights.py loads every one of them
 SIBLING_CASES = {("vit_b16", "{}"), ("resnet34_imagenet", "{'norm': 'batch'}"), ("resnet34_imagenet", "{'norm': 'group'}"),
-                 ("resnet50_imagenet", "{'norm': 'group'}"), ("rvrt", "{}")}
+                 ("resnet50_imagenet", "{'norm': 'group'}")} | PAPER_SIZE
 
 
-def model_params(cases: list[tuple[str, dict]], slow: frozenset | set = frozenset()) -> list[Any]:
-    """``cases`` as pytest parameters (id ``name-params``), the sibling cases and ``slow`` ones marked slow."""
-    return [pytest.param(i, id=f"{n}-{v}", marks=[pytest.mark.slow] if (n, str(v)) in SIBLING_CASES | slow else [])
+def model_params(cases: list[tuple[str, dict]]) -> list[Any]:
+    """``cases`` as pytest parameters (id ``name-params``), the sibling cases marked slow."""
+    return [pytest.param(i, id=f"{n}-{v}", marks=[pytest.mark.slow] if (n, str(v)) in SIBLING_CASES else [])
             for i, (n, v) in enumerate(cases)]
 
 

@@ -95,3 +95,25 @@ def test_an_interrupted_jobs_sweep_stops_its_workers_and_marks_their_runs(tmp_pa
         run_parallel(Path("c.toml"), [], [], 1, 1, on_message=ctrl_c)
     status = json.loads((tmp_path / RUN / "status.json").read_text())
     assert status["state"] == "interrupted" and 1 <= status["round"] < 400
+
+
+def test_ctrl_c_on_another_command_names_it_and_does_not_promise_a_resume(monkeypatch, capsys):
+    """Ctrl-C during `report` (or any command but `run` / `resume`) said "resume with `fedsight resume RUN_DIR`",
+    a command that does not apply to it; now it names the command that stopped."""
+    import pytest
+
+    import fedsight.cli as cli
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "app", stopped)
+    for argv, name in ((["report", "runs", "--out", "r"], "report"), (["flower", "simulate", "x.toml"], "flower simulate"),
+                       (["--help"], "")):
+        monkeypatch.setattr(sys, "argv", ["fedsight", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+        err = capsys.readouterr().err
+        assert exit_.value.code == 130
+        assert f"interrupted: `{' '.join(['fedsight', name]).strip()}` stopped before it finished; run it again to finish" in err, err
+        assert "resume" not in err

@@ -1,4 +1,4 @@
-"""The Python API as a notebook user meets it: the README's example, run as written, and its promises."""
+"""The Python API as a notebook user meets it: the example of docs/api.md, run as written, and its promises."""
 
 import json
 import re
@@ -10,7 +10,7 @@ import torch
 import fedsight
 from helpers import tiny
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+API_PAGE = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 
 @pytest.fixture
@@ -25,15 +25,15 @@ def clean_registries():
         reg._entries.update(before[id(reg)])
 
 
-def _readme_example() -> str:
-    text = README.read_text(encoding="utf-8")
+def _documented_example() -> str:
+    text = API_PAGE.read_text(encoding="utf-8")
     return re.search(r"<!-- python-api -->\n```python\n(.*?)```", text, re.S).group(1)
 
 
-def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, clean_registries, capsys):
+def test_the_documented_example_runs_as_written(tmp_path, monkeypatch, clean_registries, capsys):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "notebook"}
-    exec(compile(_readme_example(), "README.md", "exec"), namespace)
+    exec(compile(_documented_example(), "docs/api.md", "exec"), namespace)
     result = namespace["result"]
     rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert result.status == "complete" and [r["round"] for r in result.history] == [0, 1, 2, 3, 4, 5, 6]
@@ -46,7 +46,7 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, clean_registr
     metrics = build_task(result.config).evaluate(namespace["model"], "test")
     assert metrics["acc"] == pytest.approx(rows[-1]["test/acc"], abs=1e-9)
     # a notebook cell run twice registers the same definition again without an error
-    exec(compile(_readme_example(), "README.md", "exec"), namespace)
+    exec(compile(_documented_example(), "docs/api.md", "exec"), namespace)
 
 
 def test_run_returns_a_list_for_a_sweep_and_variants_pick(tmp_path, monkeypatch):

@@ -632,10 +632,9 @@ WIDER_INPUT = {"resnet18_imagenet": 64, "resnet34_imagenet": 64, "resnet50_image
 
 
 def _model_params() -> list:
-    from test_conformance import MODEL_CASES, SMALL_CASES, model_params
+    from test_conformance import MODEL_CASES, model_params
 
-    # even small, RVRT runs SPyNet (1.4M parameters, at least 32 x 32 pixels): 20 s of CPU in float64 here
-    return model_params(MODEL_CASES, slow={(n, str(v)) for n, v in SMALL_CASES if n == "rvrt"})
+    return model_params(MODEL_CASES)
 
 
 @pytest.mark.parametrize("case", _model_params())

@@ -489,6 +489,15 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _interrupted_line(argv: list[str]) -> str:
+    """What Ctrl-C on a command other than ``run`` / ``resume`` (which name the round and the resume command)
+    says: the command it stopped; a file it writes is written whole or not at all, so running it again is the
+    way on (only a training run resumes)."""
+    words = [w for w in argv if not w.startswith("-")][:2]
+    name = " ".join(["fedsight", *(words[:2] if words[:1] == ["flower"] else words[:1])])
+    return f"interrupted: `{name}` stopped before it finished; run it again to finish"
+
+
 def main() -> None:
     """The ``fedsight`` entry point: every error a command lets through becomes one line on stderr (exit 2
     for configuration errors, 1 otherwise); ``FEDSIGHT_DEBUG=1`` shows the traceback instead."""
@@ -505,8 +514,8 @@ def main() -> None:
         err_console.print(f"[bold red]error:[/] {escape(msg)}{escape(where)}", highlight=False,
                           soft_wrap=True)
         sys.exit(2)
-    except (click.Abort, KeyboardInterrupt):
-        err_console.print("interrupted; resume with `fedsight resume RUN_DIR`")
+    except (click.Abort, KeyboardInterrupt):  # `run` and `resume` say their own round and resume command first
+        err_console.print(_interrupted_line(sys.argv[1:]), highlight=False, soft_wrap=True)
         sys.exit(130)
     except Exception as exc:  # the one error boundary: no traceback unless asked for
         if os.environ.get(DEBUG_ENV):

@@ -203,15 +203,19 @@ class PrivacySection(Params):
         "path: fedsight.central_dp, docs/flower.md (central DP)")
 
 
+#: the checkpoint layouts ``init.layout`` accepts: ``fedsight.weights.LAYOUTS``'s names (a test keeps them equal;
+#: kept here so that validating a config does not import torch)
+WEIGHT_LAYOUTS = ("fedsight", "torchvision", "timm", "vitpose", "pose_resnet", "basicsr", "edsr", "etc_rdsn", "kair")
+
+
 class InitSection(Params):
     """Start the global model from a checkpoint instead of the seeded initialisation (``fedsight.weights``)."""
 
     weights: str | None = Field(None, description="checkpoint to start from: .safetensors, or .pth/.pt/.bin read "
                                 "with torch.load(weights_only=True)")
-    layout: Literal["fedsight", "torchvision", "timm", "kair"] = Field(
-        "fedsight", description="whose key names the checkpoint uses: fedsight (a run's model.safetensors), "
-        "torchvision (ResNets -> resnet*_imagenet, MobileNetV2 -> mobilenetv2 with cifar_stem = false) or timm "
-        "(ViT-S/16, ViT-B/16 -> vit_s16, vit_b16) or kair (RVRT -> rvrt)")
+    layout: Literal[WEIGHT_LAYOUTS] = Field(
+        "fedsight", description="whose key names the checkpoint uses: fedsight (a run's model.safetensors), or the "
+        "library or release that published it; which models each loads into: docs/weights.md")
     exclude: list[str] = Field(default_factory=list, description='FedSight keys left out, fnmatch patterns: '
                                '["head.*"] keeps the model\'s own classifier (another number of classes)')
     strict: bool = Field(True, description="require every model key not excluded; a checkpoint key the model does "

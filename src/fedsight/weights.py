@@ -18,11 +18,19 @@ Layouts (``LAYOUTS``; ``convert``):
   onto ``resnet18_imagenet`` / ``resnet34_imagenet`` / ``resnet50_imagenet`` (``backbone.<key>``, ``fc`` ->
   ``head``); MobileNetV2 (``features.N``, ``classifier.1``) onto ``mobilenetv2`` with ``cifar_stem = false``
   (an inverted residual's ``conv`` is FedSight's ``block``; ``classifier.1`` -> ``head``).
+* ``vitpose``, ``pose_resnet``: the official ViTPose release (or a plain ViT backbone) onto ``vitpose_s`` /
+  ``vitpose_b``, the SimpleBaseline release onto ``simplebaseline`` (``fedsight.weights_pose``).
+* ``basicsr``: BasicSR's EDSR onto ``edsr`` (``fedsight.weights_sr``), its BasicVSR onto ``basicvsr_basicsr``
+  (the same names), or its standalone SPyNet
+  (``basic_module.*`` -> ``spynet.*``, with ``strict = false``); SPyNet's ImageNet ``mean`` / ``std`` are dropped.
+* ``edsr``, ``etc_rdsn``: EDSR as EDSR-PyTorch publishes it, onto ``edsr``; the RDSN
+  authors' network onto ``rdsn_etc`` (``fedsight.weights_sr``).
 * ``kair``: KAIR's / the RVRT release's RVRT (``params``) onto ``rvrt``: the same keys, the buffered constants
   (SPyNet's mean/std, the windows' relative position indices) checked and dropped (``models.rvrt.from_kair``).
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
-keep the model's own classifier when the checkpoint's has another number of classes), every remaining key must be
+keep the model's own classifier when the checkpoint's has another number of classes; matched again after the
+model's own ``adapt_checkpoint``, which may rename or resample keys), every remaining key must be
 a key of the model with the model's shape, and with ``strict`` every model key must be given. Any mismatch is one
 ``ValueError`` naming the file and the first mismatching keys (and shapes); the model is left untouched then.
 """
@@ -38,6 +46,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from . import weights_pose
+from .weights_sr import basicsr_edsr, edsr_pytorch, etc_rdsn
 
 #: keys a checkpoint's tensors are commonly wrapped under, the first found wins
 WRAPPERS = ("state_dict", "model", "module", "params_ema", "params")
@@ -127,6 +138,33 @@ def _timm(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return _rename(state, [(r"^head\.", "head."), (r"^", "backbone.")])
 
 
+def _basicsr_vsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BasicSR's BasicVSR (``spynet.*``, ``backward_trunk.*``: FedSight's ``basicvsr_basicsr`` keeps its names) or a
+    standalone SPyNet (``basic_module.N.*``, e.g. ``spynet_sintel_final``: -> ``spynet.*``, load with
+    ``strict = false``); SPyNet's ``mean`` / ``std`` buffers are checked and dropped (models.spynet)."""
+    from .models.spynet import drop_constants
+
+    if any(k.startswith("spynet.") for k in state) and any(k.startswith("backward_trunk.") for k in state):
+        return drop_constants(state, "spynet.")
+    if state and all(re.match(r"(basic_module\.\d+\.|mean$|std$)", k) for k in state):
+        return drop_constants({f"spynet.{k}": v for k, v in state.items()}, "spynet.")
+    raise ValueError("not a BasicSR BasicVSR or SPyNet state dict (no 'spynet.*' and 'backward_trunk.*' keys, and "
+                     "not only 'basic_module.*' keys)")
+
+
+def _basicsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BasicSR's checkpoints, told apart by their keys: EDSR (``conv_first``, ``conv_after_body``) or BasicVSR /
+    SPyNet."""
+    if "conv_first.weight" in state and "conv_after_body.weight" in state:
+        return basicsr_edsr(state)
+    try:
+        return _basicsr_vsr(state)
+    except ValueError as exc:  # (a BasicVSR whose SPyNet constants are wrong says so)
+        if not str(exc).startswith("not a BasicSR"):
+            raise
+        raise ValueError("not a BasicSR EDSR, BasicVSR or SPyNet state dict (no 'conv_first.*' and "
+                         "'conv_after_body.*' keys, no 'spynet.*' and 'backward_trunk.*' keys, and not only "
+                         "'basic_module.*' keys)") from None
 def _kair(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from .models.rvrt import from_kair
 
@@ -138,6 +176,11 @@ LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor
     "fedsight": dict,
     "torchvision": _torchvision,
     "timm": _timm,
+    "vitpose": weights_pose.vitpose,
+    "pose_resnet": weights_pose.pose_resnet,
+    "basicsr": _basicsr,
+    "edsr": edsr_pytorch,
+    "etc_rdsn": etc_rdsn,
     "kair": _kair,
 }
 
@@ -190,7 +233,10 @@ def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "fedsight"
         raise ValueError(str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}") from None
     state = {k: v for k, v in state.items() if kept(k)}
     if hasattr(model, "adapt_checkpoint"):  # e.g. a ViT's position embedding resampled to the model's patch grid
-        state = model.adapt_checkpoint(state)
+        try:
+            state = {k: v for k, v in model.adapt_checkpoint(state).items() if kept(k)}  # (patterns: its names too)
+        except ValueError as exc:
+            raise ValueError(f"{path} ({layout} layout) does not fit the model: {exc}") from None
     own = model.state_dict()
     problems = fit_problems(model, state, [k for k in own if kept(k)] if strict else ())
     if problems:

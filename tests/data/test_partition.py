@@ -492,6 +492,22 @@ def test_partition_summary_against_hand_computed_values() -> None:
     assert s["global_label_entropy"] == pytest.approx(-(pooled * np.log(pooled)).sum())
 
 
+def test_mean_jaccard_is_eq_3_27_against_scikit_learn_and_its_extremes() -> None:
+    """Thesis eq. 3.27 term by term with scikit-learn's jaccard_score on the clients' class-presence vectors
+    (an empty client left out), and the two extremes the equation implies: 1 when all clients hold the same
+    classes, 1/K when each class sits at exactly one client (Dirichlet alpha = 0)."""
+    from sklearn.metrics import jaccard_score
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 3, size=(9, 6)) * (rng.random((9, 6)) < 0.5)
+    counts[4] = 0  # an empty client
+    held = [row > 0 for row in counts if row.sum() > 0]
+    expected = sum(jaccard_score(a, b) for a in held for b in held) / len(held) ** 2
+    assert partition_summary(counts)["mean_jaccard"] == pytest.approx(expected)
+    assert partition_summary(np.full((5, 4), 3))["mean_jaccard"] == pytest.approx(1.0)
+    assert partition_summary(np.eye(7, dtype=int) * 10)["mean_jaccard"] == pytest.approx(1 / 7)
+
+
 @pytest.mark.parametrize("shape", [(10, 10), (100, 10), (7, 40)])
 def test_plot_partition_heatmap_writes_png(tmp_path, shape) -> None:
     from PIL import Image

@@ -391,6 +391,23 @@ def test_idda_clients_test_splits_and_ids(idda, tmp_path) -> None:
     assert data.tests["all"].names == m + [a[1]]
 
 
+def test_idda_remap_is_feddrives_16_class_mapping(idda, tmp_path) -> None:
+    """`remap = true` maps label ids as FedDrive's src/dataset/idda.py does (``mapping[i] = class_eval[i]``),
+    written out here from the release's list rather than from FedSight's table."""
+    root, ids_of, by_scen = idda
+    class_eval = [255, 2, 4, 255, 11, 5, 0, 0, 1, 8, 13, 3, 7, 6, 255, 255, 15, 14, 12, 9, 10]
+    mapping = np.full(256, 255, dtype=np.int64)
+    mapping[: len(class_eval)] = class_eval
+    a = by_scen["T01_CN_A"]
+    train = _idda_leaf(tmp_path / "train.json", {"T01_CN_A0": a})
+    data = build(DATASETS, "idda", {"root": str(root), "train_split": train, "test_splits": {"t": train},
+                                    "remap": True}, seed=0)
+    assert data.num_classes == 16 and data.class_names == [f"class_{i}" for i in range(16)]
+    for i, name in enumerate(data.train.names):
+        np.testing.assert_array_equal(data.train.labels.get_one(i).numpy(), mapping[ids_of[name]])
+    assert set(np.unique(data.train.labels.get_one(0).numpy())) <= set(range(16)) | {255}
+
+
 def test_idda_errors_name_the_files(idda, tmp_path) -> None:
     root, _, by_scen = idda
     a = by_scen["T01_CN_A"]

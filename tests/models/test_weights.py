@@ -197,6 +197,14 @@ def test_unknown_layout_and_wrong_family_are_named(tmp_path) -> None:
         load_checkpoint(_model("resnet18_imagenet", None), path, "torchvision")
 
 
+def test_the_config_accepts_exactly_the_layouts_that_exist() -> None:
+    """init.layout's choices (config_sections.WEIGHT_LAYOUTS, kept free of torch) are fedsight.weights.LAYOUTS."""
+    from fedsight.config_sections import WEIGHT_LAYOUTS
+    from fedsight.weights import LAYOUTS
+
+    assert set(WEIGHT_LAYOUTS) == set(LAYOUTS)
+
+
 def test_convert_file_writes_fedsight_safetensors_that_load_as_fedsight(tmp_path) -> None:
     src, dst = tmp_path / "tv.pth", tmp_path / "fs.safetensors"
     torch.save(tv_resnet("resnet18"), src)

@@ -150,6 +150,18 @@ def test_a_wrong_index_or_another_architecture_is_named(tmp_path):
         load_checkpoint(make(params), tmp_path / "other.pth", "kair")
 
 
+def test_the_spynet_the_release_trains_from_loads_into_spynet_alone(tmp_path):
+    state = {k[len("spynet."):]: v for k, v in kair_rvrt(dim=8, heads=2, groups=4).items() if k.startswith("spynet.")}
+    torch.save({"params": state}, tmp_path / "spynet_sintel_final-3d2a1287.pth")
+    model = make({"embed_dims": [8, 8, 8], "num_heads": [2, 2, 2], "deformable_groups": 4, "attention_heads": 2})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loaded = load_checkpoint(model, tmp_path / "spynet_sintel_final-3d2a1287.pth", "kair", strict=False)
+    assert set(loaded) == {k for k in before if k.startswith("spynet.")}
+    own = model.state_dict()
+    assert all(torch.equal(own[k], state[k[len("spynet."):]]) for k in loaded)
+    assert all(torch.equal(own[k], before[k]) for k in own if k not in loaded)
+
+
 # -- guided deformable attention -------------------------------------------------------------------------------------
 
 

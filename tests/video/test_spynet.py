@@ -115,3 +115,13 @@ def test_drop_constants_checks_the_values():
 def test_rejects_frames_of_different_shapes():
     with pytest.raises(ValueError, match="SpyNet expects"):
         SpyNet()(torch.rand(1, 3, 8, 8), torch.rand(1, 3, 8, 9))
+
+
+def test_a_smaller_spynet_and_bad_arguments():
+    net = SpyNet(hidden=(4, 4, 4, 4))
+    assert net.basic_module[0].basic_module[2].weight.shape == (4, 4, 7, 7)
+    assert net(torch.rand(1, 3, 9, 9), torch.rand(1, 3, 9, 9)).shape == (1, 2, 9, 9)
+    with pytest.raises(ValueError, match="four positive numbers"):
+        SpyNet(hidden=(4, 4, 4))
+    with pytest.raises(ValueError, match=r"levels must be in 0..5"):
+        net.pyramid(torch.rand(1, 3, 9, 9), torch.rand(1, 3, 9, 9), levels=(6,))

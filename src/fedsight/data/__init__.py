@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedsight.data import classification, partition  # noqa: F401  (registers loaders and partitioners)
+from fedsight.data import classification, federated_csv, partition  # noqa: F401  (registers loaders and partitioners)
 from fedsight.data.base import ArrayDataset, DatasetSplits
 from fedsight.data.partition import (
     ClientSplit,

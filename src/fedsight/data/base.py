@@ -110,10 +110,14 @@ class StoredDataset(_Labelled):
 
 @dataclass
 class DatasetSplits:
-    """What a dataset loader returns: a training pool (partitioned over clients) and a global test set."""
+    """What a dataset loader returns: a training pool (partitioned over clients) and a global test set; a
+    dataset published with its own client split also gives ``client_of`` (each training sample's client,
+    0..K-1: ``partition.name = "predefined"``) and the clients' names."""
 
     train: ArrayDataset | StoredDataset
     test: ArrayDataset | StoredDataset
+    client_of: np.ndarray | None = None
+    client_names: list[str] | None = None
 
     @property
     def in_channels(self) -> int:

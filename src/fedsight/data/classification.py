@@ -121,11 +121,10 @@ def load_digits_dataset(params: DigitsParams, *, seed: int) -> DatasetSplits:
 # ----------------------------------------------------------------------------------------- imagefolder
 
 
-class ImageFolderParams(Params):
-    train_dir: str = Field(description="folder laid out as <train_dir>/<class name>/<image files>")
-    test_dir: str | None = Field(None, description="same layout and classes; if unset, train_dir is split")
-    test_fraction: float = Field(0.2, gt=0, lt=1, description="test fraction when test_dir is unset")
-    split_seed: int = Field(0, ge=0, description="seed of the stratified split when test_dir is unset")
+class StoredImageParams(Params):
+    """How image files are read: the fields every loader of image files shares (``imagefolder``,
+    ``federated_csv``)."""
+
     image_size: int = Field(32, ge=1, description="images are resized (bilinear) to image_size x image_size")
     channels: Literal[1, 3] = Field(3, description="1: greyscale (PIL mode L), 3: RGB")
     workers: int = Field(2, ge=0, description="decoding workers that prefetch batches (0: decode in the training thread)")
@@ -136,15 +135,31 @@ class ImageFolderParams(Params):
     )
     crop_pad: int = Field(4, ge=0, description="crop_flip: padding on each side (CIFAR: 4)")
 
+    def loader_spec(self) -> LoaderSpec:
+        return LoaderSpec(self.workers, self.backend, self.augment, self.crop_pad)
+
+
+class ImageFolderParams(StoredImageParams):
+    train_dir: str = Field(description="folder laid out as <train_dir>/<class name>/<image files>")
+    test_dir: str | None = Field(None, description="same layout and classes; if unset, train_dir is split")
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="test fraction when test_dir is unset")
+    split_seed: int = Field(0, ge=0, description="seed of the stratified split when test_dir is unset")
+
+
+def file_store(paths: list[Any], p: StoredImageParams) -> Any:
+    """A lazy store of image files (nothing decoded here); a file that is no image fails now, not in round 7
+    (a truncated one: when decoded)."""
+    from fedsight.data.pipeline import FileImageStore
+
+    for path in paths:
+        check_image_header(path)
+    return FileImageStore(paths, p.image_size, p.channels, cache_bytes=int(p.cache_mb * 2**20))
+
 
 def _folder_store(root: str, p: ImageFolderParams) -> tuple[list[str], Any, torch.Tensor]:
     """(class names, a lazy store of the tree's files, labels): nothing is decoded here."""
-    from fedsight.data.pipeline import FileImageStore
-
     classes, samples = scan_image_folder(root)
-    for path, _ in samples:  # a file that is no image fails now, not in round 7 (a truncated one: when decoded)
-        check_image_header(path)
-    store = FileImageStore([path for path, _ in samples], p.image_size, p.channels, cache_bytes=int(p.cache_mb * 2**20))
+    store = file_store([path for path, _ in samples], p)
     return classes, store, torch.tensor([lab for _, lab in samples], dtype=torch.int64)
 
 
@@ -154,7 +169,7 @@ def load_imagefolder(params: ImageFolderParams, *, seed: int) -> DatasetSplits:
     ``workers`` prefetching workers, so memory does not grow with the number of files. Classes are the
     sorted sub-folder names of ``train_dir``."""
     del seed
-    loader = LoaderSpec(params.workers, params.backend, params.augment, params.crop_pad)
+    loader = params.loader_spec()
     classes, store, y = _folder_store(params.train_dir, params)
     if params.test_dir is None:
         train, test = stratified_split(y.numpy(), params.test_fraction, params.split_seed, f"image folder {params.train_dir!r}")

@@ -55,6 +55,11 @@ CROSSCITY_LABEL_MAP = {7: 0, 8: 1, 11: 2, 19: 3, 20: 4, 21: 5, 23: 6, 24: 7, 25:
 IDDA_NUM_CLASSES = 23
 IDDA_CLASSES = [f"class_{i}" for i in range(IDDA_NUM_CLASSES)]
 IDDA_LABEL_MAP = {i + 1: i for i in range(IDDA_NUM_CLASSES)}
+#: FedDrive's 16-class ``remap`` (``src/dataset/idda.py``'s ``class_eval``, on in every FedDrive IDDA config):
+#: label id i -> class_eval[i] for ids 0..20 (ids 6 and 7 share class 0; ids 0, 3, 14, 15 and 21.. are ignored)
+IDDA_REMAP_CLASS_EVAL = (255, 2, 4, 255, 11, 5, 0, 0, 1, 8, 13, 3, 7, 6, 255, 255, 15, 14, 12, 9, 10)
+IDDA_REMAP = {i: c for i, c in enumerate(IDDA_REMAP_CLASS_EVAL) if c != 255}
+IDDA_REMAP_NUM_CLASSES = 16
 IDDA_TOWNS = tuple(f"T0{k}" for k in range(1, 8))
 IDDA_WEATHERS = ("CN", "CS", "HRN")
 IDDA_VEHICLES = ("A", "B", "J", "M", "V")
@@ -338,6 +343,8 @@ class IDDAParams(Params):
         "are logged as test_<name>/*"
     )
     resize: Size | None = Field(None, description=_RESIZE)
+    remap: bool = Field(False, description="FedDrive's 16-class mapping (its configs' 'remap', used by every "
+                        "FedDrive IDDA table); false: ids 1..23 -> 23 classes")
 
 
 def _scenario(x: str, y: str, what: str) -> str:
@@ -351,9 +358,13 @@ def _scenario(x: str, y: str, what: str) -> str:
 
 
 @DATASETS.register("idda", params=IDDAParams, task="segmentation",
-                   help="IDDA (FedDrive's IDDAsmall, 23 classes) with FedDrive's client and test splits")
+                   help="IDDA (FedDrive's IDDAsmall, 23 classes or FedDrive's 16 with remap) with FedDrive's "
+                   "client and test splits")
 def load_idda(params: IDDAParams, *, seed: int) -> SegmentationData:
-    """IDDA scenarios ``{T0k}_{W}_{V}`` (town, weather, vehicle): label ids 1..23 -> 0..22; domain = scenario."""
+    """IDDA scenarios ``{T0k}_{W}_{V}`` (town, weather, vehicle): label ids 1..23 -> 0..22, or with ``remap``
+    FedDrive's 16 classes (``IDDA_REMAP``; the FedDrive release's ``remap`` flag, which every FedDrive IDDA config
+    sets, so only ``remap = true`` numbers compare with the thesis's Tables 5.3-5.5); domain = scenario. The
+    class names are not published: ``class_0`` ... ."""
     del seed
     root = Path(params.root)
     _require_dir(root, "IDDA")
@@ -366,12 +377,13 @@ def load_idda(params: IDDAParams, *, seed: int) -> SegmentationData:
     train_dom = [_scenario(x, y, f"idda split {params.train_split!r}") for x, y in train]
     test_dom = {n: [_scenario(x, y, f"idda split {params.test_splits[n]!r}") for x, y in t] for n, t in tests.items()}
     names, ids = _domain_ids(train_dom, list(test_dom.values()))
-    lut = lut_from_map(IDDA_LABEL_MAP)
+    lut = lut_from_map(IDDA_REMAP if params.remap else IDDA_LABEL_MAP)
+    classes = [f"class_{i}" for i in range(IDDA_REMAP_NUM_CLASSES)] if params.remap else list(IDDA_CLASSES)
     sets = {n: _make_set(root, root, t, test_dom[n], ids, lut, params.resize) for n, t in tests.items()}
     first = next(iter(params.test_splits))
     return SegmentationData(
         train=_make_set(root, root, train, train_dom, ids, lut, params.resize),
-        tests={"test": sets[first], **{n: s for n, s in sets.items() if n != first}}, class_names=list(IDDA_CLASSES),
+        tests={"test": sets[first], **{n: s for n, s in sets.items() if n != first}}, class_names=classes,
         domain_names=names,
         clients=_client_arrays(user_pairs), client_names=client_names,
     )

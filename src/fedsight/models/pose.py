@@ -7,10 +7,9 @@ joint, ``[B, J, H/4, W/4]`` (``J = io.num_outputs``), for any ``H, W`` that are 
 ``stride_multiple`` attribute, with no change to the model: the RAF ladders 256x192, 192x144, 128x96 (and the
 unseen 320x240, 384x288) at patch 16, 128x96, 96x72, 64x48 at patch 8. Another size raises a ``ValueError``
 naming the multiple. The ImageNet mean and standard deviation are subtracted and divided inside the backbone
-(non-persistent buffers: not state, never aggregated). There are no pretrained weights (nothing is downloaded):
-every model starts from the random initialisation described below. Parameter groups: ``backbone`` (everything
-before the heatmap head) and ``head`` (deconvolutions / upsampling and the final convolution); ``norm`` by
-module type. Both models expose ``stride_multiple`` and ``output_stride`` (4) as attributes.
+(non-persistent buffers, not state). ``simplebaseline`` loads published weights, ``vitpose`` none (the official
+ViTPose: ``vitpose_official``). Parameter groups: ``backbone`` (all before the heatmap head), ``head``
+(deconvolutions / upsampling, final conv); ``norm`` by module type. Attributes ``stride_multiple``, ``output_stride``.
 
 ``simplebaseline``: Xiao, Wu & Wei, "Simple Baselines for Human Pose Estimation and Tracking" (ECCV 2018),
 as ``microsoft/human-pose-estimation.pytorch`` ``lib/models/pose_resnet.py``:
@@ -24,11 +23,11 @@ as ``microsoft/human-pose-estimation.pytorch`` ``lib/models/pose_resnet.py``:
   -> ReLU] with ``deconv_filters`` (256 in the paper) channels, then a 1x1 conv to J. Heatmaps at stride
   32 / 2^3 = 4.
 
-Initialisation: backbone convolutions Kaiming-normal (fan_out, ReLU) as torchvision's ResNet (the paper's
-backbone is ImageNet-pretrained, which is not available here); deconvolution and final-conv weights normal with
-std 0.001, final bias 0, norm weights 1 and biases 0, as ``PoseResNet.init_weights``. ``norm = "batch"`` is the
-paper's; ``"group"`` (GroupNorm with ``group_norm_groups`` groups, everywhere) has no running statistics, for
-DP-SGD and recipes that must not have BatchNorm.
+Initialisation: convolutions Kaiming-normal (fan_out, ReLU) as torchvision's ResNet (the paper's is ImageNet:
+layout ``torchvision``, ``width = 64``, excluding ``head.*``; the release's: ``pose_resnet``; docs/weights.md);
+deconvolution and final-conv weights N(0, 0.001^2), final bias 0, norms 1/0, as ``PoseResNet.init_weights``.
+``norm = "batch"`` is the paper's; ``"group"`` (GroupNorm with ``group_norm_groups`` groups, everywhere) has no
+running statistics, for DP-SGD and recipes that must not have BatchNorm.
 
 *Sizes that are not multiples of 32.* The paper's crops (256x192, 384x288) are multiples of 32; 192x144, 96x72
 and 64x48 are not. Every stride-2 layer maps n to ceil(n/2), so the stride-32 map is ceil(H/32) x ceil(W/32)
@@ -75,17 +74,13 @@ i.e. 100 standard deviations: practically a plain normal, as in both references)
 LayerNorm 1/0 (ViTPose and ResFormer); patch-embedding and GPE convolutions keep PyTorch's default (both
 references leave convolutions to it); LPE zero.
 
-Departures from ViTPose as published: (1) no MAE-pretrained ViT weights (ViTPose starts from MAE ImageNet
-pre-training; GPE/LPE have no pretrained weights in any case); (2) no absolute position embedding by default
-(RAF's change) and, with ``ape``, no cls-token slot (ViTPose's embedding has one, ``pos_embed[:, :1]``, which it
-adds to every token); (3) the patch embedding has no padding (ViTPose's
-``PatchEmbed`` uses ``padding = 4 + 2 (ratio // 2 - 1)`` = 2 at ratio 1, which gives the same H/16 grid for
-multiples of 16 but shifts every patch by 2 pixels); (4) UDP (unbiased data processing), flip test and
-heatmap post-processing are data / evaluation choices and are not part of the model; (5) defaults are CPU-sized
-(ViTPose-S on MPII is ``patch=16, dim=384, depth=12, heads=12, drop_path=0.3, deconv_filters=256``; the defaults
-are ``patch=16, dim=96, depth=4, heads=3, drop_path=0, deconv_filters=64``); (6) attention is computed by
-``torch.nn.functional.scaled_dot_product_attention`` (the same softmax(q k^T / sqrt(d)) v; no attention dropout,
-as ViTPose's configs), under vmap (vectorised training) by matrix products (``attention``).
+Departures from ViTPose as published (which ``vitpose_s`` / ``vitpose_b`` are, with its weights): (1) no
+pretrained weights (GPE/LPE have none); (2) no absolute position embedding by default (RAF's change) and, with
+``ape``, no cls-token slot (ViTPose adds its ``pos_embed[:, :1]`` to every token); (3) no patch-embedding padding
+(ViTPose's is 2: the same H/16 grid, every patch shifted by 2 pixels); (4) UDP, flip test and heatmap
+post-processing are evaluation choices outside the model; (5) CPU-sized defaults (``dim=96, depth=4, heads=3,
+drop_path=0, deconv_filters=64``; ViTPose-S: 384, 12, 12, 0.3, 256); (6) attention by
+``scaled_dot_product_attention`` (no attention dropout, as ViTPose's configs), under vmap by matrix products.
 """
 
 from __future__ import annotations
@@ -102,6 +97,7 @@ from fedsight.models.base import FedModel, ModelIO, norm_capabilities, state_key
 from fedsight.models.layers import init_weights, norm_layer
 from fedsight.models.resnet import BasicBlock, residual_blocks
 from fedsight.registry import MODELS, Params
+from fedsight.weights_pose import simplebaseline_names
 
 __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "Attention", "Block", "GlobalPosEmbed", "HeatmapHead", "SimpleBaseline",
@@ -291,6 +287,10 @@ class SimpleBaseline(FedModel):
         if out.shape[-2:] != (h, w):
             out = out[..., :h, :w]
         return out
+
+    def adapt_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """torchvision's ResNet names as this model's (``fedsight.weights_pose.simplebaseline_names``)."""
+        return simplebaseline_names(state)
 
     def blocks(self) -> dict[str, list[str]]:
         """The stem, every residual block, the head."""

@@ -43,9 +43,10 @@ published (EDSR-PyTorch ``src/model/rdn.py``). The RDSN authors' code (``tianjia
 ``src/model/rdn.py``) differs: its "spatial attention" is a full U-Net on the mean-shifted input whose
 G0-channel output (no sigmoid) multiplies the GFF output (the paper's "improved U-net"), it drops RDN's
 ``+ F_-1`` global residual, and its "global skip" is a second learned sub-pixel branch on the input added
-before the output conv, not an interpolation. Those choices are not reproduced: CBAM attention is
+before the output conv, not an interpolation. Those choices are not reproduced here: CBAM attention is
 about 100 parameters where the U-Net has millions, and the interpolated skip is the paper's formula with
-the resolution mismatch resolved.
+the resolution mismatch resolved. The authors' network itself is ``rdsn_etc`` (``models/rdsn_etc.py``), which
+loads their checkpoints.
 
 Configurations (``features`` = G0, ``blocks`` = D, ``layers`` = C, ``growth`` = G):
 
@@ -73,7 +74,15 @@ conv to F features, B residual blocks without normalisation (``x + res_scale * c
 3x3 conv and the long skip over the body, the sub-pixel upsampler (x2/x3 ``conv(F -> F s^2) +
 PixelShuffle(s)``, x4 two x2 stages), a 3x3 output conv, and the mean added back. EDSR-baseline:
 F = 64, B = 16, res_scale = 1; EDSR (large): F = 256, B = 32, res_scale = 0.1; default here (CPU demos):
-F = 32, B = 4. Default PyTorch init, as EDSR-PyTorch. Parameter count::
+F = 32, B = 4. Default PyTorch init, as EDSR-PyTorch. ``rgb_range`` r: the network works on
+``(x - mean) r`` and its output is ``y / r + mean`` for images x in [0, 1]; EDSR-PyTorch (``MeanShift(rgb_range)``
+on [0, 255] images) and BasicSR (``img_range``) train at r = 255, so their checkpoints need ``rgb_range = 255``
+(both layouts in ``fedsight.weights_sr``; EDSR-PyTorch's frozen ``sub_mean`` / ``add_mean`` convs are checked
+against the model's mean shift and r by ``adapt_checkpoint``, not loaded). The key names map one to one:
+``conv_first`` is EDSR-PyTorch's ``head.0`` (BasicSR's ``conv_first``), ``body.N.conv1/2`` its
+``body.N.body.0/2`` (BasicSR's ``body.N.conv1/2``), ``conv_body`` its last body conv ``body.B``
+(``conv_after_body``), ``head.up`` its ``tail.0`` (``upsample``), ``head.out`` its ``tail.1`` (``conv_last``).
+Parameter count (EDSR-baseline x2: 1,369,859; EDSR x2: 40,729,603, as EDSR-PyTorch's README gives them)::
 
     P_edsr = (27 F + F) + B 2 (9 F^2 + F) + (9 F^2 + F) + up(s) + (27 F + 3)
     up(2) = 36 F^2 + 4 F;   up(3) = 81 F^2 + 9 F;   up(4) = 2 (36 F^2 + 4 F)
@@ -177,6 +186,44 @@ def apply_udc(out: torch.Tensor, lr: torch.Tensor, scale: int, offset: int = 0) 
     mask = rows[:, None] & cols[None, :]
     kept = lr.repeat_interleave(scale, dim=-2).repeat_interleave(scale, dim=-1)  # kept[.., s i + o, ..] = lr[.., i, ..]
     return torch.where(mask, kept.to(out.dtype), out)
+
+
+#: EDSR-PyTorch's ``MeanShift`` convs as a checkpoint holds them (frozen ``nn.Conv2d(3, 3, 1)``: weight the identity
+#: over ``rgb_std`` (1 in EDSR and the RDSN authors' code), bias ``-+ rgb_range * rgb_mean``)
+MEAN_SHIFT_KEYS = ("sub_mean.weight", "sub_mean.bias", "add_mean.weight", "add_mean.bias")
+
+
+def adapt_mean_shift(state: dict[str, torch.Tensor], mean_shift: bool, rgb_range: float) -> dict[str, torch.Tensor]:
+    """``state`` without EDSR-PyTorch's mean-shift convs, after checking them against the model's fixed mean shift
+    (the DIV2K mean, ``rgb_range``): the model keeps its mean as a non-persistent buffer, so a checkpoint for
+    another value range or without a mean shift would load every weight and compute something else; that is one
+    ``ValueError`` saying which ``rgb_range`` (or ``mean_shift``) the checkpoint needs. A state without those keys
+    (a FedSight or BasicSR checkpoint) is returned as it is."""
+    given = {k: state[k] for k in MEAN_SHIFT_KEYS if k in state}
+    if not given:
+        return state
+    if len(given) != len(MEAN_SHIFT_KEYS):
+        raise ValueError(f"the checkpoint's mean shift is incomplete: it has {', '.join(given)} of "
+                         f"{', '.join(MEAN_SHIFT_KEYS)}")
+    if not mean_shift:
+        raise ValueError("the checkpoint has a mean shift (sub_mean, add_mean) and the model has mean_shift = false")
+    eye = torch.eye(3).view(3, 3, 1, 1)
+    for k in ("sub_mean.weight", "add_mean.weight"):
+        if tuple(given[k].shape) != (3, 3, 1, 1) or not torch.allclose(given[k].float(), eye, atol=1e-6):
+            raise ValueError(f"{k} is not the identity [3, 3, 1, 1] (a mean shift with rgb_std != 1, which the model "
+                             "does not have)")
+    mean = torch.tensor(DIV2K_MEAN)
+    for k, sign in (("sub_mean.bias", -1), ("add_mean.bias", 1)):
+        ratio = sign * given[k].float().reshape(-1) / mean if given[k].numel() == 3 else torch.full((3,), float("nan"))
+        if not torch.allclose(ratio, ratio[0].expand(3), rtol=1e-4):
+            raise ValueError(f"{k} = {given[k].reshape(-1).tolist()} is not {'-' if sign < 0 else '+'}rgb_range x the "
+                             f"DIV2K mean {list(DIV2K_MEAN)}")
+        found = float(ratio[0])
+        if abs(found - rgb_range) > 1e-4 * max(1.0, rgb_range):
+            raise ValueError(f"the checkpoint works in [0, {found:g}] ({k} = {'-' if sign < 0 else '+'}{found:g} x the "
+                             f"DIV2K mean) and the model has rgb_range = {rgb_range:g}: set the model's rgb_range = "
+                             f"{found:g}")
+    return {k: v for k, v in state.items() if k not in given}
 
 
 # one operation for torch.fx (its checks read shapes): the vectorised engine's fused forward applies it to all the
@@ -302,12 +349,12 @@ class EDSR(FedModel):
     split_head = False
 
     def __init__(self, scale: int, features: int = 32, blocks: int = 4, res_scale: float = 1.0, mean_shift: bool = True,
-                 in_channels: int = 3, out_channels: int = 3):
+                 in_channels: int = 3, out_channels: int = 3, rgb_range: float = 1.0):
         super().__init__()
         _check_scale(scale)
-        if mean_shift and in_channels != 3:
+        if mean_shift and (in_channels, out_channels) != (3, 3):
             raise ValueError("the DIV2K mean shift is defined for RGB (3-channel) images")
-        self.scale, self.mean_shift = scale, mean_shift
+        self.scale, self.mean_shift, self.rgb_range = scale, mean_shift, float(rgb_range)
         self.feature_dim = features
         self.backbone = EDSRTrunk(in_channels, features, blocks, res_scale)
         self.head = SRHead(features, features, scale, out_channels)
@@ -316,10 +363,18 @@ class EDSR(FedModel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor) and x.ndim != 4:  # (not while torch.fx traces the forward: a Proxy)
             raise ValueError(f"EDSR expects LR images [B, C, h, w], got shape {tuple(x.shape)}")
-        if not self.mean_shift:
-            return self.head(self.backbone(x))
-        mean = self.rgb_mean.to(x.dtype)
-        return self.head(self.backbone(x - mean)) + mean
+        if self.mean_shift:
+            x = x - self.rgb_mean.to(x.dtype)
+        if self.rgb_range != 1:  # (EDSR-PyTorch's and BasicSR's weights work in [0, 255])
+            out = self.head(self.backbone(x * self.rgb_range)) * (1.0 / self.rgb_range)
+        else:
+            out = self.head(self.backbone(x))
+        return out + self.rgb_mean.to(out.dtype) if self.mean_shift else out
+
+    def adapt_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """EDSR-PyTorch's frozen mean-shift convs (``sub_mean``, ``add_mean``) checked against the model's mean
+        shift and ``rgb_range``, then dropped (``adapt_mean_shift``)."""
+        return adapt_mean_shift(state, self.mean_shift, self.rgb_range)
 
     def blocks(self) -> dict[str, list[str]]:
         """Head conv, one block per residual block, body conv, head (upsampler and output conv)."""
@@ -349,6 +404,7 @@ class EDSRParams(Params):
     blocks: int = Field(4, ge=0, description="B, residual blocks (EDSR-baseline: 16, EDSR: 32)")
     res_scale: float = Field(1.0, gt=0, description="residual scaling (EDSR-baseline: 1, EDSR: 0.1)")
     mean_shift: bool = Field(True, description="subtract the DIV2K RGB mean before and add it after the network")
+    rgb_range: float = Field(1.0, gt=0, description="the network's value range; [0, 1] inputs scaled by it (published: 255)")
 
 
 SR_PROVIDES = frozenset({"parameter_groups"})
@@ -363,8 +419,8 @@ def build_rdsn(params: RDSNParams, *, io: ModelIO) -> RDSN:
     )
 
 
-@MODELS.register("edsr", params=EDSRParams, help="EDSR baseline (residual blocks without BN, DIV2K mean shift)",
-                 task="image_sr", provides=SR_PROVIDES)
+@MODELS.register("edsr", params=EDSRParams, task="image_sr", provides=SR_PROVIDES,
+                 help="EDSR (residual blocks without BN, DIV2K mean shift; loads EDSR-PyTorch, BasicSR weights)")
 def build_edsr(params: EDSRParams, *, io: ModelIO) -> EDSR:
     return EDSR(io.scale, params.features, params.blocks, params.res_scale, params.mean_shift,
-                in_channels=io.in_channels, out_channels=io.num_outputs or 3)
+                in_channels=io.in_channels, out_channels=io.num_outputs or 3, rgb_range=params.rgb_range)

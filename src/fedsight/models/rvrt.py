@@ -49,8 +49,9 @@ Choices made here (and where this differs from the reference):
 * **GDA** is the plain-PyTorch path of ``fedsight.models.deform_attn`` (its docstring says where it can differ
   from the CUDA kernel). Nothing else in RVRT uses a custom kernel.
 * **Vectorised training** works (no in-place op on a parameter, no data-dependent control flow); the shifted
-  window mask is a function of the feature size, cached per size and device. The conformance suite checks it at
-  a small size under the slow flag only: SPyNet alone costs 20 s of CPU there.
+  window mask is a function of the feature size, cached per size and device.
+* **SPyNet's width** (``spynet_hidden``, the vsr models' knob) can shrink for CPU tests and demos: the published
+  SPyNet (1.4M parameters, run on frames resized to at least 32 x 32) is most of a small RVRT's cost.
 
 Checked against the authors' code in ``tests/video/test_rvrt.py``: the release's key names and shapes load, and
 with seeded weights the output equals that of their ``network_rvrt.py`` (a fixture ``benchmarks/golden_rvrt.py``
@@ -60,6 +61,7 @@ wrote) to 1e-9 in float64.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from functools import lru_cache
 
@@ -70,7 +72,7 @@ from torch import nn
 
 from fedsight.models.base import FedModel, ModelIO, state_keys
 from fedsight.models.deform_attn import GuidedDeformAttn, Mlp, Permute
-from fedsight.models.spynet import SpyNet, drop_constants, flow_warp
+from fedsight.models.spynet import PUBLISHED_HIDDEN, SpyNet, drop_constants, flow_warp
 from fedsight.registry import MODELS, Params
 
 BRANCHES = ("backward_1", "forward_1", "backward_2", "forward_2")
@@ -275,14 +277,17 @@ class RVRTParams(Params):
     attention_heads: int = Field(12, ge=1, description="heads of the guided deformable attention")
     attention_window: tuple[int, int] = Field((3, 3), description="samples per offset group (height, width)")
     max_residue_magnitude: float = Field(10.0, gt=0, description="bound on the offset residue (pixels)")
+    spynet_hidden: tuple[int, int, int, int] = Field(PUBLISHED_HIDDEN, description="SPyNet's inner widths "
+                                                     "(published: 32, 64, 32, 16; smaller ones load no SPyNet weights)")
 
     @model_validator(mode="after")
     def _fits(self) -> "RVRTParams":
         e = self.embed_dims
-        sizes = e + self.depths + self.num_heads + self.window_size + self.attention_window + self.inputconv_groups
+        sizes = (e + self.depths + self.num_heads + self.window_size + self.attention_window + self.inputconv_groups
+                 + self.spynet_hidden)
         if min(sizes) < 1 or min(self.num_blocks) < 0:
-            raise ValueError("embed_dims, depths, num_heads, window_size, attention_window and inputconv_groups must "
-                             "be >= 1 and num_blocks >= 0")
+            raise ValueError("embed_dims, depths, num_heads, window_size, attention_window, inputconv_groups and "
+                             "spynet_hidden must be >= 1 and num_blocks >= 0")
         if e[0] != e[1]:
             raise ValueError(f"embed_dims: the feature and propagation channels must be equal (got {e[0]} and {e[1]}): "
                              "propagation adds to the features")
@@ -310,7 +315,7 @@ class RVRT(FedModel):
         dims, self.scale = p.embed_dims, scale
         steps = upsample_steps(scale)  # first: an unsupported scale fails before anything is built
         swin = dict(mlp_ratio=p.mlp_ratio, qkv_bias=p.qkv_bias)
-        self.spynet = SpyNet()
+        self.spynet = SpyNet(hidden=p.spynet_hidden)
         self.feat_extract = RSTBWithInputConv(3, dims[0], p.num_blocks[0], p.inputconv_groups[0], depth=p.depths[0],
                                               heads=p.num_heads[0], window=(1, *p.window_size[1:]), **swin)
         self.backbone = nn.ModuleDict()
@@ -424,9 +429,14 @@ def from_kair(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A KAIR / RVRT-release RVRT state dict in FedSight's names (the ``kair`` weights layout). The parameter keys
     are the same; the constants the release holds as buffers are checked and dropped: SPyNet's ``spynet.mean`` /
     ``spynet.std`` (``spynet.drop_constants``) and every ``*.relative_position_index``, which must be the index
-    of the window its bias table is laid out for (a ``ValueError`` names the first that is not)."""
+    of the window its bias table is laid out for (a ``ValueError`` names the first that is not). The SPyNet the
+    release trains from (``spynet_sintel_final-3d2a1287.pth``: ``basic_module.*`` alone) goes to ``spynet.*``
+    (load it with ``strict = false``)."""
+    if state and all(re.match(r"(basic_module\.\d+\.|mean$|std$)", k) for k in state):
+        return drop_constants({f"spynet.{k}": v for k, v in state.items()}, "spynet.")
     if not any(k.startswith("deform_align.") for k in state) or not any(k.startswith("spynet.") for k in state):
-        raise ValueError("not a KAIR RVRT state dict (no 'spynet.*' and 'deform_align.*' keys)")
+        raise ValueError("not a KAIR RVRT state dict (no 'spynet.*' and 'deform_align.*' keys) nor its SPyNet "
+                         "(only 'basic_module.*' keys)")
     out = drop_constants(state, "spynet.")
     for key in [k for k in out if k.endswith(".relative_position_index")]:
         index = out.pop(key)

@@ -39,6 +39,8 @@ Choices made here:
 * ``identity_init=True`` starts each level's last convolution at zero, so an untrained SPyNet predicts zero flow
   (identity warping) instead of PyTorch's random-init flow; BasicSR uses PyTorch's default init everywhere and
   always loads pretrained SPyNet weights in its recipes. Loading weights overwrites either.
+* ``hidden`` (default the published ``(32, 64, 32, 16)``) sets the inner widths of every level, for a SPyNet
+  small enough to train in tests; the published checkpoints fit the default only.
 * Inputs whose size is not a multiple of 32 are resized with ``F.interpolate``; with vmap that works (it has a
   batching rule); the in-place component scaling of the reference is done out of place here (the same numbers).
 """
@@ -53,11 +55,13 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["SpyNet", "SpyNetBasicModule", "flow_warp", "drop_constants", "IMAGENET_MEAN", "IMAGENET_STD",
-           "SPYNET_LEVELS"]
+           "SPYNET_LEVELS", "PUBLISHED_HIDDEN"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 SPYNET_LEVELS = 6
+#: the inner widths of a level's convolutions in the published SPyNet (8 -> 32 -> 64 -> 32 -> 16 -> 2)
+PUBLISHED_HIDDEN = (32, 64, 32, 16)
 
 
 def flow_warp(x: torch.Tensor, flow: torch.Tensor, interp_mode: str = "bilinear", padding_mode: str = "zeros",
@@ -79,11 +83,15 @@ def flow_warp(x: torch.Tensor, flow: torch.Tensor, interp_mode: str = "bilinear"
 
 class SpyNetBasicModule(nn.Module):
     """One pyramid level: five 7x7 convolutions 8 -> 32 -> 64 -> 32 -> 16 -> 2 with ReLU between them, as
-    ``basic_module`` (a Sequential, so the published keys ``basic_module.{0,2,4,6,8}`` fit)."""
+    ``basic_module`` (a Sequential, so the published keys ``basic_module.{0,2,4,6,8}`` fit). ``hidden`` replaces
+    the four inner widths (32, 64, 32, 16) for a smaller SPyNet (tests, CPU demos); no published weights fit then."""
 
-    def __init__(self, identity_init: bool = True):
+    def __init__(self, identity_init: bool = True, hidden: Sequence[int] = PUBLISHED_HIDDEN):
         super().__init__()
-        widths = (8, 32, 64, 32, 16, 2)
+        if len(hidden) != 4 or min(hidden) < 1:
+            raise ValueError(f"SPyNet's hidden widths are four positive numbers (published: {list(PUBLISHED_HIDDEN)}), "
+                             f"got {list(hidden)}")
+        widths = (8, *hidden, 2)
         layers: list[nn.Module] = []
         for i, (cin, cout) in enumerate(zip(widths[:-1], widths[1:])):
             layers.append(nn.Conv2d(cin, cout, 7, stride=1, padding=3))
@@ -102,9 +110,9 @@ class SpyNet(nn.Module):
     """BasicSR's / KAIR's SPyNet (see the module docstring): ``forward(ref, supp)`` is the flow ``[N, 2, H, W]``
     that warps ``supp`` onto ``ref``."""
 
-    def __init__(self, identity_init: bool = True):
+    def __init__(self, identity_init: bool = True, hidden: Sequence[int] = PUBLISHED_HIDDEN):
         super().__init__()
-        self.basic_module = nn.ModuleList([SpyNetBasicModule(identity_init) for _ in range(SPYNET_LEVELS)])
+        self.basic_module = nn.ModuleList([SpyNetBasicModule(identity_init, hidden) for _ in range(SPYNET_LEVELS)])
         self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
 

@@ -143,7 +143,8 @@ def partition_heatmap_png(
         (f"{title}\n" if title else "")
         + f"{n_clients} clients, {int(s['total'])} samples; client size {s['min_size']}-{s['max_size']} "
         f"(median {s['median_size']:g}); {s['mean_classes_per_client']:.1f} "
-        f"{'classes' if key == 'class' else key + 's'}/client", fig_width, 10), fontsize=10)
+        f"{'classes' if key == 'class' else key + 's'}/client, mean Jaccard {s['mean_jaccard']:.2f}", fig_width, 10),
+        fontsize=10)
     buf = io.BytesIO()
     fig.savefig(buf, dpi=120, format="png")
     return buf.getvalue()

@@ -14,7 +14,7 @@ from ..data.base import ArrayDataset, DatasetSplits, StoredDataset
 from ..data.partition import ClientSplit, ClientSplits
 from ..metrics import Mean, MetricSet, MetricState, PerClassAccuracy
 from ..models.base import ModelIO
-from ..registry import MODELS, TASKS, NoParams, Params, build
+from ..registry import MODELS, PARTITIONERS, TASKS, NoParams, Params, build
 from .base import Task, TaskSpec, component_params
 
 PROVIDES = frozenset({"class_labels", "class_logits", "server_split"})
@@ -390,9 +390,15 @@ def build_classification_task(params: NoParams, *, cfg: Any) -> ClassificationTa
         server.summaries["validation"] = split_summary("dataset", val.labels, val.num_classes, names,
                                                        imbalance=cfg.validation.imbalance)
     pre = splits.train.subset(server.held["pretrain"]) if "pretrain" in server.held else None
+    attributes = {}
+    if "client_of" in PARTITIONERS.get(cfg.partition.name).meta.get("needs", ()):
+        if splits.client_of is None:
+            raise ValueError(f"partition.name = 'predefined': dataset {cfg.data.name!r} has no client split of its "
+                             "own (federated_csv has)")
+        attributes["client_of"] = np.asarray(splits.client_of)[server.rest]
     if "val" in server.held or "pretrain" in server.held:
         splits = DatasetSplits(train=splits.train.subset(server.rest), test=splits.test)
-    clients = partition_from_config(splits.train.labels, cfg)
+    clients = partition_from_config(splits.train.labels, cfg, attributes)
     model_params = MODELS.get(cfg.model.name).params(**component_params(cfg.model))
     return ClassificationTask(
         splits, clients, cfg.model.name, model_params, val=val, val_info=server.summaries.get("validation"),

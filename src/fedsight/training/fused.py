@@ -27,7 +27,8 @@ For a model built only of the layers below, ``fused_trace.fused_plan`` traces th
 * the super-resolution operations (RDSN, EDSR): ``torch.cat(dim=1)`` concatenates within
   each client's channels, a channel mean or max (``keepdim``) reduces within them, a sum or product of a map of
   one channel a client with a wider one broadcasts within each client, ``nn.PixelShuffle``, ``F.interpolate``
-  by a scale factor and RDSN's ``apply_udc`` (one operation for torch.fx) act per channel;
+  by a scale factor, RDSN's ``apply_udc`` and ``rdsn_etc``'s U-Net padding ``pad_to`` (one operation each for
+  torch.fx) act per channel;
 * the segmentation operations (DeepLabV3/V3+, BiSeNetV2): ``F.interpolate`` to a size (given, or read off a
   value's shape: ``x.shape[-2:]``, ``x.size(2)``, which is one client's shape), ``F.adaptive_avg_pool2d`` and a
   mean or max over spatial dimensions act per channel; a forward may return a tuple (BiSeNetV2's auxiliary heads
@@ -54,6 +55,7 @@ from torch import nn
 
 from ..models.cnn import GridPool
 from ..models.rdsn import apply_udc
+from ..models.rdsn_etc import pad_to
 
 #: parameter-free element-wise layers, as functions (never in place: the input may be a view autograd needs)
 _ACTIVATIONS: dict[type, Any] = {
@@ -80,7 +82,8 @@ class Step(NamedTuple):
     ``opts``; "cat": along the channels; "mean", "amax": over the channels (kept as one) when ``opts`` is None,
     else over the spatial dimensions ``opts[0]`` with keepdim ``opts[1]``; "interpolate": ``F.interpolate`` with
     the keywords ``opts`` (and the size of a second argument); "adaptive_avg_pool2d" to the size ``opts``; "udc":
-    ``apply_udc`` of the output and the input with the scale and offset ``opts``;
+    ``apply_udc`` of the output and the input with the scale and offset ``opts``; "pad_to": ``pad_to`` of a map
+    to another's spatial size;
     "flatten"; or an ``_ELEMENTWISE`` function) on the values of the earlier nodes ``args``, giving node
     ``name``'s."""
 
@@ -145,6 +148,8 @@ class FusedPlan:
                 env[name] = (F.adaptive_avg_pool2d(_layout(*ins[0], FUSED, k), opts), FUSED)
             elif op == "udc":  # (per channel: the output's and the input's channels are each client's, in order)
                 env[name] = (apply_udc(*(_layout(*i, FUSED, k) for i in ins), *opts), FUSED)
+            elif op == "pad_to":  # (spatial: the same sizes for every client)
+                env[name] = (pad_to(*(_layout(*i, FUSED, k) for i in ins)), FUSED)
             else:
                 env[name] = _module(m, prefix, values, ins[0], k, mask, drops, updates)
         if isinstance(self.output, tuple):

@@ -15,6 +15,7 @@ from torch import fx, nn
 
 from ..models.cnn import GridPool
 from ..models.rdsn import apply_udc
+from ..models.rdsn_etc import pad_to
 from .fused import _ACTIVATIONS, _BINARY, _ELEMENTWISE, CONST, DTYPE, SHAPE, FusedPlan, Step
 
 _LEAVES = (nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm, nn.MaxPool2d, nn.AvgPool2d,
@@ -24,7 +25,7 @@ _FUNCTIONS = {operator.add: "add", torch.add: "add", operator.sub: "sub", torch.
               torch.mul: "mul", torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
               torch.flatten: "flatten", torch.cat: "cat", F.interpolate: "interpolate", torch.mean: "mean",
               torch.amax: "amax", getattr: "getattr", operator.getitem: "getitem",
-              F.adaptive_avg_pool2d: "adaptive_avg_pool2d", apply_udc: "udc"}
+              F.adaptive_avg_pool2d: "adaptive_avg_pool2d", apply_udc: "udc", pad_to: "pad_to"}
 _METHODS = {"relu": "relu", "sigmoid": "sigmoid", "flatten": "flatten", "mean": "mean", "amax": "amax", "to": "to",
             "add": "add", "sub": "sub", "mul": "mul", "size": "size"}
 #: F.interpolate's keywords the fused forward passes on besides ``size`` (``_function_step`` takes that apart)
@@ -189,6 +190,8 @@ def _function_step(op: str, node: fx.Node) -> Step | None:
         a = bound.arguments
         ok = type(a["scale"]) is int and type(a["offset"]) is int
         return Step(op, node.name, None, "", (a["out"], a["lr"]), (a["scale"], a["offset"])) if ok else None
+    if op == "pad_to":  # rdsn_etc's U-Net: a map zero-padded on the right and bottom to another's size
+        return Step(op, node.name, None, "", args) if len(args) == 2 and not kw else None
     if op == "adaptive_avg_pool2d":
         size = kw.pop("output_size", args[1] if len(args) > 1 else None)
         return Step(op, node.name, None, "", args[:1], size) if len(args) <= 2 and not kw and size is not None else None
