@@ -24,7 +24,7 @@ from fedsight.models.base import ModelIO
 from fedsight.registry import MODELS, build
 
 SIZES = {
-    "small (tests)": {"embed_dims": [8, 8, 8], "num_heads": [2, 2, 2], "num_blocks": [1, 1, 1], "window_size": [2, 4, 4],
+    "small, published SPyNet": {"embed_dims": [8, 8, 8], "num_heads": [2, 2, 2], "num_blocks": [1, 1, 1], "window_size": [2, 4, 4],
                       "deformable_groups": 4, "attention_heads": 2},
     "paper (10.8M)": {},
 }
