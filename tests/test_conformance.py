@@ -50,6 +50,8 @@ SMALL_SIZE: dict[str, dict[str, Any]] = {
     "basicvsr_basicsr": {"num_feat": 8, "num_block": 1, "hr_feat": 8, "spynet_hidden": [4, 4, 4, 4]},
     "vitpose_s": {"dim": 16, "depth": 2, "heads": 2, "deconv_filters": 8},
     "vitpose_b": {"dim": 16, "depth": 1, "heads": 1, "head": "simple"},
+    "rvrt": {"embed_dims": (8, 8, 8), "num_heads": (2, 2, 2), "num_blocks": (1, 1, 1), "window_size": (2, 4, 4),
+             "deformable_groups": 4, "attention_heads": 2, "spynet_hidden": (4, 4, 4, 4)},
 }
 
 

@@ -33,10 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "examples" / "paper").glob("*.toml"))
 DOC = ROOT / "docs" / "paper_presets.md"
 
-#: models registered on other branches of issue 46 (the lead empties this set when merging them): a preset that
-#: uses one is skipped, saying so
-PENDING_MODELS = {"rvrt"}
-
 #: published parameter counts of the presets' models at 1000 classes and the classifier's input width, so the count
 #: at the preset's number of classes is count - (width + 1) * (1000 - classes): torchvision's model tables
 PUBLISHED = {"resnet18_imagenet": (11_689_512, 512), "mobilenetv2": (3_504_872, 1280)}
@@ -58,12 +54,6 @@ def _raw(preset: Path) -> dict:
     return read_toml(preset)
 
 
-def _pending(preset: Path) -> None:
-    model = _raw(preset)["model"]["name"]
-    if model in PENDING_MODELS:
-        pytest.skip(f"model {model} is merged from another branch")
-
-
 def _ids(paths):
     return [p.stem for p in paths]
 
@@ -76,7 +66,6 @@ def test_there_is_a_preset_per_headline_table():
 
 @pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
 def test_preset_validates_with_every_variant(preset):
-    _pending(preset)
     raw = _raw(preset)
     specs = expand(raw, preset.name)
     grid = raw.get("sweep", {}).get("grid", {})
@@ -132,7 +121,6 @@ def _published_names(model: torch.nn.Module, layout: str) -> dict[str, torch.Ten
 def test_preset_init_places_every_key_of_the_published_checkpoint(preset, monkeypatch):
     """The published file is not in CI: a state dict with its key names (and its 1000-class classifier) stands in,
     and the preset's ``[init]`` (layout, exclude, strict) must place every key of it into the preset's model."""
-    _pending(preset)
     raw = _raw(preset)
     if "init" not in raw:
         pytest.skip(f"{preset.stem} loads no published weights (its header says why)")
@@ -140,21 +128,28 @@ def test_preset_init_places_every_key_of_the_published_checkpoint(preset, monkey
 
     params = {k: v for k, v in raw["model"].items() if k != "name"}
     init = raw["init"]
-    donor = build_model("mobilenetv2" if raw["model"]["name"] == "deeplabv3_mobilenetv2" else raw["model"]["name"],
-                        {"cifar_stem": False} if "mobilenet" in raw["model"]["name"] else params,
-                        num_outputs=1000, in_channels=3)  # DeepLab's backbone: the ImageNet MobileNetV2's
-    published = _published_names(donor, init["layout"])
+    if init["layout"] == "kair":  # RVRT starts from the SPyNet its release trains from: basic_module.* alone
+        from fedsight.models.spynet import SpyNet
+
+        published = {k: torch.randn(v.shape) for k, v in SpyNet().state_dict().items()}
+    else:
+        donor = build_model("mobilenetv2" if raw["model"]["name"] == "deeplabv3_mobilenetv2" else raw["model"]["name"],
+                            {"cifar_stem": False} if "mobilenet" in raw["model"]["name"] else params,
+                            num_outputs=1000, in_channels=3)  # DeepLab's backbone: the ImageNet MobileNetV2's
+        published = _published_names(donor, init["layout"])
     monkeypatch.setattr(W, "read_checkpoint", lambda path: dict(published))
     model = build_model(raw["model"]["name"], params, in_channels=3, **IO[preset.stem])
     loaded = W.load_checkpoint(model, init["weights"], init["layout"], strict=init.get("strict", True),
                                exclude=init.get("exclude", ()))
-    assert len(loaded) == len(published) - 2  # all but the classifier (weight, bias)
+    if init["layout"] == "kair":
+        assert set(loaded) == {f"spynet.{k}" for k in published}
+    else:
+        assert len(loaded) == len(published) - 2  # all but the classifier (weight, bias)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in loaded.items())
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
 def test_preset_model_at_paper_size(preset):
-    _pending(preset)
     raw = _raw(preset)
     params = {k: v for k, v in raw["model"].items() if k != "name"}
     with torch.device("meta"):
@@ -178,7 +173,6 @@ def _fast_trunc_normal(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None)
 
 @pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
 def test_preset_data_build_from_its_layout_and_train_one_batch(preset, tmp_path, monkeypatch):
-    _pending(preset)
     monkeypatch.setattr(torch.nn.init, "trunc_normal_", _fast_trunc_normal)
     raw = _raw(preset)
     raw.pop("init", None)  # the published weights are not in CI
@@ -201,7 +195,6 @@ def test_preset_data_build_from_its_layout_and_train_one_batch(preset, tmp_path,
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
 def test_preset_runs_under_smoke_on_its_fixture(preset, tmp_path, monkeypatch):
-    _pending(preset)
     monkeypatch.chdir(tmp_path)
     raw = _raw(preset)
     raw.pop("init", None)

@@ -25,6 +25,8 @@ Layouts (``LAYOUTS``; ``convert``):
   (``basic_module.*`` -> ``spynet.*``, with ``strict = false``); SPyNet's ImageNet ``mean`` / ``std`` are dropped.
 * ``edsr``, ``etc_rdsn``: EDSR as EDSR-PyTorch publishes it, onto ``edsr``; the RDSN
   authors' network onto ``rdsn_etc`` (``fedsight.weights_sr``).
+* ``kair``: KAIR's / the RVRT release's RVRT (``params``) onto ``rvrt``: the same keys, the buffered constants
+  (SPyNet's mean/std, the windows' relative position indices) checked and dropped (``models.rvrt.from_kair``).
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
 keep the model's own classifier when the checkpoint's has another number of classes; matched again after the
@@ -163,6 +165,10 @@ def _basicsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise ValueError("not a BasicSR EDSR, BasicVSR or SPyNet state dict (no 'conv_first.*' and "
                          "'conv_after_body.*' keys, no 'spynet.*' and 'backward_trunk.*' keys, and not only "
                          "'basic_module.*' keys)") from None
+def _kair(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from .models.rvrt import from_kair
+
+    return from_kair(state)
 
 
 #: layout name -> key conversion into FedSight's names
@@ -175,6 +181,7 @@ LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor
     "basicsr": _basicsr,
     "edsr": edsr_pytorch,
     "etc_rdsn": etc_rdsn,
+    "kair": _kair,
 }
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from fedsight.models import bisenetv2, cnn, deeplab, imagenet_resnet, mobilenetv2, pose, rdsn, resnet, vit, vitpose_official, vsr  # noqa: F401  (registration side effect)
 from fedsight.models import basicvsr_basicsr  # noqa: F401  (registration: BasicSR's BasicVSR)
 from fedsight.models import rdsn_etc  # noqa: F401,E402  (registration: the RDSN authors' network)
+from fedsight.models import rvrt  # noqa: F401,E402  (registration: RVRT, the authors' layout)
 from fedsight.models.base import FedModel, ModelIO, load_weights, save_weights
 from fedsight.registry import MODELS, Params, build
 
