@@ -74,6 +74,12 @@ def scaled(channels: int, width: float, divisor: int = 8) -> int:
     return out + divisor if out < 0.9 * v else out
 
 
+#: how each style upsamples inside the BGA layer (``bga_upsample``'s default)
+BGA_UPSAMPLE = {"paper": "bilinear", "feddrive": "bilinear_corners", "bisenet": "nearest"}
+#: the output stride of the main head's input and of each auxiliary head's (stem, S3, S4, S5)
+MAIN_STRIDE, AUX_STRIDES = 8, (4, 8, 16, 32)
+
+
 class BiSeNetV2Params(Params):
     width: float = Field(1.0, gt=0, description="backbone channel multiplier (0.25 for tests and CPU demos)")
     head_channels: int = Field(1024, ge=1, description="hidden channels of the main segmentation head (reference: 1024)")
@@ -83,6 +89,14 @@ class BiSeNetV2Params(Params):
     norm: Literal["batch", "group"] = "batch"
     group_norm_groups: int = Field(2, gt=0)
     zero_init_residual: bool = Field(True, description="start the last norm of each GE residual branch at zero")
+    head_style: Literal["paper", "feddrive", "bisenet"] = Field(
+        "paper", description="heads: 'paper' 1x1 to classes + bilinear; 'feddrive' pixel shuffle (FedDrive's "
+        "checkpoints); 'bisenet' CoinCheung's release (its model_final_v2_city.pth)",
+    )
+    bga_upsample: Literal["bilinear", "bilinear_corners", "nearest"] | None = Field(
+        None, description="BGA's 4x upsampling; default by head_style: paper bilinear, feddrive bilinear "
+        "align_corners=True, bisenet nearest",
+    )
 
 
 def conv_norm_act(cin: int, cout: int, k: int, stride: int, norm: str, g: int, groups: int = 1) -> nn.Sequential:
@@ -196,17 +210,23 @@ class SemanticBranch(nn.Module):
         return [f2, f3, f4, f5, self.ce(f5)]
 
 
-def _resize(x: torch.Tensor, size: torch.Size | tuple[int, int]) -> torch.Tensor:
-    """``x`` resized (bilinear) to ``size``; as it is when it has that size (where interpolation is the identity,
+def _resize(x: torch.Tensor, size: torch.Size | tuple[int, int], mode: str = "bilinear") -> torch.Tensor:
+    """``x`` resized to ``size`` (``mode``: ``bilinear`` with ``align_corners=False``, ``bilinear_corners`` with
+    ``align_corners=True``, or ``nearest``); as it is when it has that size (where interpolation is the identity,
     values and gradients: while torch.fx traces the forward, a Proxy's size is unknown, and it interpolates)."""
     if isinstance(x, torch.Tensor) and x.shape[-2:] == size:
         return x
-    return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    if mode == "nearest":
+        return F.interpolate(x, size=size, mode="nearest")
+    return F.interpolate(x, size=size, mode="bilinear", align_corners=mode == "bilinear_corners")
 
 
 class BilateralGuidedAggregation(nn.Module):
-    def __init__(self, c: int, norm: str, g: int):
+    """``upsample``: how the 1/32 semantic maps reach the detail map's size (see ``_resize``)."""
+
+    def __init__(self, c: int, norm: str, g: int, upsample: str = "bilinear"):
         super().__init__()
+        self.upsample = upsample
         self.left1 = nn.Sequential(*conv_norm(c, c, 3, 1, norm, g, groups=c), nn.Conv2d(c, c, 1, bias=False))
         self.left2 = nn.Sequential(*conv_norm(c, c, 3, 2, norm, g), nn.AvgPool2d(3, stride=2, padding=1))
         self.right1 = conv_norm(c, c, 3, 1, norm, g)
@@ -215,22 +235,38 @@ class BilateralGuidedAggregation(nn.Module):
 
     def forward(self, detail: torch.Tensor, semantic: torch.Tensor) -> torch.Tensor:
         size = detail.shape[-2:]
-        left = self.left1(detail) * torch.sigmoid(_resize(self.right1(semantic), size))
-        right = _resize(self.left2(detail) * torch.sigmoid(self.right2(semantic)), size)
+        left = self.left1(detail) * torch.sigmoid(_resize(self.right1(semantic), size, self.upsample))
+        right = _resize(self.left2(detail) * torch.sigmoid(self.right2(semantic)), size, self.upsample)
         return self.conv(left + right)
 
 
 class SegmentHead(nn.Module):
-    """``3x3 conv -> norm -> ReLU``, dropout, ``1x1`` classifier (with bias); upsampled by the caller."""
+    """``3x3 conv -> norm -> ReLU``, dropout, then by ``style`` (``up``: the stride of the head's input):
 
-    def __init__(self, cin: int, mid: int, num_classes: int, dropout: float, norm: str, g: int):
+    * ``paper``: a ``1x1`` classifier (with bias); upsampled (bilinear) by the caller.
+    * ``feddrive``: a ``1x1`` conv to ``num_classes * up * up`` channels (with bias) and ``PixelShuffle(up)``
+      (FedDrive's ``SegmentHead.conv_out``: the logits come out at ``up`` times the input's size).
+    * ``bisenet`` (``refine``, CoinCheung's auxiliary heads since its 2021-07 refactor): nearest 2x upsampling,
+      ``3x3 conv -> norm -> ReLU`` to ``up * up`` channels, then the ``1x1`` classifier; bilinear by the caller.
+      Its main head (``refine=False``) is the ``paper`` head.
+    """
+
+    def __init__(self, cin: int, mid: int, num_classes: int, dropout: float, norm: str, g: int,
+                 style: str = "paper", up: int = 1, refine: bool = False):
         super().__init__()
         self.conv = conv_norm_act(cin, mid, 3, 1, norm, g)
         self.drop = nn.Dropout(dropout)
-        self.classifier = nn.Conv2d(mid, num_classes, 1)
+        self.refine = conv_norm_act(mid, up * up, 3, 1, norm, g) if style == "bisenet" and refine else None
+        cls_in = up * up if self.refine is not None else mid
+        self.classifier = nn.Conv2d(cls_in, num_classes * up * up if style == "feddrive" else num_classes, 1)
+        self.shuffle = nn.PixelShuffle(up) if style == "feddrive" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.drop(self.conv(x)))
+        y = self.drop(self.conv(x))
+        if self.refine is not None:
+            y = self.refine(F.interpolate(y, scale_factor=2.0, mode="nearest"))
+        y = self.classifier(y)
+        return self.shuffle(y) if self.shuffle is not None else y
 
 
 class BiSeNetV2Backbone(nn.Module):
@@ -241,7 +277,8 @@ class BiSeNetV2Backbone(nn.Module):
         self.semantic = SemanticBranch(in_channels, p.width, p.norm, p.group_norm_groups)
         if detail[-1] != self.semantic.channels[-1]:  # both are scaled(128, width)
             raise AssertionError("detail and semantic branches must end with the same channel count")
-        self.bga = BilateralGuidedAggregation(detail[-1], p.norm, p.group_norm_groups)
+        self.bga = BilateralGuidedAggregation(detail[-1], p.norm, p.group_norm_groups,
+                                              p.bga_upsample or BGA_UPSAMPLE[p.head_style])
         self.out_channels = detail[-1]
 
     def forward_all(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -257,9 +294,11 @@ class BiSeNetV2Heads(nn.Module):
     def __init__(self, p: BiSeNetV2Params, in_channels: int, aux_in: tuple[int, ...], num_classes: int):
         super().__init__()
         norm, g = p.norm, p.group_norm_groups
-        self.main = SegmentHead(in_channels, p.head_channels, num_classes, p.dropout, norm, g)
+        style = p.head_style
+        self.main = SegmentHead(in_channels, p.head_channels, num_classes, p.dropout, norm, g, style, MAIN_STRIDE)
         self.aux = nn.ModuleList(
-            [SegmentHead(c, p.aux_channels, num_classes, p.dropout, norm, g) for c in aux_in] if p.aux_heads else []
+            [SegmentHead(c, p.aux_channels, num_classes, p.dropout, norm, g, style, up, refine=True)
+             for c, up in zip(aux_in, AUX_STRIDES)] if p.aux_heads else []
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -277,6 +316,7 @@ class BiSeNetV2(FedModel):
         self.backbone = BiSeNetV2Backbone(p, in_channels)
         self.feature_dim = self.backbone.out_channels
         self.head = BiSeNetV2Heads(p, self.feature_dim, self.backbone.semantic.channels, num_classes)
+        self.num_classes, self.head_style = num_classes, p.head_style
         init_weights(self)
         if p.zero_init_residual:
             for m in self.modules():
@@ -291,6 +331,22 @@ class BiSeNetV2(FedModel):
             return main
         # aux heads on the stem, S3, S4 and S5 before the context embedding (sem[:4])
         return (main, *[_resize(h(f), size) for h, f in zip(self.head.aux, sem[:4])])
+
+    def checkpoint_hint(self, state: dict[str, torch.Tensor]) -> str | None:
+        """Which ``head_style`` a checkpoint that does not fit was saved with, where it is not this model's, read off
+        its heads (``fedsight.weights.load_checkpoint`` adds it to its error)."""
+        w = state.get("head.main.classifier.weight")
+        if w is None:
+            return None
+        if w.shape[0] == self.num_classes * MAIN_STRIDE**2:
+            style = "feddrive"
+        elif w.shape[0] == self.num_classes:
+            style = "bisenet" if any(k.startswith("head.aux.") and ".refine." in k for k in state) else "paper"
+        else:
+            return None
+        if style == self.head_style:
+            return None
+        return f"its heads are head_style '{style}' heads: build the model with model.head_style = \"{style}\""
 
     def feature_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Semantic branch: stem (1/4), stage 3 (1/8), stage 4 (1/16), context-embedded stage 5 (1/32)."""

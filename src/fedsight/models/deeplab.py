@@ -41,6 +41,7 @@ least 2 (as in torchvision). ``features(x)`` is the map the head takes (``ceil(H
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import torch
@@ -244,6 +245,19 @@ class DeepLabV3(FedModel):
         else:
             out = self.head(self.backbone(x))
         return F.interpolate(out, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+    def adapt_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """An ImageNet MobileNetV2 checkpoint (torchvision's or d-li14's, converted to FedSight's names) without its
+        classification-only parts: the Linear classifier (``head.weight``, ``head.bias``; no DeepLab head has those
+        keys) and the final 1x1 conv (``backbone.features.18``) where this model's backbone ends before it (the
+        MobileNetV2 paper's head at OS 8/16 reads the 320-channel map). Any other key is left to be checked."""
+        n = len(self.backbone.features)
+
+        def kept(k: str) -> bool:
+            m = re.match(r"backbone\.features\.(\d+)\.", k)
+            return k not in ("head.weight", "head.bias") and (m is None or int(m.group(1)) < n)
+
+        return {k: v for k, v in state.items() if kept(k)}
 
     def feature_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
         t = self.backbone.taps(x, self.pyramid)
