@@ -307,3 +307,53 @@ def test_a_checkpoint_of_another_family_is_named(tmp_path) -> None:
     with pytest.raises(ValueError, match=re.escape(f"{path}: not a LADD DeepLabV3-MobileNetV2 or d-li14")):
         load_checkpoint(_deeplab({"output_stride": 32}), path, "ladd")
     assert read_checkpoint(path).keys() == {"layer1.0.conv1.weight"}
+
+
+def _reference_forward(m, x: torch.Tensor, style: str) -> list[torch.Tensor]:
+    """BiSeNetV2's forward in the reference's op order (FedDrive's / CoinCheung's ``BGALayer.forward``,
+    ``SegmentHead.forward``, ``BiSeNetV2.forward``), on FedSight's layers: BGA upsamples by ``scale_factor=4``
+    (FedDrive: bilinear, ``align_corners=True``; CoinCheung: nearest); FedDrive's heads end in ``PixelShuffle(up)``,
+    CoinCheung's main head in a bilinear 8x upsampling and its auxiliary heads in nearest 2x, ConvBNReLU, 1x1 and a
+    bilinear ``up/2`` upsampling. Returns ``[main, aux2, aux3, aux4, aux5_4]``."""
+    import torch.nn.functional as F
+
+    up4 = (lambda t: F.interpolate(t, scale_factor=4, mode="bilinear", align_corners=True)) if style == "feddrive" \
+        else (lambda t: F.interpolate(t, scale_factor=4))
+    feat_d = m.backbone.detail(x)
+    feat2, feat3, feat4, feat5_4, feat_s = m.backbone.semantic(x)
+    b = m.backbone.bga
+    left = b.left1(feat_d) * torch.sigmoid(up4(b.right1(feat_s)))
+    right = up4(b.left2(feat_d) * torch.sigmoid(b.right2(feat_s)))
+    feat_head = b.conv(left + right)
+
+    def head(h, f: torch.Tensor, up: int, aux: bool) -> torch.Tensor:
+        y = h.conv(f)  # (dropout 0)
+        if style == "feddrive":
+            return F.pixel_shuffle(h.classifier(y), up)
+        if aux:
+            y, up = h.refine(F.interpolate(y, scale_factor=2)), up // 2
+        return F.interpolate(h.classifier(y), scale_factor=up, mode="bilinear", align_corners=False)
+
+    return [head(m.head.main, feat_head, 8, False)] + [head(h, f, up, True) for h, f, (_, _, up) in
+                                                        zip(m.head.aux, (feat2, feat3, feat4, feat5_4), AUX)]
+
+
+@pytest.mark.parametrize("style", ["feddrive", "bisenet"])
+def test_the_forward_follows_the_references_op_order(style) -> None:
+    torch.manual_seed(0)
+    model = build_model("bisenetv2", {"head_style": style, "width": 0.25, "head_channels": 16, "aux_channels": 8,
+                                      "dropout": 0.0}, num_classes=3, in_channels=3, image_size=64)
+    for m in model.modules():  # (non-trivial BatchNorm statistics and affine parameters)
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5), m.running_var.uniform_(0.5, 2), m.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 64, 96)
+    model.eval()
+    with torch.no_grad():
+        ref = _reference_forward(model, x, style)
+        assert all(r.shape == (2, 3, 64, 96) for r in ref)
+        torch.testing.assert_close(model(x), ref[0], rtol=1e-5, atol=1e-5)
+        model.train()  # the auxiliary heads (BatchNorm on batch statistics in both computations)
+        ours = model(x)
+        ref = _reference_forward(model, x, style)
+    for a, r in zip(ours, ref):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
