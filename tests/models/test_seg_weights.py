@@ -122,7 +122,7 @@ def test_a_bisenetv2_release_loads_every_key_in_its_place(style, tmp_path) -> No
     else:
         torch.save(state, path)
     model = _bisenet_model(style)
-    assert sum(p.numel() for p in model.parameters()) == _params(state)
+    assert sum(p.numel() for p in model.parameters()) == _params(state) == {"feddrive": 8_196_416, "bisenet": 5_231_487}[style]
     loaded = load_checkpoint(model, path, style)
     own = model.state_dict()
     assert set(loaded) == set(own)  # no missing, no unexpected key
@@ -257,7 +257,7 @@ def test_a_ladd_deeplabv3_checkpoint_loads_every_key_in_its_place(tmp_path) -> N
     torch.save({"model_state": state}, path)  # LADD saves {"model_state": ...}
     model = _deeplab({"output_stride": 32})
     assert model.head_style == "torchvision"
-    assert sum(p.numel() for p in model.parameters()) == _params(state)
+    assert sum(p.numel() for p in model.parameters()) == _params(state) == 12_652_563  # (the docstring's number)
     loaded = load_checkpoint(model, path, "ladd")
     own = model.state_dict()
     assert set(loaded) == set(own)
@@ -357,3 +357,15 @@ def test_the_forward_follows_the_references_op_order(style) -> None:
         ref = _reference_forward(model, x, style)
     for a, r in zip(ours, ref):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("style", ["feddrive", "bisenet"])
+def test_the_reference_head_styles_train_vectorised_as_sequentially(style, monkeypatch) -> None:
+    """The vectorised conformance test (tests/test_vectorized.py) on the two reference head styles (pixel shuffle;
+    nearest upsampling and the refine convs), at a small width."""
+    import test_conformance
+    import test_vectorized
+
+    case = ("bisenetv2", {"head_style": style, "width": 0.25, "head_channels": 16, "aux_channels": 8})
+    monkeypatch.setattr(test_vectorized, "_conformance_cases", lambda: (test_conformance.FAMILIES, [case]))
+    test_vectorized.test_every_builtin_model_trains_vectorised_as_sequentially(0)

@@ -23,6 +23,22 @@ Architecture (channels at ``width=1``; every conv is conv -> norm -> ReLU unless
   (128) on the semantic stem (1/4) and stages 3, 4 and 5 (before the context embedding), used only in
   training. They are part of the ``head`` parameter group (``head.aux.*``).
 
+**The references' heads** (``head_style``; compared with ``Erosinho13/FedDrive`` ``src/modules/bisenetv2.py`` and
+``CoinCheung/BiSeNet`` ``lib/models/bisenetv2.py``: detail branch, stem, GE layers, context embedding, BGA
+convolutions, dropout 0.1 and initialisation are the same in all three; only the heads and BGA's upsampling
+differ). ``"paper"`` (the default, above) is the paper's head. ``"feddrive"`` is FedDrive's variant of CoinCheung's
+late-2020 code (whose auxiliary heads had an extra conv that FedDrive's lack): each head's ``1x1`` conv outputs
+``C*up**2`` channels, rearranged by ``PixelShuffle(up)`` (``up`` = 8 for the main head, 4/8/16/32 for the auxiliary
+ones; 8,196,416 parameters at 19 classes, 4,585,552 without the auxiliary heads), and BGA upsamples bilinearly with
+``align_corners=True``. ``"bisenet"`` is CoinCheung's code since its 2021-07 refactor, which published
+``model_final_v2_city.pth``: the main head is the paper's; each auxiliary head upsamples 2x (nearest) and applies
+``3x3 conv -> norm -> ReLU`` to ``up**2`` channels before its ``1x1`` classifier (5,231,487 parameters at 19
+classes), and BGA upsamples with nearest neighbours. ``bga_upsample`` overrides the style's BGA mode. The
+references upsample by fixed factors (4 in BGA, ``up`` in the heads); FedSight resizes to the detail map's and the
+input's size, the same for inputs whose sides are multiples of 32 (Cityscapes' 512x1024, FedDrive's 512x928 crops),
+and any input size still works. Their checkpoints load with the ``feddrive`` and ``bisenet`` layouts
+(``fedsight.weights_seg``).
+
 ``width`` scales every backbone channel count, rounded to a multiple of 8 (at least 8), so the
 depthwise/grouped convolutions (groups = input channels, outputs = 6x inputs) stay valid;
 ``head_channels``/``aux_channels`` are absolute. As in the reference, convolutions are Kaiming-normal
