@@ -208,10 +208,11 @@ class InitSection(Params):
 
     weights: str | None = Field(None, description="checkpoint to start from: .safetensors, or .pth/.pt/.bin read "
                                 "with torch.load(weights_only=True)")
-    layout: Literal["fedsight", "torchvision", "timm"] = Field(
+    layout: Literal["fedsight", "torchvision", "timm", "feddrive", "bisenet", "ladd"] = Field(
         "fedsight", description="whose key names the checkpoint uses: fedsight (a run's model.safetensors), "
         "torchvision (ResNets -> resnet*_imagenet, MobileNetV2 -> mobilenetv2 with cifar_stem = false) or timm "
-        "(ViT-S/16, ViT-B/16 -> vit_s16, vit_b16)")
+        "(ViT-S/16, ViT-B/16 -> vit_s16, vit_b16); feddrive, bisenet (BiSeNetV2), ladd (DeepLabV3-MobileNetV2): "
+        "docs/weights.md")
     exclude: list[str] = Field(default_factory=list, description='FedSight keys left out, fnmatch patterns: '
                                '["head.*"] keeps the model\'s own classifier (another number of classes)')
     strict: bool = Field(True, description="require every model key not excluded; a checkpoint key the model does "

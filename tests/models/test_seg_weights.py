@@ -163,13 +163,21 @@ def test_a_checkpoint_for_another_head_style_names_the_style_to_build(tmp_path) 
         load_checkpoint(model, path, "feddrive")
     msg = str(info.value)
     assert msg.startswith(f"{path} (feddrive layout) does not fit the model") and "\n" not in msg
-    assert msg.endswith("its heads are head_style 'feddrive' heads: build the model with model.head_style = \"feddrive\"")
+    assert msg.endswith("its heads are head_style 'feddrive' heads for 19 classes: build the model with "
+                        "model.head_style = \"feddrive\"")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     torch.save(ref_bisenetv2("bisenet"), path)
     with pytest.raises(ValueError, match="use layout 'bisenet' and head_style = 'bisenet'"):
         load_checkpoint(model, path, "feddrive")
-    with pytest.raises(ValueError, match="head_style 'bisenet' heads: build the model with model.head_style = \"bisenet\""):
+    with pytest.raises(ValueError, match="head_style 'bisenet' heads for 19 classes: build the model with "
+                                         "model.head_style = \"bisenet\"$"):
         load_checkpoint(_bisenet_model("feddrive"), path, "bisenet")
+    torch.save(ref_bisenetv2("feddrive"), path)  # another number of classes as well (a FedDrive Cityscapes model)
+    with pytest.raises(ValueError, match="head_style 'feddrive' heads for 19 classes: build the model with model.head_style"
+                                         " = \"feddrive\" and 19 classes \\(or exclude = \\[\"head.\\*.classifier.\\*\"\\]\\)$"):
+        load_checkpoint(_bisenet_model("paper", num_classes=13), path, "feddrive")
+    with pytest.raises(ValueError, match="heads for 19 classes: build the model with 19 classes \\(or exclude"):
+        load_checkpoint(_bisenet_model("feddrive", num_classes=13), path, "feddrive")
 
 
 # -- DeepLabV3 on MobileNetV2 ---------------------------------------------------------------------------------------

@@ -349,20 +349,28 @@ class BiSeNetV2(FedModel):
         return (main, *[_resize(h(f), size) for h, f in zip(self.head.aux, sem[:4])])
 
     def checkpoint_hint(self, state: dict[str, torch.Tensor]) -> str | None:
-        """Which ``head_style`` a checkpoint that does not fit was saved with, where it is not this model's, read off
-        its heads (``fedsight.weights.load_checkpoint`` adds it to its error)."""
-        w = state.get("head.main.classifier.weight")
+        """Which ``head_style`` (and number of classes) a checkpoint that does not fit was saved with, where that is
+        not this model's, read off its heads: CoinCheung's auxiliary heads have ``refine`` convs; FedDrive's main
+        classifier has 4x the outputs of the first auxiliary one (``C*8**2`` against ``C*4**2``) or, without
+        auxiliary heads, ``64 C`` for this model's ``C`` (``fedsight.weights.load_checkpoint`` adds it to its error)."""
+        w, a = state.get("head.main.classifier.weight"), state.get("head.aux.0.classifier.weight")
         if w is None:
             return None
-        if w.shape[0] == self.num_classes * MAIN_STRIDE**2:
-            style = "feddrive"
-        elif w.shape[0] == self.num_classes:
-            style = "bisenet" if any(k.startswith("head.aux.") and ".refine." in k for k in state) else "paper"
+        n = w.shape[0]
+        if any(k.startswith("head.aux.") and ".refine." in k for k in state):
+            style, classes = "bisenet", n
+        elif n % MAIN_STRIDE**2 == 0 and (n == 4 * a.shape[0] if a is not None else n == self.num_classes * MAIN_STRIDE**2):
+            style, classes = "feddrive", n // MAIN_STRIDE**2
+        elif a is None or n == a.shape[0]:
+            style, classes = "paper", n
         else:
             return None
-        if style == self.head_style:
+        if style == self.head_style and classes == self.num_classes:
             return None
-        return f"its heads are head_style '{style}' heads: build the model with model.head_style = \"{style}\""
+        fix = f'model.head_style = "{style}"' if style != self.head_style else ""
+        if classes != self.num_classes:
+            fix += (" and " if fix else "") + f"{classes} classes (or exclude = [\"head.*.classifier.*\"])"
+        return f"its heads are head_style '{style}' heads for {classes} classes: build the model with {fix}"
 
     def feature_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Semantic branch: stem (1/4), stage 3 (1/8), stage 4 (1/16), context-embedded stage 5 (1/32)."""
