@@ -205,7 +205,8 @@ class PrivacySection(Params):
 
 #: the checkpoint layouts ``init.layout`` accepts: ``fedsight.weights.LAYOUTS``'s names (a test keeps them equal;
 #: kept here so that validating a config does not import torch)
-WEIGHT_LAYOUTS = ("fedsight", "torchvision", "timm", "vitpose", "pose_resnet", "basicsr", "edsr", "etc_rdsn", "kair")
+WEIGHT_LAYOUTS = ("fedsight", "torchvision", "timm", "vitpose", "pose_resnet", "basicsr", "edsr", "etc_rdsn", "kair",
+                  "feddrive", "bisenet", "ladd")
 
 
 class InitSection(Params):

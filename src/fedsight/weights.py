@@ -4,9 +4,10 @@ from the layout it was published in, and load it, naming every key that cannot b
 Reading (``read_checkpoint``): ``.safetensors`` through safetensors; anything else (``.pth``, ``.pt``, ``.bin``,
 ``.ckpt``) through ``torch.load(weights_only=True)``, which unpickles tensors and plain containers only, never
 code: a pickle that would run code is refused with the file named. A checkpoint wrapped the usual ways is
-unwrapped: a dict under ``state_dict``, ``model``, ``module``, ``params_ema`` or ``params`` (BasicSR/EDSR saves
-``params`` and ``params_ema``; ``params_ema`` wins, as BasicSR's own test scripts load it), and the ``module.``
-prefix that ``DataParallel`` adds.
+unwrapped: a dict under ``state_dict``, ``model``, ``module``, ``params_ema``, ``params`` or ``model_state``
+(FedDrive and LADD save ``model_state``; BasicSR/EDSR saves ``params`` and ``params_ema``; ``params_ema`` wins, as
+BasicSR's own test scripts load it), and the ``module.`` prefix that ``DataParallel`` adds; a dict of state dicts
+(``{"detail": ..., "segment": ...}``, CoinCheung's ImageNet backbone) is flattened to ``detail.<key>``, ....
 
 Layouts (``LAYOUTS``; ``convert``):
 
@@ -27,6 +28,8 @@ Layouts (``LAYOUTS``; ``convert``):
   authors' network onto ``rdsn_etc`` (``fedsight.weights_sr``).
 * ``kair``: KAIR's / the RVRT release's RVRT (``params``) onto ``rvrt``: the same keys, the buffered constants
   (SPyNet's mean/std, the windows' relative position indices) checked and dropped (``models.rvrt.from_kair``).
+* ``feddrive``, ``bisenet``, ``ladd``: the segmentation models' releases (FedDrive's and CoinCheung/BiSeNet's
+  BiSeNetV2, LADD's DeepLabV3-MobileNetV2 and d-li14's ImageNet MobileNetV2); see ``fedsight.weights_seg``.
 
 Loading (``load_checkpoint``): after conversion, keys matching an ``exclude`` pattern are dropped (``head.*`` to
 keep the model's own classifier when the checkpoint's has another number of classes; matched again after the
@@ -49,9 +52,10 @@ from torch import nn
 
 from . import weights_pose
 from .weights_sr import basicsr_edsr, edsr_pytorch, etc_rdsn
+from .weights_seg import TORCHVISION_DEEPLAB, bisenet, feddrive, ladd
 
 #: keys a checkpoint's tensors are commonly wrapped under, the first found wins
-WRAPPERS = ("state_dict", "model", "module", "params_ema", "params")
+WRAPPERS = ("state_dict", "model", "module", "params_ema", "params", "model_state")  # model_state: FedDrive, LADD
 SHOWN = 5  # keys named in an error
 
 
@@ -99,6 +103,8 @@ def _tensors(obj: Any, path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(obj, Mapping):
         raise ValueError(f"{path}: holds a {type(obj).__name__}, not a dict of tensors")
     state = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if not state and any(isinstance(v, Mapping) and _is_state(v) for v in obj.values()):  # {"detail": state, ...}
+        state = {f"{k}.{kk}": t for k, v in obj.items() if isinstance(v, Mapping) and _is_state(v) for kk, t in v.items()}
     if not state:
         raise ValueError(f"{path}: holds no tensors (keys: {sorted(map(str, obj))[:SHOWN]})")
     if all(k.startswith("module.") for k in state):  # saved from DataParallel / DistributedDataParallel
@@ -129,6 +135,8 @@ def _torchvision(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if any(k.startswith("features.") for k in state):  # MobileNetV2
         return _rename(state, [(r"^classifier\.1\.", "head."), (r"^features\.(\d+)\.conv\.", r"backbone.features.\1.block."),
                                (r"^features\.", "backbone.features.")])
+    if any(k.startswith("classifier.0.convs.") for k in state):  # torchvision's DeepLabV3 models
+        raise ValueError(TORCHVISION_DEEPLAB)
     raise ValueError("not a torchvision ResNet or MobileNetV2 state dict (no 'layer1.*' or 'features.*' keys)")
 
 
@@ -182,6 +190,9 @@ LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor
     "edsr": edsr_pytorch,
     "etc_rdsn": etc_rdsn,
     "kair": _kair,
+    "feddrive": feddrive,  # FedDrive's BiSeNetV2 (weights_seg.py)
+    "bisenet": bisenet,  # CoinCheung/BiSeNet's BiSeNetV2 release
+    "ladd": ladd,  # LADD's DeepLabV3-MobileNetV2 and d-li14's ImageNet MobileNetV2
 }
 
 
@@ -239,6 +250,8 @@ def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "fedsight"
             raise ValueError(f"{path} ({layout} layout) does not fit the model: {exc}") from None
     own = model.state_dict()
     problems = fit_problems(model, state, [k for k in own if kept(k)] if strict else ())
+    if problems and (hint := getattr(model, "checkpoint_hint", lambda s: None)(state)):  # e.g. BiSeNetV2's head_style
+        problems.append(hint)
     if problems:
         raise ValueError(f"{path} ({layout} layout) does not fit the model: {'; '.join(problems)}")
     with torch.no_grad():

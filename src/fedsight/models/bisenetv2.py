@@ -23,6 +23,22 @@ Architecture (channels at ``width=1``; every conv is conv -> norm -> ReLU unless
   (128) on the semantic stem (1/4) and stages 3, 4 and 5 (before the context embedding), used only in
   training. They are part of the ``head`` parameter group (``head.aux.*``).
 
+**The references' heads** (``head_style``; compared with ``Erosinho13/FedDrive`` ``src/modules/bisenetv2.py`` and
+``CoinCheung/BiSeNet`` ``lib/models/bisenetv2.py``: detail branch, stem, GE layers, context embedding, BGA
+convolutions, dropout 0.1 and initialisation are the same in all three; only the heads and BGA's upsampling
+differ). ``"paper"`` (the default, above) is the paper's head. ``"feddrive"`` is FedDrive's variant of CoinCheung's
+late-2020 code (whose auxiliary heads had an extra conv that FedDrive's lack): each head's ``1x1`` conv outputs
+``C*up**2`` channels, rearranged by ``PixelShuffle(up)`` (``up`` = 8 for the main head, 4/8/16/32 for the auxiliary
+ones; 8,196,416 parameters at 19 classes, 4,585,552 without the auxiliary heads), and BGA upsamples bilinearly with
+``align_corners=True``. ``"bisenet"`` is CoinCheung's code since its 2021-07 refactor, which published
+``model_final_v2_city.pth``: the main head is the paper's; each auxiliary head upsamples 2x (nearest) and applies
+``3x3 conv -> norm -> ReLU`` to ``up**2`` channels before its ``1x1`` classifier (5,231,487 parameters at 19
+classes), and BGA upsamples with nearest neighbours. ``bga_upsample`` overrides the style's BGA mode. The
+references upsample by fixed factors (4 in BGA, ``up`` in the heads); FedSight resizes to the detail map's and the
+input's size, the same for inputs whose sides are multiples of 32 (Cityscapes' 512x1024, FedDrive's 512x928 crops),
+and any input size still works. Their checkpoints load with the ``feddrive`` and ``bisenet`` layouts
+(``fedsight.weights_seg``).
+
 ``width`` scales every backbone channel count, rounded to a multiple of 8 (at least 8), so the
 depthwise/grouped convolutions (groups = input channels, outputs = 6x inputs) stay valid;
 ``head_channels``/``aux_channels`` are absolute. As in the reference, convolutions are Kaiming-normal
@@ -74,6 +90,12 @@ def scaled(channels: int, width: float, divisor: int = 8) -> int:
     return out + divisor if out < 0.9 * v else out
 
 
+#: how each style upsamples inside the BGA layer (``bga_upsample``'s default)
+BGA_UPSAMPLE = {"paper": "bilinear", "feddrive": "bilinear_corners", "bisenet": "nearest"}
+#: the output stride of the main head's input and of each auxiliary head's (stem, S3, S4, S5)
+MAIN_STRIDE, AUX_STRIDES = 8, (4, 8, 16, 32)
+
+
 class BiSeNetV2Params(Params):
     width: float = Field(1.0, gt=0, description="backbone channel multiplier (0.25 for tests and CPU demos)")
     head_channels: int = Field(1024, ge=1, description="hidden channels of the main segmentation head (reference: 1024)")
@@ -83,6 +105,14 @@ class BiSeNetV2Params(Params):
     norm: Literal["batch", "group"] = "batch"
     group_norm_groups: int = Field(2, gt=0)
     zero_init_residual: bool = Field(True, description="start the last norm of each GE residual branch at zero")
+    head_style: Literal["paper", "feddrive", "bisenet"] = Field(
+        "paper", description="heads: 'paper' 1x1 to classes + bilinear; 'feddrive' pixel shuffle (FedDrive's "
+        "checkpoints); 'bisenet' CoinCheung's release (its model_final_v2_city.pth)",
+    )
+    bga_upsample: Literal["bilinear", "bilinear_corners", "nearest"] | None = Field(
+        None, description="BGA's 4x upsampling; default by head_style: paper bilinear, feddrive bilinear "
+        "align_corners=True, bisenet nearest",
+    )
 
 
 def conv_norm_act(cin: int, cout: int, k: int, stride: int, norm: str, g: int, groups: int = 1) -> nn.Sequential:
@@ -196,17 +226,23 @@ class SemanticBranch(nn.Module):
         return [f2, f3, f4, f5, self.ce(f5)]
 
 
-def _resize(x: torch.Tensor, size: torch.Size | tuple[int, int]) -> torch.Tensor:
-    """``x`` resized (bilinear) to ``size``; as it is when it has that size (where interpolation is the identity,
+def _resize(x: torch.Tensor, size: torch.Size | tuple[int, int], mode: str = "bilinear") -> torch.Tensor:
+    """``x`` resized to ``size`` (``mode``: ``bilinear`` with ``align_corners=False``, ``bilinear_corners`` with
+    ``align_corners=True``, or ``nearest``); as it is when it has that size (where interpolation is the identity,
     values and gradients: while torch.fx traces the forward, a Proxy's size is unknown, and it interpolates)."""
     if isinstance(x, torch.Tensor) and x.shape[-2:] == size:
         return x
-    return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    if mode == "nearest":
+        return F.interpolate(x, size=size, mode="nearest")
+    return F.interpolate(x, size=size, mode="bilinear", align_corners=mode == "bilinear_corners")
 
 
 class BilateralGuidedAggregation(nn.Module):
-    def __init__(self, c: int, norm: str, g: int):
+    """``upsample``: how the 1/32 semantic maps reach the detail map's size (see ``_resize``)."""
+
+    def __init__(self, c: int, norm: str, g: int, upsample: str = "bilinear"):
         super().__init__()
+        self.upsample = upsample
         self.left1 = nn.Sequential(*conv_norm(c, c, 3, 1, norm, g, groups=c), nn.Conv2d(c, c, 1, bias=False))
         self.left2 = nn.Sequential(*conv_norm(c, c, 3, 2, norm, g), nn.AvgPool2d(3, stride=2, padding=1))
         self.right1 = conv_norm(c, c, 3, 1, norm, g)
@@ -215,22 +251,38 @@ class BilateralGuidedAggregation(nn.Module):
 
     def forward(self, detail: torch.Tensor, semantic: torch.Tensor) -> torch.Tensor:
         size = detail.shape[-2:]
-        left = self.left1(detail) * torch.sigmoid(_resize(self.right1(semantic), size))
-        right = _resize(self.left2(detail) * torch.sigmoid(self.right2(semantic)), size)
+        left = self.left1(detail) * torch.sigmoid(_resize(self.right1(semantic), size, self.upsample))
+        right = _resize(self.left2(detail) * torch.sigmoid(self.right2(semantic)), size, self.upsample)
         return self.conv(left + right)
 
 
 class SegmentHead(nn.Module):
-    """``3x3 conv -> norm -> ReLU``, dropout, ``1x1`` classifier (with bias); upsampled by the caller."""
+    """``3x3 conv -> norm -> ReLU``, dropout, then by ``style`` (``up``: the stride of the head's input):
 
-    def __init__(self, cin: int, mid: int, num_classes: int, dropout: float, norm: str, g: int):
+    * ``paper``: a ``1x1`` classifier (with bias); upsampled (bilinear) by the caller.
+    * ``feddrive``: a ``1x1`` conv to ``num_classes * up * up`` channels (with bias) and ``PixelShuffle(up)``
+      (FedDrive's ``SegmentHead.conv_out``: the logits come out at ``up`` times the input's size).
+    * ``bisenet`` (``refine``, CoinCheung's auxiliary heads since its 2021-07 refactor): nearest 2x upsampling,
+      ``3x3 conv -> norm -> ReLU`` to ``up * up`` channels, then the ``1x1`` classifier; bilinear by the caller.
+      Its main head (``refine=False``) is the ``paper`` head.
+    """
+
+    def __init__(self, cin: int, mid: int, num_classes: int, dropout: float, norm: str, g: int,
+                 style: str = "paper", up: int = 1, refine: bool = False):
         super().__init__()
         self.conv = conv_norm_act(cin, mid, 3, 1, norm, g)
         self.drop = nn.Dropout(dropout)
-        self.classifier = nn.Conv2d(mid, num_classes, 1)
+        self.refine = conv_norm_act(mid, up * up, 3, 1, norm, g) if style == "bisenet" and refine else None
+        cls_in = up * up if self.refine is not None else mid
+        self.classifier = nn.Conv2d(cls_in, num_classes * up * up if style == "feddrive" else num_classes, 1)
+        self.shuffle = nn.PixelShuffle(up) if style == "feddrive" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.drop(self.conv(x)))
+        y = self.drop(self.conv(x))
+        if self.refine is not None:
+            y = self.refine(F.interpolate(y, scale_factor=2.0, mode="nearest"))
+        y = self.classifier(y)
+        return self.shuffle(y) if self.shuffle is not None else y
 
 
 class BiSeNetV2Backbone(nn.Module):
@@ -241,7 +293,8 @@ class BiSeNetV2Backbone(nn.Module):
         self.semantic = SemanticBranch(in_channels, p.width, p.norm, p.group_norm_groups)
         if detail[-1] != self.semantic.channels[-1]:  # both are scaled(128, width)
             raise AssertionError("detail and semantic branches must end with the same channel count")
-        self.bga = BilateralGuidedAggregation(detail[-1], p.norm, p.group_norm_groups)
+        self.bga = BilateralGuidedAggregation(detail[-1], p.norm, p.group_norm_groups,
+                                              p.bga_upsample or BGA_UPSAMPLE[p.head_style])
         self.out_channels = detail[-1]
 
     def forward_all(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -257,9 +310,11 @@ class BiSeNetV2Heads(nn.Module):
     def __init__(self, p: BiSeNetV2Params, in_channels: int, aux_in: tuple[int, ...], num_classes: int):
         super().__init__()
         norm, g = p.norm, p.group_norm_groups
-        self.main = SegmentHead(in_channels, p.head_channels, num_classes, p.dropout, norm, g)
+        style = p.head_style
+        self.main = SegmentHead(in_channels, p.head_channels, num_classes, p.dropout, norm, g, style, MAIN_STRIDE)
         self.aux = nn.ModuleList(
-            [SegmentHead(c, p.aux_channels, num_classes, p.dropout, norm, g) for c in aux_in] if p.aux_heads else []
+            [SegmentHead(c, p.aux_channels, num_classes, p.dropout, norm, g, style, up, refine=True)
+             for c, up in zip(aux_in, AUX_STRIDES)] if p.aux_heads else []
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -277,6 +332,7 @@ class BiSeNetV2(FedModel):
         self.backbone = BiSeNetV2Backbone(p, in_channels)
         self.feature_dim = self.backbone.out_channels
         self.head = BiSeNetV2Heads(p, self.feature_dim, self.backbone.semantic.channels, num_classes)
+        self.num_classes, self.head_style = num_classes, p.head_style
         init_weights(self)
         if p.zero_init_residual:
             for m in self.modules():
@@ -291,6 +347,30 @@ class BiSeNetV2(FedModel):
             return main
         # aux heads on the stem, S3, S4 and S5 before the context embedding (sem[:4])
         return (main, *[_resize(h(f), size) for h, f in zip(self.head.aux, sem[:4])])
+
+    def checkpoint_hint(self, state: dict[str, torch.Tensor]) -> str | None:
+        """Which ``head_style`` (and number of classes) a checkpoint that does not fit was saved with, where that is
+        not this model's, read off its heads: CoinCheung's auxiliary heads have ``refine`` convs; FedDrive's main
+        classifier has 4x the outputs of the first auxiliary one (``C*8**2`` against ``C*4**2``) or, without
+        auxiliary heads, ``64 C`` for this model's ``C`` (``fedsight.weights.load_checkpoint`` adds it to its error)."""
+        w, a = state.get("head.main.classifier.weight"), state.get("head.aux.0.classifier.weight")
+        if w is None:
+            return None
+        n = w.shape[0]
+        if any(k.startswith("head.aux.") and ".refine." in k for k in state):
+            style, classes = "bisenet", n
+        elif n % MAIN_STRIDE**2 == 0 and (n == 4 * a.shape[0] if a is not None else n == self.num_classes * MAIN_STRIDE**2):
+            style, classes = "feddrive", n // MAIN_STRIDE**2
+        elif a is None or n == a.shape[0]:
+            style, classes = "paper", n
+        else:
+            return None
+        if style == self.head_style and classes == self.num_classes:
+            return None
+        fix = f'model.head_style = "{style}"' if style != self.head_style else ""
+        if classes != self.num_classes:
+            fix += (" and " if fix else "") + f"{classes} classes (or exclude = [\"head.*.classifier.*\"])"
+        return f"its heads are head_style '{style}' heads for {classes} classes: build the model with {fix}"
 
     def feature_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Semantic branch: stem (1/4), stage 3 (1/8), stage 4 (1/16), context-embedded stage 5 (1/32)."""

@@ -25,6 +25,17 @@ layer maps n to ceil(n/2), so the map before the head is ``ceil(H/OS) x ceil(W/O
   on the full 1280-channel MobileNetV2 feature map (final 1x1 conv included) with rates (12, 24, 36),
   dropout 0.5 after the projection, then 3x3 conv -> norm -> ReLU and the 1x1 classifier.
 
+**The FedDrive authors' definition.** Their DeepLabV3-MobileNetV2 is LADD's (``Erosinho13/LADD``
+``src/modules/deeplabv3.py``; FedDrive's own code has BiSeNetV2 only): torchvision's ``DeepLabV3`` and
+``DeepLabHead(1280)`` on d-li14's MobileNetV2 ``features`` without dilation, i.e. ``output_stride = 32`` here (the
+``torchvision`` head). Compared layer by layer it is this model: the same blocks, ReLU6 in the backbone, ReLU in
+the head, BatchNorm defaults, rates (12, 24, 36), dropout 0.5; 12,652,563 parameters at 19 classes (12,651,021 at
+CrossCity's 13), equal to the count of LADD's state dict. Its checkpoints load with the ``ladd`` layout, and an
+ImageNet MobileNetV2 (d-li14's, which LADD's code loads, or torchvision's) into any of these backbones
+(``adapt_checkpoint`` leaves out its classifier and, at OS 8/16, its final 1x1 conv). torchvision's
+``deeplabv3_mobilenet_v3_large`` is another model (MobileNetV3-Large backbone, ASPP on 960 channels, an auxiliary
+head) and is refused by name.
+
 ``deeplabv3plus_mobilenetv2`` (OS 8 or 16) adds the DeepLabV3+ decoder: the stride-4 stage's 24-channel
 map is reduced by 1x1 conv -> norm -> ReLU to ``low_level_channels`` (48), the ASPP output is upsampled
 (bilinear) to its size and concatenated, then two 3x3 conv -> norm -> ReLU with ``decoder_channels``
@@ -41,6 +52,7 @@ least 2 (as in torchvision). ``features(x)`` is the map the head takes (``ceil(H
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import torch
@@ -244,6 +256,19 @@ class DeepLabV3(FedModel):
         else:
             out = self.head(self.backbone(x))
         return F.interpolate(out, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+    def adapt_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """An ImageNet MobileNetV2 checkpoint (torchvision's or d-li14's, converted to FedSight's names) without its
+        classification-only parts: the Linear classifier (``head.weight``, ``head.bias``; no DeepLab head has those
+        keys) and the final 1x1 conv (``backbone.features.18``) where this model's backbone ends before it (the
+        MobileNetV2 paper's head at OS 8/16 reads the 320-channel map). Any other key is left to be checked."""
+        n = len(self.backbone.features)
+
+        def kept(k: str) -> bool:
+            m = re.match(r"backbone\.features\.(\d+)\.", k)
+            return k not in ("head.weight", "head.bias") and (m is None or int(m.group(1)) < n)
+
+        return {k: v for k, v in state.items() if kept(k)}
 
     def feature_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
         t = self.backbone.taps(x, self.pyramid)
