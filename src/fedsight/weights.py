@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from . import weights_pose
+from .weights_keys import rename_keys
 from .weights_sr import basicsr_edsr, edsr_pytorch, etc_rdsn
 from .weights_seg import TORCHVISION_DEEPLAB, bisenet, feddrive, ladd
 
@@ -115,25 +116,11 @@ def _tensors(obj: Any, path: Path) -> dict[str, torch.Tensor]:
 # -- layouts ------------------------------------------------------------------------------------------
 
 
-def _rename(state: Mapping[str, torch.Tensor], rules: Iterable[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """Each key through the first rule whose pattern matches it (``re.sub`` once); keys no rule matches keep
-    their name (and are reported as unplaced when the model has no such key)."""
-    compiled = [(re.compile(p), r) for p, r in rules]
-    out: dict[str, torch.Tensor] = {}
-    for k, v in state.items():
-        for pat, rep in compiled:
-            if pat.match(k):
-                k = pat.sub(rep, k, count=1)
-                break
-        out[k] = v
-    return out
-
-
 def _torchvision(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if any(k.startswith("layer1.") for k in state):  # a ResNet
-        return _rename(state, [(r"^fc\.", "head."), (r"^(conv1|bn1|layer[1-4])\.", r"backbone.\1.")])
+        return rename_keys(state, [(r"^fc\.", "head."), (r"^(conv1|bn1|layer[1-4])\.", r"backbone.\1.")])
     if any(k.startswith("features.") for k in state):  # MobileNetV2
-        return _rename(state, [(r"^classifier\.1\.", "head."), (r"^features\.(\d+)\.conv\.", r"backbone.features.\1.block."),
+        return rename_keys(state, [(r"^classifier\.1\.", "head."), (r"^features\.(\d+)\.conv\.", r"backbone.features.\1.block."),
                                (r"^features\.", "backbone.features.")])
     if any(k.startswith("classifier.0.convs.") for k in state):  # torchvision's DeepLabV3 models
         raise ValueError(TORCHVISION_DEEPLAB)
@@ -143,7 +130,7 @@ def _torchvision(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _timm(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if not any(k.startswith("blocks.") for k in state) or "cls_token" not in state:
         raise ValueError("not a timm VisionTransformer state dict (no 'cls_token' and 'blocks.*' keys)")
-    return _rename(state, [(r"^head\.", "head."), (r"^", "backbone.")])
+    return rename_keys(state, [(r"^head\.", "head."), (r"^", "backbone.")])
 
 
 def _basicsr_vsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -38,24 +38,13 @@ from collections.abc import Mapping
 
 import torch
 
+from .weights_keys import rename_keys
+
 __all__ = ["pose_resnet", "simplebaseline_names", "vitpose"]
 
 #: plain-ViT keys that ViTPose's backbone does not have and its loader (strict=False) therefore ignores
 IGNORED_VIT_KEYS = re.compile(r"^(cls_token|mask_token|norm\.|fc_norm\.|head\.|decoder)")
 _RESNET_BLOCK = re.compile(r"^backbone\.layer([1-4])\.(\d+)\.(conv\d|bn\d|downsample)\.")
-
-
-def _renamed(state: Mapping[str, torch.Tensor], rules: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """Each key through the first matching ``(pattern, replacement)`` rule; other keys unchanged."""
-    compiled = [(re.compile(p), r) for p, r in rules]
-    out = {}
-    for k, v in state.items():
-        for pat, rep in compiled:
-            if pat.match(k):
-                k = pat.sub(rep, k, count=1)
-                break
-        out[k] = v
-    return out
 
 
 def _block_key(m: re.Match) -> str:
@@ -80,7 +69,7 @@ def simplebaseline_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
 def vitpose(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The official ViTPose release's checkpoints (or a plain ViT backbone) in FedSight's names."""
     if any(k.startswith(("backbone.", "keypoint_head.")) for k in state):
-        return _renamed(state, [(r"^keypoint_head\.deconv_layers\.", "head.deconvs."),
+        return rename_keys(state, [(r"^keypoint_head\.deconv_layers\.", "head.deconvs."),
                                 (r"^keypoint_head\.final_layer\.", "head.final.")])
     if "pos_embed" in state and any(k.startswith("blocks.") for k in state):
         return {f"backbone.{k}": v for k, v in state.items() if not IGNORED_VIT_KEYS.match(k)}
@@ -92,6 +81,6 @@ def pose_resnet(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The SimpleBaseline release's ``PoseResNet`` state dict in ``simplebaseline``'s names."""
     if not any(k.startswith("layer1.") for k in state) or not any(k.startswith("final_layer.") for k in state):
         raise ValueError("not a SimpleBaseline pose_resnet state dict (no 'layer1.*' and 'final_layer.*' keys)")
-    return simplebaseline_names(_renamed(state, [(r"^deconv_layers\.", "head.deconvs."),
+    return simplebaseline_names(rename_keys(state, [(r"^deconv_layers\.", "head.deconvs."),
                                                  (r"^final_layer\.", "head.final."),
                                                  (r"^(conv1|bn1|layer[1-4])\.", r"backbone.\1.")]))

@@ -29,20 +29,16 @@ from collections.abc import Mapping
 
 import torch
 
+from .weights_keys import rename_keys
+
 __all__ = ["basicsr_edsr", "edsr_pytorch", "etc_rdsn"]
-
-
-def _renamed(state: Mapping[str, torch.Tensor], rules) -> dict[str, torch.Tensor]:
-    from .weights import _rename  # (weights imports this module for its LAYOUTS)
-
-    return _rename(state, rules)
 
 
 def edsr_pytorch(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """EDSR-PyTorch's ``EDSR`` into FedSight's ``edsr``."""
     if "head.0.weight" not in state or not any(re.match(r"body\.\d+\.body\.0\.", k) for k in state):
         raise ValueError("not an EDSR-PyTorch EDSR state dict (no 'head.0.*' and 'body.N.body.0.*' keys)")
-    return _renamed(state, [
+    return rename_keys(state, [
         (r"^head\.0\.", "backbone.conv_first."),
         (r"^body\.(\d+)\.body\.0\.", r"backbone.body.\1.conv1."),
         (r"^body\.(\d+)\.body\.2\.", r"backbone.body.\1.conv2."),
@@ -56,7 +52,7 @@ def basicsr_edsr(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """BasicSR's ``EDSR`` into FedSight's ``edsr``."""
     if "conv_first.weight" not in state or "conv_after_body.weight" not in state:
         raise ValueError("not a BasicSR EDSR state dict (no 'conv_first.*' and 'conv_after_body.*' keys)")
-    return _renamed(state, [
+    return rename_keys(state, [
         (r"^conv_first\.", "backbone.conv_first."),
         (r"^body\.(\d+)\.conv([12])\.", r"backbone.body.\1.conv\2."),
         (r"^conv_after_body\.", "backbone.conv_body."),
@@ -70,7 +66,7 @@ def etc_rdsn(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ``dec.{k-1}``."""
     if "SFENet.0.weight" not in state or not any(k.startswith("RDBs.") for k in state):
         raise ValueError("not an ETC-RDSN (RDN) state dict (no 'SFENet.0.*' and 'RDBs.*' keys)")
-    return _renamed(state, [
+    return rename_keys(state, [
         (r"^SFENet\.", "backbone.sfe."),
         (r"^RDBs\.(\d+)\.convs\.(\d+)\.conv\.0\.", r"backbone.rdbs.\1.layers.\2."),
         (r"^RDBs\.(\d+)\.LFF\.", r"backbone.rdbs.\1.fusion."),
