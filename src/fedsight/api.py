@@ -349,6 +349,7 @@ def execute(
     stop_after: int | None = None,
     on_round: OnRound | None = None,
     on_phase: OnPhase | None = None,
+    simulation: Simulation | None = None,
 ) -> Outcome:
     """Run (or resume) one configured run in ``run_dir``.
 
@@ -360,12 +361,23 @@ def execute(
     skipped if complete); one of a different config is an error unless ``overwrite``. The run directory is
     locked throughout (``RunLock``): a second process on it fails at once. Runs in one process take turns
     (``rng.PROCESS_STREAM``): a thread calling this while another thread's run is under way waits for it.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) this is rank 0 of a distributed run (``fedsight.distributed``); every
+    other rank calls ``fedsight.distributed.serve_run``. ``simulation``: one built by the caller (the distributed
+    backend's rank 0) instead of from ``cfg``.
     """
+    from .distributed.world import current
+
+    if simulation is None and current() is not None:
+        from .distributed.run import execute as execute_distributed
+
+        return execute_distributed(cfg, run_dir, resume=resume, overwrite=overwrite, stop_after=stop_after,
+                                   on_round=on_round, on_phase=on_phase)
     check_run_dir(run_dir)  # not inside another run, not a symbolic link or special file: before anything is built
     with PROCESS_STREAM:
-        sim = None
+        sim = simulation
         phase = on_phase or _no_phase
-        if not os.path.lexists(run_dir):  # a new run: data loaded and everything built before the lock file is
+        if sim is None and not os.path.lexists(run_dir):  # a new run: data loaded and everything built before the lock file is
             sim = build_simulation(cfg, run_dir=Path(run_dir), on_phase=phase)  # made: a kill leaves nothing behind
         with RunLock(run_dir):
             return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round, sim, phase)

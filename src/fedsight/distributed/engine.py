@@ -1,0 +1,226 @@
+"""The distributed backend: a round's clients trained by long-lived ranks, the server on rank 0.
+
+Rank 0 is the in-process simulation (``engine.simulation.Simulation``) with ``DistributedBackend`` in place of
+``InProcessBackend``: it samples, broadcasts, accepts, aggregates, steps the server optimizer, evaluates and
+alone writes the run directory, exactly as one process does. Only the client half of a round is shared out:
+
+1. rank 0 splits the round's sampled clients over the ranks by estimated cost (``split_clients``: a client's
+   local steps x examples a step x the model's training FLOPs an example; greedy, largest first, onto the least
+   loaded rank);
+2. it scatters each rank its order: the round, the global model state, and per client what it receives besides
+   the model (``RoundPlan.broadcast_for``) and its stored state (SCAFFOLD's control variate, FedBN's personal
+   entries: every key the store holds for it), read from the run directory's store;
+3. every rank trains its share with ``InProcessBackend.train``, the one-process engine's own client half
+   (vectorised or one client at a time, simulated dropout and deadline, ``keep``), rank 0 included;
+4. rank 0 gathers the replies (tensors on the CPU, pickled: ``torch.distributed.gather_object``) and the state
+   the clients saved, writes that state into the same store, and hands the server every reply in the sampled
+   order: aggregation, robust rules and server optimizers see what one process would.
+
+Clients train from the same streams (seed, "client", round, client) wherever they run, so with clients trained
+one at a time the run equals the one-process run bit for bit, whatever the number of ranks; vectorised, a
+rank trains its share as one group, which equals other groupings to float tolerance. Nothing lives on a
+worker from one round to the next but its data and work model: a run resumes with any number of ranks.
+A worker that fails (its training raises) answers with its error: rank 0 raises ``RankFailed`` naming it, before
+this round is checkpointed. Evaluation runs on rank 0 (the workers wait).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine.loop import InProcessBackend
+from ..engine.plan import Reply, RoundPlan
+from ..errors import ConfigError
+from ..records import ClientResult
+from ..rng import np_rng
+from ..state import ClientStateStore
+from .world import RankFailed, World, one_line
+
+
+def client_costs(server: Any, runtime: Any, r: int, clients: Sequence[int]) -> list[float]:
+    """Each client's estimated training FLOPs in round ``r``: local steps x examples a step (the batch size,
+    or the client's examples when fewer) x the model's FLOPs for one example's forward and backward
+    (``cost.ModelCost.train_step``). A client the simulated dropout removes costs 0. A proxy: a component that
+    adds forwards (a teacher, a distillation) scales every client alike."""
+    local, task, seed, sch = server.local, server.task, server.seed, server.schedule
+    flops = runtime.cost.train_step(1, "all") or 1.0
+    out = []
+    for cid in clients:
+        if sch.dropout > 0 and np_rng(seed, "dropout", r, cid).random() < sch.dropout:
+            out.append(0.0)
+            continue
+        n = task.num_train_examples(cid)
+        out.append(float(local.num_steps(n, seed, r, cid)) * min(local.batch_size, max(n, 1)) * flops)
+    return out
+
+
+def split_clients(clients: Sequence[int], costs: Sequence[float], ranks: int) -> list[list[int]]:
+    """``clients`` over ``ranks`` shares of about equal total cost: the most costly first, each onto the least
+    loaded rank (the lowest rank on a tie; equal costs then go round-robin); each share in client-id order."""
+    loads, shares = [0.0] * ranks, [[] for _ in range(ranks)]
+    for cost, cid in sorted(zip(costs, clients), key=lambda p: (-p[0], p[1])):
+        k = min(range(ranks), key=lambda i: (loads[i], len(shares[i]), i))
+        loads[k] += cost
+        shares[k].append(cid)
+    return [sorted(s) for s in shares]
+
+
+class ShippingStore(ClientStateStore):
+    """A worker's client-state store for one round: the state rank 0 shipped for the worker's clients, in memory,
+    and every save the clients make (``outbox``), which goes back to rank 0 with the replies and into the run's
+    store there. It holds no secret: the clients' own secrets (``privacy.noise = "secret"``) and a key shared by
+    the clients live in rank 0's run directory only (``check_secrets`` refuses such a run before it starts)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, one_client=True)
+        self.outbox: list[tuple[str, int, int, dict[str, torch.Tensor]]] = []
+
+    def receive(self, states: dict[int, dict[str, tuple[int, dict[str, torch.Tensor]]]]) -> None:
+        """This round's state: {client: {key: (round of the version, tensors)}}; the outbox starts empty."""
+        self._index, self._mem, self.outbox = {}, {}, []
+        for cid, by_key in states.items():
+            for key, (rnd, tensors) in by_key.items():
+                self._index.setdefault(key, {})[cid] = rnd
+                self._mem[(key, cid)] = tensors
+
+    def put(self, key: str, client: int, round: int, tensors: dict[str, torch.Tensor]) -> None:
+        super().put(key, client, round, tensors)
+        self.outbox.append((key, client, round, self._mem[(key, client)]))
+
+    def secret(self, name: str) -> bytes:
+        raise ConfigError(f"client secret {name!r}: a distributed run keeps the clients' secrets on rank 0 only; run "
+                          'on one process, or with privacy.noise = "simulated"')
+
+
+def check_secrets(cfg: Any, stages: Any, world: World) -> None:
+    """Refuse, before the run starts, a distributed run whose clients draw noise or keys from their own secrets."""
+    from ..secret import secret_users
+
+    users = secret_users(stages)
+    if cfg.privacy.noise == "secret" and users:
+        raise ConfigError(f'privacy.noise = "secret" with {world.size} ranks: the clients\' secrets ({", ".join(users)}) '
+                          'live in rank 0\'s run directory only; run on one process, or with privacy.noise = "simulated"')
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its elements (a vectorised client's delta is a row of a larger stack:
+    pickling the view would send the whole stack)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _portable(rep: Reply) -> Reply:
+    """A reply fit to cross to rank 0: its tensors compact CPU copies, no finite seal (rank 0 checks it again)."""
+    res = rep.result
+    if isinstance(res, ClientResult):
+        res = dataclasses.replace(
+            res, delta={k: _compact(v) for k, v in res.delta.items()},
+            buffers={k: _compact(v) for k, v in res.buffers.items()},
+            extras={n: {k: _compact(v) for k, v in e.items()} for n, e in res.extras.items()})
+    return dataclasses.replace(rep, result=res, finite_seal=None)
+
+
+class _ServerView:
+    """What ``InProcessBackend.train`` reads of the server, on a worker: the schedule, the seed, the round's
+    global state."""
+
+    def __init__(self, schedule: Any, seed: int):
+        self.schedule, self.seed, self.state = schedule, seed, {}
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+
+class DistributedBackend(InProcessBackend):
+    """Rank 0's backend: the round's clients trained over every rank (the module's steps 1-4); the rest
+    (admission with central DP, evaluation on rank 0's runtime) is ``InProcessBackend``'s."""
+
+    def __init__(self, server: Any, runtime: Any, world: World):
+        super().__init__(server, runtime)
+        self.world = world
+        #: each rank's clients in the last round (tests and the benchmark read it)
+        self.last_shares: list[list[int]] = []
+        self.closed = False
+
+    def _shipped(self, cid: int) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
+        store, out = self.runtime.store, {}
+        for key in store.keys():
+            rnd = store._index.get(key, {}).get(cid)
+            if rnd is not None:
+                out[key] = (rnd, store.get(key, cid))
+        return out
+
+    def train(self, plan: RoundPlan) -> tuple[list[Reply], list[dict[str, Any]]]:
+        costs = client_costs(self.server, self.runtime, plan.round, plan.sampled)
+        shares = split_clients(plan.sampled, costs, self.world.size)
+        self.last_shares = shares
+        gstate = {k: v.detach().cpu() for k, v in self.server.global_state().items()}
+        orders: list[Any] = [None] + [
+            ("train", plan.round, gstate, [(cid, plan.broadcast_for(cid), self._shipped(cid)) for cid in share])
+            for share in shares[1:]]
+        dist.scatter_object_list([None], orders, src=0)
+        del orders
+        own_error = None
+        try:
+            replies, events = super().train(dataclasses.replace(plan, sampled=shares[0]))
+        except Exception as exc:  # noqa: BLE001 - gather first, so that no worker is left waiting; raised below
+            own_error, replies, events = exc, [], []
+        answers: list[Any] = [None] * self.world.size
+        dist.gather_object(("ok", [], [], []), answers, dst=0)
+        if own_error is not None:
+            raise own_error
+        for rank, answer in enumerate(answers[1:], start=1):
+            if answer[0] == "error":
+                raise RankFailed(f"rank {rank}: {answer[1]}")
+        by_client = {rep.client: rep for rep in replies}
+        store = self.runtime.store
+        for _, theirs, their_events, outbox in answers[1:]:
+            by_client.update((rep.client, rep) for rep in theirs)
+            # (the one-process backend reports a stage's sequential training once: rank 0 did)
+            events += [e for e in their_events if e.get("event") != "sequential_training"]
+            for key, cid, rnd, tensors in outbox:
+                store.put(key, cid, rnd, tensors)
+        return [by_client[cid] for cid in plan.sampled], events
+
+    def close(self) -> None:
+        """Tell every worker that this run is over (it goes on to the next run of a sweep, or exits). Errors are
+        not raised: a worker that died already made rank 0's last collective fail, and that error is the one
+        reported."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            dist.scatter_object_list([None], [None] + [("stop",)] * (self.world.size - 1), src=0)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def serve(runtime: Any, schedule: Any, seed: int, world: World) -> None:
+    """A worker's rounds: train each order's clients, answer rank 0, until it says stop. A failure of this rank's
+    training is answered as the error's one line (rank 0 fails the run naming this rank); the worker then waits
+    for the stop."""
+    store = runtime.store
+    backend = InProcessBackend(_ServerView(schedule, seed), runtime)  # type: ignore[arg-type]
+    while True:
+        got: list[Any] = [None]
+        dist.scatter_object_list(got, None, src=0)
+        order = got[0]
+        if order[0] == "stop":
+            return
+        _, r, gstate, work = order
+        try:
+            store.receive({cid: states for cid, _, states in work})
+            backend.server.state = {k: v.to(runtime.device) for k, v in gstate.items()}
+            backend.enter_round(r)
+            plan = RoundPlan(r, None, [cid for cid, _, _ in work], {}, {},
+                             client_broadcast={cid: sent for cid, sent, _ in work})
+            replies, events = backend.train(plan)
+            answer: Any = ("ok", [_portable(rep) for rep in replies], events, store.outbox)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the run naming this rank
+            answer = ("error", one_line(exc))
+        del order, work, gstate
+        dist.gather_object(answer, None, dst=0)

@@ -1,0 +1,100 @@
+"""One run of a distributed simulation, on every rank: rank 0 runs ``api.execute`` with the distributed backend;
+every other rank builds its client half (data, stages, one work model) and serves rounds until rank 0 is done.
+
+Before anything is written, every rank builds its part and the ranks meet (``world.handshake``): a rank that could
+not build (bad data), ranks whose configs differ, more ranks than the clients a round samples, or clients that
+draw noise from their own secrets, stop the run on every rank with one line from rank 0; the run directory is
+not created (a new run) or not touched (an existing one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..rng import PROCESS_STREAM
+from .engine import DistributedBackend, ShippingStore, check_secrets, serve
+from .world import RunRefused, World, config_digest, current, handshake, join, rank_device
+
+
+def _check(cfg: Any, sim: Any, world: World) -> None:
+    """Rank 0's checks before the run starts: every rank gets a client in every round of every stage, and no
+    client draws its noise from its own secret."""
+    for st in sim.stages:
+        m = min(st.clients_per_round or sim.schedule.clients_per_round, sim.task.num_clients)
+        if world.size > m:
+            stage = f" in stage {st.name!r}" if len(sim.stages) > 1 else ""
+            raise ConfigError(f"{world.size} ranks for {m} clients a round{stage}: every rank needs a client to "
+                              f"train; use --nproc {m} or fewer (torchrun: --nproc-per-node x nodes)")
+    check_secrets(cfg, sim.stages, world)
+
+
+def execute(cfg: Any, run_dir: str | Path, **kwargs: Any) -> Any:
+    """``api.execute`` on rank 0 of a distributed run (``kwargs``: its keywords); every other rank must call
+    ``serve_run`` with the same config meanwhile."""
+    from ..api import build_simulation
+    from ..api import execute as execute_one
+    from ..safe_write import check_run_dir
+
+    world = current()
+    assert world is not None and world.leader
+    join(world)
+    cfg = rank_device(cfg, world)
+    check_run_dir(run_dir)
+    phase = kwargs.get("on_phase") or (lambda text: None)
+    with PROCESS_STREAM:
+        sim, error = None, None
+        try:
+            sim = build_simulation(cfg, run_dir=Path(run_dir), on_phase=phase)
+        except Exception as exc:  # noqa: BLE001 - every rank hears it at the handshake, then it is raised here
+            error = exc
+        handshake(world, config_digest(cfg), error, lambda: _check(cfg, sim, world))
+        backend = DistributedBackend(sim.server, sim.runtime, world)
+        backend.dp = sim.backend.dp  # central DP's admission (flower.dp.install_in_process)
+        sim.backend = backend
+        try:
+            return execute_one(cfg, run_dir, simulation=sim, **kwargs)
+        finally:
+            backend.close()
+
+
+def build_worker(cfg: Any) -> tuple[Any, Any]:
+    """A worker's client half: the task's data, the stages, one work model on its device; (runtime, schedule)."""
+    from ..api import build_schedule, build_stages, build_task, engine_device, vectorize_mode
+    from ..engine.client_runtime import ClientRuntime
+
+    device = engine_device(cfg)
+    task = build_task(cfg).to(device)
+    schedule = build_schedule(cfg, task)
+    runtime = ClientRuntime(task, build_stages(cfg, task), cfg.seed, ShippingStore(), device,
+                            eval_batch_size=schedule.eval_batch_size, vectorize=vectorize_mode(cfg.engine.vectorize, device),
+                            max_clients_per_batch=cfg.engine.max_clients_per_batch, noise=cfg.privacy.noise)
+    return runtime, schedule
+
+
+def serve_run(cfg: Any) -> str:
+    """A worker's part in one run of ``cfg``: "served" when the run ran (to its end or to a failure rank 0
+    reports), "refused" when rank 0 did not start it."""
+    world = current()
+    assert world is not None and not world.leader
+    join(world)
+    cfg = rank_device(cfg, world)
+    with PROCESS_STREAM:
+        runtime = schedule = error = None
+        try:
+            runtime, schedule = build_worker(cfg)
+        except Exception as exc:  # noqa: BLE001 - told to rank 0, which reports it
+            error = exc
+        try:
+            handshake(world, config_digest(cfg), error)
+        except RunRefused:
+            return "refused"
+        serve(runtime, schedule, cfg.seed, world)
+        return "served"
+
+
+def serve_runs(configs: list[Any]) -> None:
+    """A worker's part in every run of a sweep, in the order rank 0 runs them."""
+    for cfg in configs:
+        serve_run(cfg)
