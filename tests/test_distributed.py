@@ -113,3 +113,100 @@ def test_a_failing_rank_fails_the_run_in_one_line_naming_it_and_the_run_resumes(
     execute(_config(FAILING, session["out"], "failing"), run, resume=True)  # one process: nothing fails
     assert _rows(run)[-1] == _rows(session["ref"] / "failing")[-1]
     assert (run / "model.safetensors").read_bytes() == (session["ref"] / "failing" / "model.safetensors").read_bytes()
+
+
+def test_two_ranks_record_themselves_in_run_json(session: dict[str, Any]) -> None:
+    meta = json.loads((session["out"] / "fedavg" / "run.json").read_text())
+    assert {k: meta["sessions"][-1][k] for k in ("backend", "ranks", "dist_backend")} == {
+        "backend": "distributed", "ranks": 2, "dist_backend": "gloo"}
+    one = json.loads((session["ref"] / "fedavg" / "run.json").read_text())["sessions"][-1]
+    assert one["backend"] == "in-process" and "ranks" not in one
+
+
+def test_the_split_balances_estimated_cost_not_client_count() -> None:
+    from fedsight.distributed.engine import split_clients
+
+    # one client with as much work as the three others together: it gets a rank to itself
+    assert split_clients([3, 5, 8, 9], [1.0, 3.0, 1.0, 1.0], 2) == [[5], [3, 8, 9]]
+    # equal costs: round robin, each share in client-id order
+    assert split_clients([0, 1, 2, 3, 4], [1.0] * 5, 2) == [[0, 2, 4], [1, 3]]
+    # clients that cost nothing (dropped out) still spread over the ranks
+    assert split_clients([0, 1, 2], [0.0, 0.0, 0.0], 3) == [[0], [1], [2]]
+
+
+def test_the_launcher_drops_only_its_own_options() -> None:
+    from fedsight.distributed.launch import rank_argv
+
+    argv = ["run", "c.toml", "--nproc", "2", "-s", "seed=1", "--dist-backend=gloo", "--nproc=3", "--stop-after", "2"]
+    assert rank_argv(argv) == ["run", "c.toml", "-s", "seed=1", "--stop-after", "2"]
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    """``fedsight ARGS`` in this process (bad options fail before any rank starts)."""
+    import contextlib
+    import io
+
+    from fedsight.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = ["fedsight", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+            main()
+    finally:
+        sys.argv = argv
+    return int(exc.value.code or 0), out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--nproc", "4"], "error: 4 ranks for 3 clients a round: every rank needs a client to train; use at most 3"),
+    (["--nproc", "2", "--dist-backend", "nccl"], "error: --dist-backend nccl: not available here"),
+    (["--nproc", "2", "--dist-backend", "mpi"], "error: --dist-backend 'mpi': expected one of gloo, nccl"),
+    (["--nproc", "2", "--jobs", "2"], "error: --jobs 2 with 2 ranks: a sweep's runs take turns on the ranks"),
+    (["--dist-backend", "gloo"], "error: --dist-backend without --nproc N (N > 1) or torchrun"),
+    (["--nproc", "0"], "error: Invalid value for '--nproc': 0 is not in the range x>=1."),
+])
+def test_bad_launch_options_are_one_line_before_any_rank_starts(tmp_path: Path, args: list[str], says: str) -> None:
+    import tomli_w
+
+    from helpers import tiny
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(tiny(**{"run.output_dir": str(tmp_path / "runs")})))
+    if "nccl" in args:
+        import torch.distributed as dist
+
+        if dist.is_nccl_available() and __import__("torch").cuda.is_available():
+            pytest.skip("NCCL is available here")
+    code, out, err = _cli("run", str(cfg), *args)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(says), err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_fedsight_run_nproc_launches_the_ranks_and_rank_0_says_why_a_run_cannot_start(tmp_path: Path) -> None:
+    """`fedsight run CONFIG --nproc 2` through the real launcher: a sweep's first run trains on 2 ranks; its second
+    samples a fraction of one client a round, which only rank 0 can find out (the data decides): one line from
+    rank 0, its exit code from the launcher, and nothing written for that run."""
+    import tomli_w
+
+    from helpers import tiny
+
+    raw = tiny(**{"run.output_dir": str(tmp_path / "runs"), "server.rounds": 2, "engine.threads": 1})
+    del raw["server"]["clients_per_round"]
+    raw["variants"] = [{"name": "two", "server": {"clients_per_round": 2}}, {"name": "few", "server": {"fraction": 0.1}}]
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(raw))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "fedsight", "run", str(cfg), "--nproc", "2"], capture_output=True,
+                          text=True, env=env, timeout=600)
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert lines == ["error: 2 ranks for 1 client a round: every rank needs a client to train; use at most 1 "
+                     "(--nproc, or torchrun's --nproc-per-node x nodes)"], proc.stderr
+    runs = sorted(p.parent.parent.name for p in (tmp_path / "runs").rglob("run.json"))
+    assert runs == ["two"], runs
+    (done,) = (tmp_path / "runs").rglob("status.json")
+    assert json.loads(done.read_text())["state"] == "complete"
+    assert json.loads((done.parent / "run.json").read_text())["sessions"][-1]["ranks"] == 2

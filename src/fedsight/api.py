@@ -285,7 +285,8 @@ def _no_phase(text: str) -> None:
 
 def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True,
                   backend: str = "in-process", vectorize: bool | str | None = None,
-                  privacy_noise: str | None = None, client_identity: str | None = None) -> None:
+                  privacy_noise: str | None = None, client_identity: str | None = None,
+                  ranks: dict[str, Any] | None = None) -> None:
     """Write a run's config (first session only), its partition description (``partition``: the task's
     partition is the clients' data) and its ``run.json`` (``backend``: where the clients train; a run that
     trained on Flower never resumes in-process)."""
@@ -303,6 +304,8 @@ def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, parti
         session["vectorize"] = vectorize
     if privacy_noise is not None:  # where the DP noise and keys came from (``fedsight.secret.privacy_note``)
         session["privacy_noise"] = privacy_noise
+    if ranks:  # a distributed run: how many ranks trained the clients, over which process group
+        session.update(ranks)
     if client_identity is not None:  # Flower: what binds a client to a node (``flower.provisioning.identity_note``)
         session["client_identity"] = client_identity
     run.write_run_meta(metrics, primary, session,
@@ -454,6 +457,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
         central_dp.keep_server_secret(sim, run.path, resumed=False)  # drawn and kept in RUN_DIR/private
     notes += _swept(run)  # also for a new run in a folder a killed run left before its config was written
     start_run_dir(run, cfg, sim.task, sim.server.device, vectorize=sim.runtime.vectorize,
+                  backend=getattr(sim.backend, "name", "in-process"), ranks=getattr(sim.backend, "session", None),
                   privacy_noise=privacy_note(sim.stages, cfg.privacy.noise, ("central_dp",) if sim.backend.dp else ()))
     if not resume:
         for path in (run.metrics_path, run.weights_path, run.path / CLIENT_METRICS_FILE):

@@ -139,9 +139,14 @@ class DistributedBackend(InProcessBackend):
     """Rank 0's backend: the round's clients trained over every rank (the module's steps 1-4); the rest
     (admission with central DP, evaluation on rank 0's runtime) is ``InProcessBackend``'s."""
 
+    #: run.json's ``backend`` of the sessions this backend trains
+    name = "distributed"
+
     def __init__(self, server: Any, runtime: Any, world: World):
         super().__init__(server, runtime)
         self.world = world
+        #: what run.json records besides the backend (``api.start_run_dir``)
+        self.session = {"ranks": world.size, "dist_backend": dist.get_backend()}
         #: each rank's clients in the last round (tests and the benchmark read it)
         self.last_shares: list[list[int]] = []
         self.closed = False

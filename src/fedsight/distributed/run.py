@@ -24,10 +24,26 @@ def _check(cfg: Any, sim: Any, world: World) -> None:
     for st in sim.stages:
         m = min(st.clients_per_round or sim.schedule.clients_per_round, sim.task.num_clients)
         if world.size > m:
-            stage = f" in stage {st.name!r}" if len(sim.stages) > 1 else ""
-            raise ConfigError(f"{world.size} ranks for {m} clients a round{stage}: every rank needs a client to "
-                              f"train; use --nproc {m} or fewer (torchrun: --nproc-per-node x nodes)")
+            raise too_many_ranks(world.size, m, st.name if len(sim.stages) > 1 else None)
     check_secrets(cfg, sim.stages, world)
+
+
+def too_many_ranks(ranks: int, clients: int, stage: str | None) -> ConfigError:
+    where = f" in stage {stage!r}" if stage else ""
+    return ConfigError(f"{ranks} ranks for {clients} client{'s' if clients != 1 else ''} a round{where}: every rank needs "
+                       f"a client to train; use at most {clients} (--nproc, or torchrun's --nproc-per-node x nodes)")
+
+
+def check_ranks(cfg: Any, ranks: int) -> None:
+    """Before any rank starts: the clients a round samples where the config says how many (``clients_per_round``
+    of the run or of a stage; a ``fraction`` is checked by rank 0 once the data is loaded)."""
+    from ..config import stage_configs
+
+    stages = [(name, scfg) for name, _, scfg in stage_configs(cfg)] or [(None, cfg)]
+    for name, scfg in stages:
+        m = scfg.server.clients_per_round
+        if m is not None and m < ranks:
+            raise too_many_ranks(ranks, m, name if len(stages) > 1 else None)
 
 
 def execute(cfg: Any, run_dir: str | Path, **kwargs: Any) -> Any:
