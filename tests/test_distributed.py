@@ -210,3 +210,25 @@ def test_fedsight_run_nproc_launches_the_ranks_and_rank_0_says_why_a_run_cannot_
     (done,) = (tmp_path / "runs").rglob("status.json")
     assert json.loads(done.read_text())["state"] == "complete"
     assert json.loads((done.parent / "run.json").read_text())["sessions"][-1]["ranks"] == 2
+
+
+def test_the_launcher_blames_the_rank_that_stopped_first_not_those_it_stopped() -> None:
+    import signal
+
+    from fedsight.distributed.launch import blame
+
+    class Failure:
+        def __init__(self, exitcode: int, timestamp: int = 100):
+            self.exitcode, self.timestamp = exitcode, timestamp
+
+        def signal_name(self) -> str:
+            return signal.Signals(-self.exitcode).name if self.exitcode < 0 else "<N/A>"
+
+    # rank 1 was killed; rank 0 then said "lost contact" (exit 1) or was stopped by the agent (SIGTERM)
+    line = "error: rank 1 stopped (signal SIGKILL); the run directory is resumable: run the same command again"
+    assert blame({0: Failure(1), 1: Failure(-9)}) == (1, line)
+    assert blame({0: Failure(-15), 1: Failure(-9)}) == (1, line)
+    # rank 0 failed with its own line (a worker's error it reported, bad input): its code, no second line
+    assert blame({0: Failure(2)}) == (2, None)
+    assert blame({0: Failure(1), 1: Failure(-15)}) == (1, None)
+    assert blame({1: Failure(1, 99), 0: Failure(1)}) == (1, None)

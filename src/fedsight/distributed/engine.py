@@ -124,6 +124,18 @@ def _portable(rep: Reply) -> Reply:
     return dataclasses.replace(rep, result=res, finite_seal=None)
 
 
+def lost(exc: BaseException, who: str) -> RankFailed:
+    """The error of a collective that failed because another rank went away (its process ended, the network
+    broke): one line instead of gloo's. From here on SIGTERM ends this process quietly: the launcher stops the
+    remaining ranks of a failed run that way, and its own line names the rank that stopped."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    reason = "the connection was reset" if "reset by peer" in first or "Connection closed" in first else first[:120]
+    return RankFailed(f"lost contact with {who} ({reason}); the run directory is resumable: run the same command again")
+
+
 class _ServerView:
     """What ``InProcessBackend.train`` reads of the server, on a worker: the schedule, the seed, the round's
     global state."""
@@ -167,7 +179,10 @@ class DistributedBackend(InProcessBackend):
         orders: list[Any] = [None] + [
             ("train", plan.round, gstate, [(cid, plan.broadcast_for(cid), self._shipped(cid)) for cid in share])
             for share in shares[1:]]
-        dist.scatter_object_list([None], orders, src=0)
+        try:
+            dist.scatter_object_list([None], orders, src=0)
+        except RuntimeError as exc:  # (torch.distributed.DistBackendError is one)
+            raise lost(exc, f"the other ranks in round {plan.round}") from None
         del orders
         own_error = None
         try:
@@ -175,7 +190,10 @@ class DistributedBackend(InProcessBackend):
         except Exception as exc:  # noqa: BLE001 - gather first, so that no worker is left waiting; raised below
             own_error, replies, events = exc, [], []
         answers: list[Any] = [None] * self.world.size
-        dist.gather_object(("ok", [], [], []), answers, dst=0)
+        try:
+            dist.gather_object(("ok", [], [], []), answers, dst=0)
+        except RuntimeError as exc:
+            raise lost(exc, f"the other ranks in round {plan.round}") from None
         if own_error is not None:
             raise own_error
         for rank, answer in enumerate(answers[1:], start=1):
@@ -212,7 +230,10 @@ def serve(runtime: Any, schedule: Any, seed: int, world: World) -> None:
     backend = InProcessBackend(_ServerView(schedule, seed), runtime)  # type: ignore[arg-type]
     while True:
         got: list[Any] = [None]
-        dist.scatter_object_list(got, None, src=0)
+        try:
+            dist.scatter_object_list(got, None, src=0)
+        except RuntimeError as exc:
+            raise lost(exc, "rank 0") from None
         order = got[0]
         if order[0] == "stop":
             return
@@ -228,4 +249,7 @@ def serve(runtime: Any, schedule: Any, seed: int, world: World) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the run naming this rank
             answer = ("error", one_line(exc))
         del order, work, gstate
-        dist.gather_object(answer, None, dst=0)
+        try:
+            dist.gather_object(answer, None, dst=0)
+        except RuntimeError as exc:
+            raise lost(exc, "rank 0") from None

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from .world import BACKEND_ENV
 
@@ -54,16 +55,26 @@ def launch(nproc: int, backend: str, argv: Sequence[str]) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "fedsight", *rank_argv(argv))
     except ChildFailedError as exc:
-        failures = exc.failures
-        leader = failures.get(0)
-        if leader is not None and leader.exitcode in (1, 2, 130):  # rank 0 said why (its error line)
-            return leader.exitcode
-        rank, failure = min(failures.items(), key=lambda kv: kv[1].timestamp)
-        how = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}")
-        print(f"error: rank {rank} stopped ({how}); the run directory is resumable: run the same command again",
-              file=sys.stderr)
-        return 1
+        code, line = blame(exc.failures)
+        if line:
+            print(line, file=sys.stderr)
+        return code
     return 0
+
+
+def blame(failures: dict[int, Any]) -> tuple[int, str | None]:
+    """The launcher's exit code and line for the ranks that failed ({rank: torch's ``ProcessFailure``}): rank 0's
+    code and no line when it failed first with its own error line (1, 2, or 130 when interrupted); else the line
+    naming the first rank that stopped. The agent stops the others of a failed run with SIGTERM, so a rank it
+    stopped is blamed last, and on a tie (elastic stamps failures it detects together with one time) a rank killed
+    by a signal before one that exited."""
+    rank, failure = min(failures.items(), key=lambda kv: (kv[1].signal_name() == "SIGTERM", kv[1].timestamp,
+                                                          kv[1].exitcode >= 0, kv[0]))
+    leader = failures.get(0)
+    if leader is not None and leader.exitcode in (1, 2, 130) and (rank == 0 or failure.exitcode >= 0):
+        return leader.exitcode, None
+    how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    return 1, f"error: rank {rank} stopped ({how}); the run directory is resumable: run the same command again"
 
 
 def dispatch(nproc: int, backend: str | None, jobs: int, configs: Sequence[object]) -> int | None:
