@@ -232,3 +232,21 @@ def test_the_launcher_blames_the_rank_that_stopped_first_not_those_it_stopped() 
     assert blame({0: Failure(2)}) == (2, None)
     assert blame({0: Failure(1), 1: Failure(-15)}) == (1, None)
     assert blame({1: Failure(1, 99), 0: Failure(1)}) == (1, None)
+
+
+@pytest.mark.slow
+def test_bench_nproc_times_one_and_two_ranks_and_records_them(tmp_path: Path) -> None:
+    """`fedsight bench --nproc 2` (slow: four launches): one row per (ranks, threads), efficiency against one rank."""
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), "COLUMNS": "120"}
+    proc = subprocess.run([sys.executable, "-m", "fedsight.cli", "bench", "-w", "cnn", "--clients", "4", "--rounds", "2",
+                           "--no-flower", "--no-memory", "--nproc", "2", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "4 clients a round on 1..2 ranks, vectorised, device auto" in proc.stdout
+    rows = json.loads(out.read_text())["ranks"]["cnn"]
+    assert [(r["ranks"], r["threads"]) for r in rows] == [(1, 1), (1, 2), (2, 1)]
+    assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] is None
+    for r in rows:
+        assert r["seconds"] > 0 and abs(r["updates_per_s"] - 4 / r["seconds"]) < 1e-9
+    assert rows[2]["efficiency"] == pytest.approx(rows[2]["updates_per_s"] / (2 * rows[0]["updates_per_s"]))

@@ -60,7 +60,7 @@ def bench(
     memory_clients: Annotated[str, typer.Option(help="comma-separated client counts of the memory runs")] = "100,10000,100000",
     memory_rounds: Annotated[int, typer.Option(min=1, help="rounds of each memory run (50 clients a round)")] = 20,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write every measurement to this JSON file")] = None,
-    nproc: Annotated[int, typer.Option(min=1, help="also time the distributed backend on 1..NPROC ranks (CPU, vectorised)")] = 1,
+    nproc: Annotated[int, typer.Option(min=1, help="also time the distributed backend on 1..NPROC ranks (vectorised)")] = 1,
 ) -> None:
     """Seconds per round and client updates/s of a plain PyTorch loop, the sequential and the vectorised engine (one
     thread and all cores) and Flower's simulation engine on the same workload, as ratios measured in one run; then
@@ -89,8 +89,9 @@ def bench(
         if nproc > 1:
             from .distributed.bench import time_ranks
 
-            ranked = time_ranks(raw, rounds, nproc)
-            console.print(_ranks_table(f"{title}: {m} clients a round on 1..{nproc} ranks (vectorised, CPU)", ranked))
+            ranked = time_ranks(raw, rounds, nproc, device)
+            console.print(_ranks_table(f"{title}: {m} clients a round on 1..{nproc} ranks, vectorised, device {device}",
+                                       ranked))
             results.setdefault("ranks", {})[name] = ranked
     if memory:
         mem = B.peak_rss(counts, memory_rounds, 50)

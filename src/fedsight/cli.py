@@ -109,8 +109,8 @@ def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
         return out
 
 
-NprocOpt = Annotated[int, typer.Option(min=1, help="Train each round's clients on this many ranks on this machine "
-                                                "(torch.distributed; docs/distributed.md).")]
+NprocOpt = Annotated[int, typer.Option(min=1, help="Split each round's clients over this many processes (ranks) "
+                                                "on this machine.")]
 DistBackendOpt = Annotated[Optional[str], typer.Option(help='The ranks\' process group: "gloo" (default) or "nccl".')]
 
 

@@ -55,11 +55,12 @@ def _rounds(raw: dict[str, Any], rounds: int, out: Path) -> None:
     out.write_text(json.dumps({"seconds": statistics.median(times), "clients": sim.schedule.clients_per_round}))
 
 
-def time_ranks(raw: dict[str, Any], rounds: int, nproc: int) -> list[dict[str, Any]]:
-    """One row per configuration (ranks, threads a rank, seconds a round, updates/s, efficiency)."""
+def time_ranks(raw: dict[str, Any], rounds: int, nproc: int, device: str = "cpu") -> list[dict[str, Any]]:
+    """One row per configuration (ranks, threads a rank, seconds a round, updates/s, efficiency). ``device``:
+    ``engine.device`` of every rank ("cuda": rank k on GPU k mod the GPUs, so ranks share one GPU)."""
     total = rounds + 1
     raw = {**raw, "server": {**raw["server"], "rounds": total}, "eval": {"every": total, "local": False},
-           "engine": {"device": "cpu", "vectorize": True}}
+           "engine": {"device": device, "vectorize": True}}
     runs = [(1, 1), (1, nproc)] + [(k, 1) for k in range(2, nproc + 1)]
     rows = []
     src = str(Path(__file__).resolve().parents[2])
