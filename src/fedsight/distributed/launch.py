@@ -46,14 +46,19 @@ def launch(nproc: int, backend: str, argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):  # the agent's own log lines
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    for name in list(logging.root.manager.loggerDict):  # the agent's own log lines (each module has its logger)
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[BACKEND_ENV] = backend
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: engine.threads sets each rank's torch threads
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fedsight-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
     try:
         elastic_launch(config, sys.executable)("-m", "fedsight", *rank_argv(argv))
+    except SignalException:  # Ctrl-C or SIGTERM: the ranks got it too, and rank 0 said where the run stopped
+        return 130
     except ChildFailedError as exc:
         code, line = blame(exc.failures)
         if line:
@@ -106,5 +111,8 @@ def dispatch(nproc: int, backend: str | None, jobs: int, configs: Sequence[objec
         os.environ[BACKEND_ENV] = backend
     if world.leader:
         return None
-    serve_runs(list(configs))
+    try:
+        serve_runs(list(configs))
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: rank 0 says where the run stopped, a worker nothing
+        return 130
     return 0
