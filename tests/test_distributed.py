@@ -57,7 +57,8 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     finally:
         proc.kill()
     assert proc.returncode == 0, log[-3000:]
-    return {"out": out, "ref": ref, "said": json.loads((out / "session.json").read_text())}
+    return {"out": out, "ref": ref, "said": json.loads((out / "session-0.json").read_text()),
+            "worker": json.loads((out / "session-1.json").read_text())}
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedbn", "krum", "staged"])
@@ -95,6 +96,13 @@ def test_vectorised_shares_equal_one_group_to_float_tolerance(session: dict[str,
     assert last.keys() == want.keys()
     for k, v in want.items():
         assert last[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+
+
+def test_the_same_execute_call_serves_on_the_other_rank(session: dict[str, Any]) -> None:
+    """A script calling ``fedsight.api.execute`` on every rank: rank 1's call serves each run ("served"), one that
+    rank 0 refused before it started ("refused"), and returns without writing anything."""
+    assert session["worker"] == {**{name: {"status": "served"} for name in CASES}, "disagree": {"status": "refused"},
+                                 "failing": {"status": "served"}}
 
 
 def test_ranks_that_disagree_on_the_config_start_nothing(session: dict[str, Any]) -> None:

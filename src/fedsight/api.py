@@ -365,9 +365,10 @@ def execute(
     locked throughout (``RunLock``): a second process on it fails at once. Runs in one process take turns
     (``rng.PROCESS_STREAM``): a thread calling this while another thread's run is under way waits for it.
 
-    Under ``torchrun`` (``WORLD_SIZE`` > 1) this is rank 0 of a distributed run (``fedsight.distributed``); every
-    other rank calls ``fedsight.distributed.serve_run``. ``simulation``: one built by the caller (the distributed
-    backend's rank 0) instead of from ``cfg``.
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank calls this with the same config: rank 0 runs the server and
+    writes the run directory, the others train their share of each round's clients and return status "served"
+    (``fedsight.distributed``). ``simulation``: one built by the caller (the distributed backend's rank 0) instead
+    of from ``cfg``.
     """
     from .distributed.world import current
 

@@ -47,14 +47,18 @@ def check_ranks(cfg: Any, ranks: int) -> None:
 
 
 def execute(cfg: Any, run_dir: str | Path, **kwargs: Any) -> Any:
-    """``api.execute`` on rank 0 of a distributed run (``kwargs``: its keywords); every other rank must call
-    ``serve_run`` with the same config meanwhile."""
-    from ..api import build_simulation
+    """``api.execute`` on a rank of a distributed run (``kwargs``: its keywords): rank 0 runs it with the
+    distributed backend; any other rank serves it (``serve_run``) and returns an ``Outcome`` whose status is
+    "served" (the run ran, to its end or to the failure rank 0 raises) or "refused" (rank 0 did not start it), so
+    that a script calling ``fedsight.api.execute`` runs unchanged on every rank under torchrun."""
+    from ..api import Outcome, build_simulation
     from ..api import execute as execute_one
     from ..safe_write import check_run_dir
 
     world = current()
-    assert world is not None and world.leader
+    assert world is not None
+    if not world.leader:
+        return Outcome(Path(run_dir), serve_run(cfg), None)
     join(world)
     cfg = rank_device(cfg, world)
     check_run_dir(run_dir)
