@@ -6,7 +6,8 @@ with the same arguments and calls ``fedsight.api.execute`` for each case: rank 0
 
 The cases (``CASES``) are the issue's: FedAvg, SCAFFOLD (client state, stopped after round 2 and resumed in one
 process by the test), FedBN (personal entries), Krum (needs every update), a staged recipe, FedAvg vectorised;
-then two runs that must not start or must fail: ranks disagreeing on the config, a rank whose training fails.
+DP-SGD (client noise and privacy spent), central DP; then runs that must not start or must fail: ranks disagreeing
+on the config, clients drawing noise from their own secrets, a rank whose training fails.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ CASES: dict[str, tuple[dict[str, Any], int | None]] = {
              None),
     "staged": (pipeline_config(**BASE), None),
     "vectorised": (tiny(**BASE, **{"engine.vectorize": True, "server.clients_per_round": 4}), None),
+    # client-side noise from the seed's streams, and privacy spent kept even for a rejected update
+    "dp_sgd": (tiny(**BASE, **{"recipe.components": [{"name": "dp_sgd", "noise_multiplier": 0.5}]}), None),
+    # rank 0's admission of the round's releases
+    "central_dp": (tiny(**BASE, **{"recipe.weighting": "uniform", "privacy.noise": "simulated",
+                                  "privacy.central_dp": {"noise_multiplier": 1.1, "clipping_norm": 0.5}}), None),
 }
+#: refused before it starts: the clients' own secrets stay in rank 0's run directory
+SECRET = tiny(**BASE, **{"privacy.noise": "secret", "recipe.components": [{"name": "dp_sgd", "noise_multiplier": 0.5}]})
 #: the failing case: rank 1's clients raise from round 3 on (one process never does)
 FAILING = tiny(**BASE, **{"recipe.components": ["fail_on_rank_1"], "eval.every": 1})
 
@@ -67,6 +75,7 @@ def main(out: Path) -> None:
     runs: list[tuple[str, dict[str, Any], int | None]] = [(n, raw, stop) for n, (raw, stop) in CASES.items()]
     # the seed differs on rank 1: the ranks disagree on the config
     runs.append(("disagree", tiny(**BASE, seed=world.rank), None))
+    runs.append(("secret", SECRET, None))
     runs.append(("failing", FAILING, None))
     said: dict[str, Any] = {}
     for name, raw, stop in runs:

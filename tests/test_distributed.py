@@ -61,7 +61,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "worker": json.loads((out / "session-1.json").read_text())}
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedbn", "krum", "staged"])
+@pytest.mark.parametrize("name", ["fedavg", "fedbn", "krum", "staged", "dp_sgd", "central_dp"])
 def test_two_ranks_equal_one_process_bit_for_bit(session: dict[str, Any], name: str) -> None:
     assert session["said"][name] == {"status": "complete"}
     got, ref = session["out"] / name, session["ref"] / name
@@ -102,7 +102,14 @@ def test_the_same_execute_call_serves_on_the_other_rank(session: dict[str, Any])
     """A script calling ``fedsight.api.execute`` on every rank: rank 1's call serves each run ("served"), one that
     rank 0 refused before it started ("refused"), and returns without writing anything."""
     assert session["worker"] == {**{name: {"status": "served"} for name in CASES}, "disagree": {"status": "refused"},
-                                 "failing": {"status": "served"}}
+                                 "secret": {"status": "refused"}, "failing": {"status": "served"}}
+
+
+def test_clients_drawing_noise_from_their_own_secrets_are_refused_before_the_run_starts(session: dict[str, Any]) -> None:
+    said = session["said"]["secret"]["error"]
+    assert said.startswith('ConfigError: privacy.noise = "secret" with 2 ranks: the clients\' secrets (dp_sgd) live '
+                           "in rank 0's run directory only"), said
+    assert not (session["out"] / "secret").exists()
 
 
 def test_ranks_that_disagree_on_the_config_start_nothing(session: dict[str, Any]) -> None:
