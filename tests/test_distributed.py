@@ -19,6 +19,9 @@ from dist_session import CASES, FAILING, register
 from fedsight.api import execute
 from fedsight.config import validate
 
+#: one worker runs the module (`--dist loadgroup`, the README's test command): the torchrun session runs once
+pytestmark = pytest.mark.xdist_group("distributed")
+
 HERE = Path(__file__).resolve().parent
 SRC = str(Path(__import__("fedsight").__file__).resolve().parents[1])
 
