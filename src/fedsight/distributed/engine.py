@@ -80,12 +80,13 @@ class ShippingStore(ClientStateStore):
         super().__init__(None, one_client=True)
         self.outbox: list[tuple[str, int, int, dict[str, torch.Tensor]]] = []
 
-    def receive(self, states: dict[int, dict[str, tuple[int, dict[str, torch.Tensor]]]]) -> None:
-        """This round's state: {client: {key: (round of the version, tensors)}}; the outbox starts empty."""
+    def receive(self, states: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
+        """This round's state, {client: {key: tensors}} (the round a version was written in matters only to rank 0's
+        files); the outbox starts empty."""
         self._index, self._mem, self.outbox = {}, {}, []
         for cid, by_key in states.items():
-            for key, (rnd, tensors) in by_key.items():
-                self._index.setdefault(key, {})[cid] = rnd
+            for key, tensors in by_key.items():
+                self._index.setdefault(key, {})[cid] = -1
                 self._mem[(key, cid)] = tensors
 
     def put(self, key: str, client: int, round: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -159,22 +160,16 @@ class DistributedBackend(InProcessBackend):
         self.world = world
         #: what run.json records besides the backend (``api.start_run_dir``)
         self.session = {"ranks": world.size, "dist_backend": dist.get_backend()}
-        #: each rank's clients in the last round (tests and the benchmark read it)
-        self.last_shares: list[list[int]] = []
         self.closed = False
 
-    def _shipped(self, cid: int) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
-        store, out = self.runtime.store, {}
-        for key in store.keys():
-            rnd = store._index.get(key, {}).get(cid)
-            if rnd is not None:
-                out[key] = (rnd, store.get(key, cid))
-        return out
+    def _shipped(self, cid: int) -> dict[str, dict[str, torch.Tensor]]:
+        """Every kind of state the run's store holds for ``cid`` (read and checked as one process reads it)."""
+        store = self.runtime.store
+        return {key: got for key in store.keys() if (got := store.get(key, cid)) is not None}
 
     def train(self, plan: RoundPlan) -> tuple[list[Reply], list[dict[str, Any]]]:
         costs = client_costs(self.server, self.runtime, plan.round, plan.sampled)
         shares = split_clients(plan.sampled, costs, self.world.size)
-        self.last_shares = shares
         gstate = {k: v.detach().cpu() for k, v in self.server.global_state().items()}
         orders: list[Any] = [None] + [
             ("train", plan.round, gstate, [(cid, plan.broadcast_for(cid), self._shipped(cid)) for cid in share])
