@@ -227,7 +227,8 @@ def test_fedsight_run_nproc_launches_the_ranks_and_rank_0_says_why_a_run_cannot_
     assert runs == ["two"], runs
     (done,) = (tmp_path / "runs").rglob("status.json")
     assert json.loads(done.read_text())["state"] == "complete"
-    assert json.loads((done.parent / "run.json").read_text())["sessions"][-1]["ranks"] == 2
+    session = json.loads((done.parent / "run.json").read_text())["sessions"][-1]
+    assert session["ranks"] == 2 and session["launched_by"] == ["fedsight", "run", str(cfg), "--nproc", "2"]
 
 
 def test_the_launcher_blames_the_rank_that_stopped_first_not_those_it_stopped() -> None:

@@ -27,6 +27,8 @@ this round is checkpointed. Evaluation runs on rank 0 (the workers wait).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +41,7 @@ from ..errors import ConfigError
 from ..records import ClientResult
 from ..rng import np_rng
 from ..state import ClientStateStore
-from .world import RankFailed, World, one_line
+from .world import LAUNCH_ENV, RankFailed, World, one_line
 
 
 def client_costs(server: Any, runtime: Any, r: int, clients: Sequence[int]) -> list[float]:
@@ -159,7 +161,10 @@ class DistributedBackend(InProcessBackend):
         super().__init__(server, runtime)
         self.world = world
         #: what run.json records besides the backend (``api.start_run_dir``)
-        self.session = {"ranks": world.size, "dist_backend": dist.get_backend()}
+        self.session: dict[str, Any] = {"ranks": world.size, "dist_backend": dist.get_backend()}
+        launched = os.environ.get(LAUNCH_ENV)
+        if launched:  # `fedsight run ... --nproc N`: the ranks' own command (run.json's "command") lacks --nproc
+            self.session["launched_by"] = json.loads(launched)
         self.closed = False
 
     def _shipped(self, cid: int) -> dict[str, dict[str, torch.Tensor]]:

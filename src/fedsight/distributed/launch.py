@@ -11,13 +11,14 @@ rank and how, in one line.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .world import BACKEND_ENV
+from .world import BACKEND_ENV, LAUNCH_ENV
 
 #: the options the parent consumes (the ranks run the command without them)
 OWN = ("--nproc", "--dist-backend")
@@ -52,6 +53,7 @@ def launch(nproc: int, backend: str, argv: Sequence[str]) -> int:
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[BACKEND_ENV] = backend
+    os.environ[LAUNCH_ENV] = json.dumps(["fedsight", *argv])  # the user's command, for run.json (the ranks run another)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: engine.threads sets each rank's torch threads
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fedsight-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)

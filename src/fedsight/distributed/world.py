@@ -30,6 +30,8 @@ from ..errors import ConfigError, FedSightError
 BACKEND_ENV = "FEDSIGHT_DIST_BACKEND"
 #: environment variable: the collectives' timeout in seconds
 TIMEOUT_ENV = "FEDSIGHT_DIST_TIMEOUT"
+#: environment variable: the command ``--nproc`` was given in (JSON list), which run.json records as ``launched_by``
+LAUNCH_ENV = "FEDSIGHT_LAUNCH_COMMAND"
 BACKENDS = ("gloo", "nccl")
 
 
