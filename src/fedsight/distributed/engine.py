@@ -21,7 +21,8 @@ one at a time the run equals the one-process run bit for bit, whatever the numbe
 rank trains its share as one group, which equals other groupings to float tolerance. Nothing lives on a
 worker from one round to the next but its data and work model: a run resumes with any number of ranks.
 A worker that fails (its training raises) answers with its error: rank 0 raises ``RankFailed`` naming it, before
-this round is checkpointed. Evaluation runs on rank 0 (the workers wait).
+this round is checkpointed. The clients' local test sets (``eval.local``) are evaluated the same way, split over
+the ranks by test-set size (``DistributedBackend.client_evaluation``); the global model's evaluation runs on rank 0.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.loop import InProcessBackend
+from ..engine.loop import ClientEvaluation, InProcessBackend
 from ..engine.plan import Reply, RoundPlan
 from ..errors import ConfigError
+from ..metrics import MetricState
 from ..records import ClientResult
 from ..rng import np_rng
 from ..state import ClientStateStore
@@ -106,8 +108,9 @@ def check_secrets(cfg: Any, stages: Any, world: World) -> None:
 
     users = secret_users(stages)
     if cfg.privacy.noise == "secret" and users:
-        raise ConfigError(f'privacy.noise = "secret" with {world.size} ranks: the clients\' secrets ({", ".join(users)}) '
-                          'live in rank 0\'s run directory only; run on one process, or with privacy.noise = "simulated"')
+        raise ConfigError(f'privacy.noise = "secret" with {world.size} ranks: the clients\' secrets '
+                          f'({", ".join(users)}) live in rank 0\'s run directory only; run on one process, or with '
+                          'privacy.noise = "simulated"')
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -137,6 +140,16 @@ def lost(exc: BaseException, who: str) -> RankFailed:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     reason = "the connection was reset" if "reset by peer" in first or "Connection closed" in first else first[:120]
     return RankFailed(f"lost contact with {who} ({reason}); the run directory is resumable: run the same command again")
+
+
+def _local_states(runtime: Any, clients: Sequence[int], gstate: dict[str, torch.Tensor],
+                  gmodel: Any = None) -> dict[int, tuple[MetricState, int]]:
+    """Each client's local-test metric state and test-set size (``InProcessBackend.client_evaluation``'s)."""
+    return {cid: (runtime.local_state(cid, gstate, gmodel), runtime.task.num_test_examples(cid)) for cid in clients}
+
+
+def _portable_state(state: MetricState) -> MetricState:
+    return MetricState(state.reductions, {k: _compact(v) for k, v in state.tensors().items()})
 
 
 class _ServerView:
@@ -176,38 +189,67 @@ class DistributedBackend(InProcessBackend):
         costs = client_costs(self.server, self.runtime, plan.round, plan.sampled)
         shares = split_clients(plan.sampled, costs, self.world.size)
         gstate = {k: v.detach().cpu() for k, v in self.server.global_state().items()}
-        orders: list[Any] = [None] + [
-            ("train", plan.round, gstate, [(cid, plan.broadcast_for(cid), self._shipped(cid)) for cid in share])
-            for share in shares[1:]]
-        try:
-            dist.scatter_object_list([None], orders, src=0)
-        except RuntimeError as exc:  # (torch.distributed.DistBackendError is one)
-            raise lost(exc, f"the other ranks in round {plan.round}") from None
+        orders = [("train", plan.round, gstate, [(cid, plan.broadcast_for(cid), self._shipped(cid)) for cid in share])
+                  for share in shares[1:]]
+        answers = self._exchange(plan.round, orders, lambda: InProcessBackend.train(
+            self, dataclasses.replace(plan, sampled=shares[0])))
         del orders
-        own_error = None
-        try:
-            replies, events = super().train(dataclasses.replace(plan, sampled=shares[0]))
-        except Exception as exc:  # noqa: BLE001 - gather first, so that no worker is left waiting; raised below
-            own_error, replies, events = exc, [], []
-        answers: list[Any] = [None] * self.world.size
-        try:
-            dist.gather_object(("ok", [], [], []), answers, dst=0)
-        except RuntimeError as exc:
-            raise lost(exc, f"the other ranks in round {plan.round}") from None
-        if own_error is not None:
-            raise own_error
-        for rank, answer in enumerate(answers[1:], start=1):
-            if answer[0] == "error":
-                raise RankFailed(f"rank {rank}: {answer[1]}")
+        replies, events = answers[0]
         by_client = {rep.client: rep for rep in replies}
         store = self.runtime.store
-        for _, theirs, their_events, outbox in answers[1:]:
+        for theirs, their_events, outbox in answers[1:]:
             by_client.update((rep.client, rep) for rep in theirs)
             # (the one-process backend reports a stage's sequential training once: rank 0 did)
             events += [e for e in their_events if e.get("event") != "sequential_training"]
             for key, cid, rnd, tensors in outbox:
                 store.put(key, cid, rnd, tensors)
         return [by_client[cid] for cid in plan.sampled], events
+
+    def client_evaluation(self, r: int, *, local: bool, personal: bool) -> ClientEvaluation:
+        """The clients' local-test metric states, split over the ranks by test-set size and computed as one
+        process computes them (``ClientRuntime.local_state``, on each client's model), gathered in client-id
+        order; the global evaluation itself runs on rank 0."""
+        if not local:
+            return super().client_evaluation(r, local=local, personal=personal)
+        task, runtime = self.server.task, self.runtime
+        clients = [cid for cid in range(task.num_clients) if task.num_test_examples(cid) > 0]
+        shares = split_clients(clients, [float(task.num_test_examples(cid)) for cid in clients], self.world.size)
+        gstate = {k: v.detach().cpu() for k, v in self.server.global_state().items()}
+        answers = self._exchange(r, [("eval", r, gstate, [(cid, self._shipped(cid)) for cid in share])
+                                     for share in shares[1:]],
+                                 lambda: _local_states(runtime, shares[0], self.server.global_state(),
+                                                       self.server.global_model))
+        device = self.server.device
+        states = {cid: (MetricState(st.reductions, {k: v.to(device) for k, v in st.tensors().items()}), n)
+                  for got in answers for cid, (st, n) in got.items()}
+        out = ClientEvaluation(store=runtime.store)
+        out.states = {cid: states[cid] for cid in clients}
+        return out
+
+    def _exchange(self, r: int, orders: list[Any], own: Any) -> list[Any]:
+        """Scatter ``orders`` (one a worker), run ``own()`` here, gather the workers' answers: [own result, then
+        each worker's]; a worker's error is a ``RankFailed`` naming it."""
+        try:
+            dist.scatter_object_list([None], [None, *orders], src=0)
+        except RuntimeError as exc:
+            raise lost(exc, f"the other ranks in round {r}") from None
+        del orders
+        own_error, mine = None, None
+        try:
+            mine = own()
+        except Exception as exc:  # noqa: BLE001 - gather first, so that no worker is left waiting; raised below
+            own_error = exc
+        answers: list[Any] = [None] * self.world.size
+        try:
+            dist.gather_object(("ok", None), answers, dst=0)
+        except RuntimeError as exc:
+            raise lost(exc, f"the other ranks in round {r}") from None
+        if own_error is not None:
+            raise own_error
+        for rank, answer in enumerate(answers[1:], start=1):
+            if answer[0] == "error":
+                raise RankFailed(f"rank {rank}: {answer[1]}")
+        return [mine, *(answer[1] for answer in answers[1:])]
 
     def close(self) -> None:
         """Tell every worker that this run is over (it goes on to the next run of a sweep, or exits). Errors are
@@ -237,15 +279,19 @@ def serve(runtime: Any, schedule: Any, seed: int, world: World) -> None:
         order = got[0]
         if order[0] == "stop":
             return
-        _, r, gstate, work = order
+        kind, r, gstate, work = order
         try:
-            store.receive({cid: states for cid, _, states in work})
+            store.receive({cid: item[-1] for cid, *item in work})
             backend.server.state = {k: v.to(runtime.device) for k, v in gstate.items()}
             backend.enter_round(r)
-            plan = RoundPlan(r, None, [cid for cid, _, _ in work], {}, {},
-                             client_broadcast={cid: sent for cid, sent, _ in work})
-            replies, events = backend.train(plan)
-            answer: Any = ("ok", [_portable(rep) for rep in replies], events, store.outbox)
+            if kind == "eval":
+                answer: Any = ("ok", {cid: (_portable_state(st), n) for cid, (st, n) in
+                                      _local_states(runtime, [cid for cid, _ in work], backend.server.state).items()})
+            else:
+                plan = RoundPlan(r, None, [cid for cid, _, _ in work], {}, {},
+                                 client_broadcast={cid: sent for cid, sent, _ in work})
+                replies, events = backend.train(plan)
+                answer = ("ok", ([_portable(rep) for rep in replies], events, store.outbox))
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the run naming this rank
             answer = ("error", one_line(exc))
         del order, work, gstate

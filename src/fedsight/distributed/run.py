@@ -30,8 +30,9 @@ def _check(cfg: Any, sim: Any, world: World) -> None:
 
 def too_many_ranks(ranks: int, clients: int, stage: str | None) -> ConfigError:
     where = f" in stage {stage!r}" if stage else ""
-    return ConfigError(f"{ranks} ranks for {clients} client{'s' if clients != 1 else ''} a round{where}: every rank needs "
-                       f"a client to train; use at most {clients} (--nproc, or torchrun's --nproc-per-node x nodes)")
+    plural = "s" if clients != 1 else ""
+    return ConfigError(f"{ranks} ranks for {clients} client{plural} a round{where}: every rank needs a client to "
+                       f"train; use at most {clients} (--nproc, or torchrun's --nproc-per-node x nodes)")
 
 
 def check_ranks(cfg: Any, ranks: int) -> None:
@@ -88,7 +89,8 @@ def build_worker(cfg: Any) -> tuple[Any, Any]:
     task = build_task(cfg).to(device)
     schedule = build_schedule(cfg, task)
     runtime = ClientRuntime(task, build_stages(cfg, task), cfg.seed, ShippingStore(), device,
-                            eval_batch_size=schedule.eval_batch_size, vectorize=vectorize_mode(cfg.engine.vectorize, device),
+                            eval_batch_size=schedule.eval_batch_size,
+                            vectorize=vectorize_mode(cfg.engine.vectorize, device),
                             max_clients_per_batch=cfg.engine.max_clients_per_batch, noise=cfg.privacy.noise)
     return runtime, schedule
 
