@@ -285,7 +285,8 @@ def _no_phase(text: str) -> None:
 
 def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, partition: bool = True,
                   backend: str = "in-process", vectorize: bool | str | None = None,
-                  privacy_noise: str | None = None, client_identity: str | None = None) -> None:
+                  privacy_noise: str | None = None, client_identity: str | None = None,
+                  ranks: dict[str, Any] | None = None) -> None:
     """Write a run's config (first session only), its partition description (``partition``: the task's
     partition is the clients' data) and its ``run.json`` (``backend``: where the clients train; a run that
     trained on Flower never resumes in-process)."""
@@ -303,6 +304,8 @@ def start_run_dir(run: RunDir, cfg: Any, task: Task, device: torch.device, parti
         session["vectorize"] = vectorize
     if privacy_noise is not None:  # where the DP noise and keys came from (``fedsight.secret.privacy_note``)
         session["privacy_noise"] = privacy_noise
+    if ranks:  # a distributed run: how many ranks trained the clients, over which process group
+        session.update(ranks)
     if client_identity is not None:  # Flower: what binds a client to a node (``flower.provisioning.identity_note``)
         session["client_identity"] = client_identity
     run.write_run_meta(metrics, primary, session,
@@ -349,6 +352,7 @@ def execute(
     stop_after: int | None = None,
     on_round: OnRound | None = None,
     on_phase: OnPhase | None = None,
+    simulation: Simulation | None = None,
 ) -> Outcome:
     """Run (or resume) one configured run in ``run_dir``.
 
@@ -360,12 +364,24 @@ def execute(
     skipped if complete); one of a different config is an error unless ``overwrite``. The run directory is
     locked throughout (``RunLock``): a second process on it fails at once. Runs in one process take turns
     (``rng.PROCESS_STREAM``): a thread calling this while another thread's run is under way waits for it.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank calls this with the same config: rank 0 runs the server and
+    writes the run directory, the others train their share of each round's clients and return status "served"
+    (``fedsight.distributed``). ``simulation``: one built by the caller (the distributed backend's rank 0) instead
+    of from ``cfg``.
     """
+    from .distributed.world import current
+
+    if simulation is None and current() is not None:
+        from .distributed.run import execute as execute_distributed
+
+        return execute_distributed(cfg, run_dir, resume=resume, overwrite=overwrite, stop_after=stop_after,
+                                   on_round=on_round, on_phase=on_phase)
     check_run_dir(run_dir)  # not inside another run, not a symbolic link or special file: before anything is built
     with PROCESS_STREAM:
-        sim = None
+        sim = simulation
         phase = on_phase or _no_phase
-        if not os.path.lexists(run_dir):  # a new run: data loaded and everything built before the lock file is
+        if sim is None and not os.path.lexists(run_dir):  # a new run: data loaded and everything built before the lock file is
             sim = build_simulation(cfg, run_dir=Path(run_dir), on_phase=phase)  # made: a kill leaves nothing behind
         with RunLock(run_dir):
             return _execute(cfg, RunDir(run_dir), resume, overwrite, stop_after, on_round, sim, phase)
@@ -442,6 +458,7 @@ def _execute_built(cfg: Any, run: RunDir, sim: Any, resume: bool, stop_after: in
         central_dp.keep_server_secret(sim, run.path, resumed=False)  # drawn and kept in RUN_DIR/private
     notes += _swept(run)  # also for a new run in a folder a killed run left before its config was written
     start_run_dir(run, cfg, sim.task, sim.server.device, vectorize=sim.runtime.vectorize,
+                  backend=getattr(sim.backend, "name", "in-process"), ranks=getattr(sim.backend, "session", None),
                   privacy_noise=privacy_note(sim.stages, cfg.privacy.noise, ("central_dp",) if sim.backend.dp else ()))
     if not resume:
         for path in (run.metrics_path, run.weights_path, run.path / CLIENT_METRICS_FILE):

@@ -33,6 +33,23 @@ def _speed_table(title: str, rows: list[B.Row]) -> Table:
     return table
 
 
+def wide_threads(rows: list[dict[str, Any]]) -> int:
+    return max(r["threads"] for r in rows)
+
+
+def _ranks_table(title: str, rows: list[dict[str, Any]]) -> Table:
+    """``--nproc``: one row per (ranks, threads a rank); "efficiency": updates/s over ranks x one rank's at one
+    thread; "× 1 rank": against one rank with as many threads as the most ranks have in all."""
+    table = Table(title=title, title_justify="left")
+    for col in ("ranks", "threads/rank", "s/round", "updates/s", "efficiency", f"× 1 rank × {wide_threads(rows)} thr"):
+        table.add_column(col, justify="right")
+    wide = next(r for r in rows if r["ranks"] == 1 and r["threads"] > 1) if len(rows) > 1 else rows[0]
+    for r in rows:
+        table.add_row(str(r["ranks"]), str(r["threads"]), _fmt(r["seconds"], ".3f"), _fmt(r["updates_per_s"], ".1f"),
+                      _fmt(r["efficiency"], ".2f"), _fmt(r["updates_per_s"] / wide["updates_per_s"], ".2f"))
+    return table
+
+
 def bench(
     workload: Annotated[list[str], typer.Option("--workload", "-w", help="cnn (small CNN on digits), sr (small RDSN); repeatable")] = ["cnn", "sr"],  # noqa: B006
     clients: Annotated[int | None, typer.Option(min=1, help="clients per round (all clients train every round); default: 50 for cnn, 20 for sr")] = None,
@@ -43,6 +60,7 @@ def bench(
     memory_clients: Annotated[str, typer.Option(help="comma-separated client counts of the memory runs")] = "100,10000,100000",
     memory_rounds: Annotated[int, typer.Option(min=1, help="rounds of each memory run (50 clients a round)")] = 20,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write every measurement to this JSON file")] = None,
+    nproc: Annotated[int, typer.Option(min=1, help="also time the distributed backend on 1..NPROC ranks (vectorised)")] = 1,
 ) -> None:
     """Seconds per round and client updates/s of a plain PyTorch loop, the sequential and the vectorised engine (one
     thread and all cores) and Flower's simulation engine on the same workload, as ratios measured in one run; then
@@ -68,6 +86,13 @@ def bench(
             rows.append(B.time_flower(raw, rounds + 2))
         console.print(_speed_table(f"{title}: {m} clients a round, {rounds} timed rounds, device {device}", rows))
         results["workloads"][name] = [{**vars(r), "updates_per_s": r.updates_per_s} for r in rows]
+        if nproc > 1:
+            from .distributed.bench import time_ranks
+
+            ranked = time_ranks(raw, rounds, nproc, device)
+            console.print(_ranks_table(f"{title}: {m} clients a round on 1..{nproc} ranks, vectorised, device {device}",
+                                       ranked))
+            results.setdefault("ranks", {})[name] = ranked
     if memory:
         mem = B.peak_rss(counts, memory_rounds, 50)
         table = Table(title=f"peak RSS, SCAFFOLD (state on disk), {memory_rounds} rounds x 50 clients", title_justify="left")

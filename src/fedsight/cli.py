@@ -109,6 +109,11 @@ def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
         return out
 
 
+NprocOpt = Annotated[int, typer.Option(min=1, help="Split each round's clients over this many processes (ranks) "
+                                                "on this machine.")]
+DistBackendOpt = Annotated[Optional[str], typer.Option(help='The ranks\' process group: "gloo" (default) or "nccl".')]
+
+
 @app.command()
 def run(
     config: Annotated[Path, typer.Argument(help="TOML config file; it may define a sweep (seeds, grid, variants).")],
@@ -123,6 +128,8 @@ def run(
                                              "steps a round, one evaluation, into OUTPUT_DIR/smoke.")] = False,
     device: Annotated[Optional[str], typer.Option(help='Run on this device ("cpu", "cuda", "cuda:N"; default: the '
                                                        "config's engine.device).")] = None,
+    nproc: NprocOpt = 1,
+    dist_backend: DistBackendOpt = None,
 ) -> None:
     """Run a config: every variant x grid point x seed, each into its own run directory, then a comparison table.
 
@@ -132,6 +139,7 @@ def run(
     run) is an error saying what to write instead.
     """
     from . import sweep as S
+    from .distributed.launch import dispatch
     from .reporting import report
     from .run_lines import again_command, device_override, interrupted_lines
 
@@ -142,6 +150,8 @@ def run(
     try:
         sets = [*(set_ or []), *([device_override(device)] if device is not None else [])]
         specs = S.load(config, sets, variant or [], smoke=smoke)
+        if (code := dispatch(nproc, dist_backend, jobs, [s.config for s in specs])) is not None:
+            raise typer.Exit(code)  # the ranks' exit code (--nproc), or a worker rank's end (docs/distributed.md)
         dirs = _run_specs(config, sets, variant or [], specs, jobs, overwrite, stop_after, smoke)
     except ConfigError as exc:
         _fail(str(exc))
@@ -221,15 +231,20 @@ def resume(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `fedsight run`.")],
     stop_after: Annotated[Optional[int], typer.Option(min=1, help="Stop after this round.")] = None,
     device: Annotated[Optional[str], typer.Option(help='Continue on this device ("cpu", "cuda", "cuda:N"; default: the run\'s engine.device).')] = None,
+    nproc: NprocOpt = 1,
+    dist_backend: DistBackendOpt = None,
 ) -> None:
     """Continue an interrupted run from its last checkpoint; the result equals an uninterrupted run (on
     another device: to float tolerance)."""
     from .api import load_run_config
+    from .distributed.launch import dispatch
     from .reporting import write_summary
     from .run_lines import finished, interrupted_lines, resume_command
 
     try:
         cfg = load_run_config(run_dir, {"device": device} if device is not None else None)
+        if (code := dispatch(nproc, dist_backend, 1, [cfg])) is not None:
+            raise typer.Exit(code)
         out = _execute_with_progress(cfg, run_dir, f"{cfg.run.name} seed {cfg.seed}", resume=True, stop_after=stop_after)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
