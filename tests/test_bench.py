@@ -53,7 +53,7 @@ def test_bench_prints_and_records_every_engine_and_the_memory_runs(tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["-w", "gan"], "error: --workload 'gan': expected one of cnn, sr"),
+    (["-w", "gan"], "error: --workload 'gan': expected one of cnn, sr, paper-cls, paper-seg, paper-sr, paper-vsr, paper-pose"),
     (["--memory-clients", "100,x"], "error: --memory-clients '100,x': expected comma-separated integers"),
     (["--memory-clients", "0"], "error: --memory-clients '0': every count must be >= 1"),
     (["--rounds", "1"], "error: Invalid value for '--rounds': 1 is not in the range x>=2."),
@@ -84,3 +84,25 @@ def test_bench_without_flower_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_flwr)
     row = time_flower(cnn_workload(3, 2), 3)
     assert row.seconds is None and row.note == 'not installed: pip install -c constraints.txt -e ".[flower]"'
+
+
+def test_every_paper_workload_is_a_valid_config_of_a_paper_model_at_its_papers_size():
+    """The paper-* workloads (issue 46): one per task, each a seed paper's model at the size its paper uses."""
+    from fedsight.bench import WORKLOADS
+    from fedsight.config import validate
+    from fedsight.models import build_model
+    from fedsight.models.base import ModelIO
+
+    papers = {name: build(4, 2) for name, (_, build, _) in WORKLOADS.items() if name.startswith("paper-")}
+    assert sorted(validate(raw).task.name for raw in papers.values()) == sorted(
+        ["classification", "segmentation", "image_sr", "video_sr", "keypoints"])
+    # torchvision's MobileNetV2 (3,504,872) less its 1000-class head (1,281,000) and 2 of the stem's 3 input channels
+    # (576), plus a 10-class head (12,810); EDSR-PyTorch's baseline x2; BasicSR's BasicVSR
+    sizes = {"paper-cls": 3_504_872 - 1_281_000 - 576 + 12_810, "paper-sr": 1_369_859, "paper-vsr": 6_291_311}
+    for name, count in sizes.items():
+        cfg = validate(papers[name])
+        task = cfg.task.name
+        io = ModelIO(task, in_channels=1 if task == "classification" else 3, num_outputs=10 if task == "classification" else 3,
+                     image_size=8, scale=getattr(cfg.data, "scale", None), num_frames=getattr(cfg.data, "num_frames", None))
+        model = build_model(cfg.model.name, {k: v for k, v in cfg.model.model_dump().items() if k != "name"}, io=io)
+        assert sum(p.numel() for p in model.parameters()) == count, name

@@ -1,7 +1,7 @@
 """``fedsight bench``: the engines' speed and memory on the same workloads, as ratios measured in one run.
 
 Speed. For each workload (``WORKLOADS``: the quickstart's small CNN on digits, a small RDSN on the built-in SR
-photographs) every sampled client does the same local SGD steps on the same batches under
+photographs, and one seed paper's model per task at its paper's size, ``paper-*``) every sampled client does the same local SGD steps on the same batches under
 
 * a plain PyTorch loop (load the global weights, ``torch.optim.SGD`` over the client's batches: no sampling,
   no upload, no aggregation), the floor of any sequential simulator;
@@ -65,9 +65,38 @@ def sr_workload(clients: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def _paper(task: str | dict[str, Any], data: dict[str, Any], model: dict[str, Any], batch: int,
+           steps: int = 2) -> Callable[[int, int], dict[str, Any]]:
+    """A paper's own model on its task's built-in data: ``steps`` local SGD steps of ``batch`` a round, IID clients,
+    every client every round (the models at their papers' sizes, the inputs small enough for a 2-core CPU)."""
+    def build(clients: int, rounds: int) -> dict[str, Any]:
+        return {
+            "seed": 0, "task": task if isinstance(task, dict) else {"name": task}, "data": data,
+            "partition": {"name": "iid", "num_clients": clients, "local_test_fraction": 0.0},
+            "model": model, "train": {"steps": steps, "batch_size": batch, "lr": 0.01},
+            "server": {"rounds": rounds, "clients_per_round": clients}, "eval": {"every": rounds, "local": False},
+        }
+    return build
+
+
+#: name -> (title, config builder (clients, rounds), default clients a round); the ``paper-*`` workloads are one
+#: seed paper's model per task at the paper's size (issue 46), on small built-in inputs
 WORKLOADS: dict[str, tuple[str, Callable[[int, int], dict[str, Any]], int]] = {
     "cnn": ("small CNN on digits", cnn_workload, 50),
     "sr": ("small RDSN (x2) on the built-in photographs", sr_workload, 20),
+    "paper-cls": ("MobileNetV2 (the thesis's, 2.2M) on digits", _paper(
+        "classification", {"name": "digits"}, {"name": "mobilenetv2"}, 16), 4),
+    "paper-seg": ("BiSeNetV2 (FedDrive's, 3.4M) on the built-in street scenes", _paper(
+        "segmentation", {"name": "street"}, {"name": "bisenetv2"}, 2), 4),
+    "paper-sr": ("EDSR baseline (64 x 16 blocks, 1.4M) x2 on 24-px LR patches", _paper(
+        "image_sr", {"name": "builtin_sr", "scale": 2, "patch_size": 24, "tile": 48},
+        {"name": "edsr", "features": 64, "blocks": 16}, 4), 4),
+    "paper-vsr": ("BasicVSR with SPyNet (BasicSR's, 6.3M) x4, 3 frames of 16 px LR", _paper(
+        "video_sr", {"name": "synthetic_video", "scale": 4, "num_frames": 3, "patch_size": 16},
+        {"name": "basicvsr_basicsr"}, 1), 4),
+    "paper-pose": ("ViTPose-S (22M) at 64x48 on the built-in figures", _paper(
+        {"name": "keypoints", "ladder": [[64, 48]], "eval_sizes": [[64, 48]]}, {"name": "builtin_pose"},
+        {"name": "vitpose_s", "image_size": [64, 48]}, 4), 4),
 }
 
 

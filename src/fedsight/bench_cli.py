@@ -51,8 +51,8 @@ def _ranks_table(title: str, rows: list[dict[str, Any]]) -> Table:
 
 
 def bench(
-    workload: Annotated[list[str], typer.Option("--workload", "-w", help="cnn (small CNN on digits), sr (small RDSN); repeatable")] = ["cnn", "sr"],  # noqa: B006
-    clients: Annotated[int | None, typer.Option(min=1, help="clients per round (all clients train every round); default: 50 for cnn, 20 for sr")] = None,
+    workload: Annotated[list[str], typer.Option("--workload", "-w", help="cnn (small CNN on digits), sr (small RDSN), or a paper's model: paper-cls, paper-seg, paper-sr, paper-vsr, paper-pose; repeatable")] = ["cnn", "sr"],  # noqa: B006
+    clients: Annotated[int | None, typer.Option(min=1, help="clients per round (all clients train every round); default: 50 for cnn, 20 for sr, 4 for paper-*")] = None,
     rounds: Annotated[int, typer.Option(min=2, help="timed rounds per engine and thread count (after one warm-up round)")] = 5,
     device: Annotated[str, typer.Option(help='"auto" (CUDA when available), "cpu", "cuda" or "cuda:N"')] = "auto",
     flower: Annotated[bool, typer.Option(help="also time Flower's Ray simulation engine (needs flwr)")] = True,
