@@ -106,3 +106,14 @@ def test_every_paper_workload_is_a_valid_config_of_a_paper_model_at_its_papers_s
                      image_size=8, scale=getattr(cfg.data, "scale", None), num_frames=getattr(cfg.data, "num_frames", None))
         model = build_model(cfg.model.name, {k: v for k, v in cfg.model.model_dump().items() if k != "name"}, io=io)
         assert sum(p.numel() for p in model.parameters()) == count, name
+
+
+def test_the_plain_loop_moves_a_tasks_dict_of_targets_to_the_device():
+    """Keypoint batches carry their targets as a dict (heatmaps, weights): the plain loop of paper-pose failed on
+    them with "'dict' object has no attribute 'to'"."""
+    from fedsight.bench import _to
+
+    y = {"heatmaps": torch.zeros(2, 3), "weights": {"joints": torch.ones(2)}, "meta": "kept"}
+    moved = _to(y, torch.device("meta"))
+    assert moved["heatmaps"].device.type == "meta" and moved["weights"]["joints"].device.type == "meta"
+    assert moved["meta"] == "kept" and _to(torch.zeros(1), torch.device("meta")).device.type == "meta"

@@ -113,6 +113,13 @@ class Row:
         return None if not self.seconds else self.clients / self.seconds
 
 
+def _to(value: Any, device: torch.device) -> Any:
+    """A batch's targets on ``device``: a tensor, or a task's dict of them (keypoints: heatmaps and weights)."""
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value.to(device) if torch.is_tensor(value) else value
+
+
 def plain_round(task: Any, model: torch.nn.Module, global_state: dict[str, torch.Tensor], sampled: list[int],
                 r: int, seed: int, local: Any) -> None:
     """What every sampled client computes in round ``r``, as a bare loop: the engine's batches (stream
@@ -125,7 +132,7 @@ def plain_round(task: Any, model: torch.nn.Module, global_state: dict[str, torch
         gen = torch_gen(seed, "shuffle", r, cid)
         for pos in batch_positions(n, local.batch_size, local.num_steps(n, seed, r, cid), gen):
             x, y = task.train_batch(cid, pos)
-            loss = task.loss(model(x.to(device)), y.to(device))
+            loss = task.loss(model(x.to(device)), _to(y, device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
