@@ -111,6 +111,8 @@ def test_every_paper_workload_is_a_valid_config_of_a_paper_model_at_its_papers_s
 def test_the_plain_loop_moves_a_tasks_dict_of_targets_to_the_device():
     """Keypoint batches carry their targets as a dict (heatmaps, weights): the plain loop of paper-pose failed on
     them with "'dict' object has no attribute 'to'"."""
+    import torch
+
     from fedsight.bench import _to
 
     y = {"heatmaps": torch.zeros(2, 3), "weights": {"joints": torch.ones(2)}, "meta": "kept"}
