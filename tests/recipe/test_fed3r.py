@@ -102,6 +102,51 @@ def test_each_client_reports_once_and_sync_after_all_groups_equals_fed3r():
     assert sim2.totals["up_bytes_fp32"] == 5 * 4 * (p * (p + 1) // 2 + 4 * p + 4 + 4)
 
 
+def test_sampling_with_replacement_is_fedavgs_draw_minus_the_reported_and_ends_at_the_same_classifier():
+    """Fig. 3.9's protocol: each round draws kappa of all K clients (engine.plan.sample_clients, as FedAvg), only
+    clients not yet reported send; once all have reported the head equals the once-each run's (sums commute)."""
+    from fedsight.engine.plan import sample_clients
+
+    task = ToyTask(sizes=(5, 7, 3, 6, 4), dim=3, classes=4, seed=3)
+    once = Fed3R(Fed3RParams(sync=True))
+    sim1 = toy_sim(task=task, components=[once], clients_per_round=2, rounds=3)
+    sim1.run()
+    fed3r = Fed3R(Fed3RParams(sync=True, sampling="replacement"))
+    sim = toy_sim(task=task, components=[fed3r], clients_per_round=2, rounds=60)
+    reported: set[int] = set()
+    rounds_to_all = None
+    for r in range(1, 61):
+        got = sim.begin_round(r).sampled
+        assert got == [c for c in sample_clients(sim.seed, r, 5, 2) if c not in reported]
+        sim.train_round(r)
+        sim.round = r
+        reported |= set(got)
+        if rounds_to_all is None and len(reported) == 5:
+            rounds_to_all = r
+            break
+    assert rounds_to_all is not None and rounds_to_all > 3  # more than ceil(5/2): a client was drawn twice
+    torch.testing.assert_close(sim.global_model.head.weight, sim1.global_model.head.weight, rtol=1e-6, atol=1e-7)
+
+
+def test_rounds_to_cover_half_the_clients_with_replacement_match_the_batch_coupon_collector():
+    """Table 3.6 (Cifar100, K = 100, kappa = 10): 50% of the clients seen after 7 ± 1 rounds; the closed form of
+    the expected unseen share after r rounds, (1 - kappa/K)^r, passes 0.5 at r = 6.6. Over 200 seeds of FedSight's
+    draw the mean number of rounds is within [6.5, 7.5]."""
+    from fedsight.engine.plan import sample_clients
+
+    def rounds_to_half(seed: int) -> int:
+        seen: set[int] = set()
+        for r in range(1, 100):
+            seen |= set(sample_clients(seed, r, 100, 10))
+            if len(seen) >= 50:
+                return r
+        raise AssertionError("never")
+
+    mean = float(np.mean([rounds_to_half(s) for s in range(200)]))
+    assert math.log(0.5) / math.log(0.9) == pytest.approx(6.58, abs=0.01)
+    assert 6.5 <= mean <= 7.5, mean
+
+
 def test_rejected_client_is_revisited_and_resume_mid_stage_is_identical():
     task = ToyTask(sizes=(4, 5, 6, 3), dim=3, classes=3, seed=1)
     full = toy_sim(task=task, components=[Fed3R()], clients_per_round=1, rounds=4)

@@ -39,7 +39,10 @@ sums). A client can still send statistics of that form that skew the classifier.
 Client order: a stage with ``fed3r`` visits each client exactly once, in a random order drawn from the
 run seed, ``clients_per_round`` at a time (groups of kappa for Fed3R-Sync, A17); a rejected update
 (non-finite statistics) puts the client back in the queue. ``ceil(K / kappa)`` rounds visit everyone;
-later rounds of the stage have no client left and are logged as skipped. Client weights play no role:
+later rounds of the stage have no client left and are logged as skipped. ``sampling = "replacement"`` is the
+thesis's other protocol (Sec. 3.9.5, Fig. 3.9): each round samples kappa of all K clients as FedAvg does, and
+those already reported send nothing (a round of only those is skipped), so covering everyone takes a batch
+coupon collector's number of rounds (Table 3.6); the classifier, once everyone has reported, is the same. Client weights play no role:
 statistics are summed, never averaged.
 """
 
@@ -164,7 +167,16 @@ class ClosedFormClassifier(Component):
         return self.visited
 
     def sample(self, round: int, num_clients: int, m: int, seed: int) -> list[int]:
+        """``sampling = "once"``: the next ``m`` clients of a seeded permutation that have not reported (Alg. 5:
+        everyone in ceil(K / m) rounds). ``"replacement"``: the ``m`` clients FedAvg would sample this round
+        (``engine.plan.sample_clients``), of whom only those that have not reported yet send statistics (the
+        thesis's sampling with replacement, Fig. 3.9 and Table 3.6: a batch coupon collector, so reaching every
+        client takes many more rounds)."""
         visited = self._visited(num_clients)
+        if getattr(self.p, "sampling", "once") == "replacement":
+            from ..engine.plan import sample_clients
+
+            return [c for c in sample_clients(seed, round, num_clients, m) if not visited[c]]
         order = np_rng(seed, f"{self.name}-order").permutation(num_clients)
         return sorted(int(c) for c in order[~visited[order]][:m])
 
@@ -306,6 +318,9 @@ class Fed3RParams(Params):
     normalize: bool = Field(True, description="unit L2 norm per class column after each solve (Alg. 3)")
     bias: bool = Field(True, description="append a constant feature so the classifier has a bias (eq. 3.9)")
     sync: bool = Field(False, description="Fed3R-Sync: upload the full d x C class sums (fixed shape, for SecAgg)")
+    sampling: Literal["once", "replacement"] = Field(
+        "once", description="once: each client exactly once, clients_per_round a round (Alg. 5); replacement: the "
+        "round's usual sample, only clients not yet reported send (Fig. 3.9, Table 3.6)")
     rff_dim: int | None = Field(None, ge=1, description="Fed3R-RF: number D of random Fourier features (none: linear)")
     rff_sigma: float = Field(1000.0, gt=0, description="Fed3R-RF kernel width sigma (thesis: 1000)")
     rff_convention: Literal["rbf", "thesis"] = Field(
@@ -454,6 +469,9 @@ class FedNCMParams(Params):
     normalize: bool = Field(
         False, description="false: Euclidean nearest class mean; true: unit-norm class means (cosine prototypes)"
     )
+    sampling: Literal["once", "replacement"] = Field(
+        "once", description="once: each client exactly once, clients_per_round a round (Alg. 5); replacement: the "
+        "round's usual sample, only clients not yet reported send (Fig. 3.9, Table 3.6)")
 
 
 class FedNCM(ClosedFormClassifier):
