@@ -170,6 +170,12 @@ def blamed(body: str, overrides: Sequence[tuple[str, str]]) -> str | None:
         for path, shown in overrides:
             if key == path or key.startswith(path + "."):
                 return shown
+    missing = re.match(r"missing required key '([^']+)'", body)
+    if missing:  # a table an override wrote into lacks a key: `--set privacy.central_dp.clipping_norm=1` made it
+        parent = _plain(missing.group(1)).rpartition(".")[0]
+        for path, shown in overrides:
+            if parent and path.rpartition(".")[0] == parent:
+                return shown
     table = re.match(r"([a-z_][a-z0-9_.\[\]]*)(?:: | = )", body)
     if table:
         for path, shown in overrides:
@@ -190,6 +196,6 @@ def attribute(message: str, source: str, overrides: Sequence[tuple[str, str]]) -
     for line in message.splitlines():
         head, sep, body = line.partition(": ")
         if sep and head.startswith(source) and (who := blamed(body, overrides)) is not None:
-            line = f"{who} on {head}: {body}"
+            line = f"{' '.join(who.split())} on {head}: {body}"  # (a value typed over several lines: one line)
         out.append(line)
     return "\n".join(out)
