@@ -68,6 +68,7 @@ def main(out: Path) -> None:
     from fedsight.api import execute
     from fedsight.config import validate
     from fedsight.distributed import current
+    from fedsight.distributed.world import finish
 
     register()
     world = current()
@@ -87,6 +88,7 @@ def main(out: Path) -> None:
             said[name] = {"error": f"{type(exc).__name__}: {exc}"}
     (out / f"session-{world.rank}.json").write_text(json.dumps(said))
     dist.barrier()
+    finish(0)  # as `fedsight` ends a rank: no C++ teardown of the process group (it can abort at exit)
 
 
 if __name__ == "__main__":

@@ -518,7 +518,18 @@ def _interrupted_line(argv: list[str]) -> str:
 
 def main() -> None:
     """The ``fedsight`` entry point: every error a command lets through becomes one line on stderr (exit 2
-    for configuration errors, 1 otherwise); ``FEDSIGHT_DEBUG=1`` shows the traceback instead."""
+    for configuration errors, 1 otherwise); ``FEDSIGHT_DEBUG=1`` shows the traceback instead. A torchrun rank
+    (``--nproc``) ends through ``distributed.world.finish`` (no C++ teardown of its process group)."""
+    try:
+        _entry()
+    except SystemExit as exc:
+        from .distributed.world import finish
+
+        finish(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+        raise
+
+
+def _entry() -> None:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a scheduler's time limit: stop as Ctrl-C does
     try:
         code = app(prog_name="fedsight", standalone_mode=False)  # click's usage errors come here, to be printed as one line

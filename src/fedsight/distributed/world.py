@@ -14,10 +14,12 @@ training runs on its own device (``rank_device``). The collectives' timeout is `
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +98,24 @@ def join(world: World) -> None:
         torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
     seconds = float(os.environ.get(TIMEOUT_ENV, str(6 * 3600)))
     dist.init_process_group(name, timeout=datetime.timedelta(seconds=seconds))
+
+
+def finish(code: int) -> None:
+    """End a rank's process with ``code`` once its work is done, without the interpreter's teardown: a gloo process
+    group left to the C++ static destructors (destroyed explicitly or not) can abort the process at exit
+    ("terminate called without an active exception", SIGABRT), which the launcher then reports as a failed rank
+    after a run that had finished. Does nothing outside a process group (an ordinary process exits as usual).
+    Python's exit handlers run and output is flushed first; every file FedSight writes is already closed and
+    renamed into place by then."""
+    if "torch.distributed" not in sys.modules or not dist.is_available() or not dist.is_initialized():
+        return
+    atexit._run_exitfuncs()  # Python's own exit handlers still run (writers' flushes); only C++ teardown is skipped
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def rank_device(cfg: Any, world: World) -> Any:
