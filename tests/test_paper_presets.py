@@ -272,3 +272,27 @@ def test_cifar_truncated_file_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     assert _cifar_script().main([str(tmp_path), str(tmp_path / "out")]) == 2  # not a CIFAR folder
     assert "neither CIFAR-10's" in capsys.readouterr().err
+
+
+def test_stl10_binary_release_into_train_test_class_folders(tmp_path, capsys):
+    """STL-10's files hold each colour plane column by column (its reference reader transposes): an image written
+    that way comes back upright, labels 1..10 become class folders, and a label/image count mismatch is one line."""
+    src = tmp_path / "stl10_binary"
+    src.mkdir()
+    (src / "class_names.txt").write_text("airplane\nbird\ncar\n")
+    rng = np.random.default_rng(0)
+    images = {s: rng.integers(0, 256, (n, 96, 96, 3), dtype=np.uint8) for s, n in (("train", 3), ("test", 1))}
+    labels = {"train": [3, 1, 2], "test": [2]}
+    for split, imgs in images.items():
+        (src / f"{split}_X.bin").write_bytes(b"".join(np.asfortranarray(im[:, :, k]).tobytes(order="F")
+                                                      for im in imgs for k in range(3)))
+        (src / f"{split}_y.bin").write_bytes(bytes(labels[split]))
+    assert _cifar_script().main([str(src), str(tmp_path / "out")]) == 0
+    names = ["airplane", "bird", "car"]
+    for split, imgs in images.items():
+        for i, (im, lab) in enumerate(zip(imgs, labels[split])):
+            assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / split / names[lab - 1] / f"{i:05d}.png")), im)
+    (src / "test_y.bin").write_bytes(bytes([1, 2]))
+    assert _cifar_script().main([str(src), str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "test_y.bin: 2 labels for 1 images" in err and not (tmp_path / "out2").exists()

@@ -31,6 +31,15 @@ More on V (``[validation]``):
 * ``source = "dataset"``: V is a split (``split``, default its training split) of another registered
   dataset of the same task (the paper's "public" V, §5.3: STL-10 or CIFAR-100 for CIFAR-10). The task
   builder loads it (classification matches labels by class name).
+* ``class_map`` (classification, ``source = "dataset"``): the paper's public V's name other classes than the
+  training set's (§5.3, App. A.5): STL-10's "car" is CIFAR-10's "automobile"; CIFAR-100's bus and motorcycle
+  stand for automobile, leopard, lion and tiger for cat, wolf and fox for dog. ``class_map`` maps V's class
+  names onto training class names (many to one); a class neither mapped nor named as a training class is an
+  error, or left out with ``unmapped = "drop"`` (STL-10's monkey, CIFAR-100's other 93 classes).
+  ``duplicates_per_class = n`` reproduces the authors' two-step sampler (seed digest §A.5 [code]): it first
+  draws n random images of each (mapped) class, then takes the whole pool, so those n appear twice; with
+  n = 50 it gives the paper's counts (STL-10: 9 x 550 = 4,950; CIFAR-100: 3,650, e.g. bus 531 and motorcycle
+  519 of automobile's 1,050). The draw is ``np_rng(seed, "validation-duplicates")``. Default 0: no duplicates.
 * ``imbalance = rho`` (class labels only): a deliberately class-imbalanced V for the paper's
   imbalanced-V experiment (§5.4, App. A.7.1, E.8-E.9). From the V built as above,
   ``floor(imbalance_size * |V|)`` examples (the paper: half) are drawn with class proportions
@@ -78,6 +87,12 @@ class ValidationSection(Params):
         None, description='dataset: a dataset spec, e.g. {name = "npz", path = "other.npz"}'
     )
     split: Literal["train", "test"] = Field("train", description="dataset: which split of it becomes V")
+    class_map: dict[str, str] | None = Field(
+        None, description='dataset: its class names onto the training classes, e.g. {bus = "automobile"}')
+    unmapped: Literal["error", "drop"] = Field(
+        "error", description="dataset: its classes neither mapped nor named as a training class: error or drop")
+    duplicates_per_class: int = Field(
+        0, ge=0, description="dataset: draw this many of each class's images again (FedVG's code: 50)")
     seed: Annotated[int, AfterValidator(check_seed)] | None = Field(
         None, ge=0, description="seed of the carve / imbalance draw (default: the run seed)")
 
@@ -110,6 +125,10 @@ class ValidationSection(Params):
             raise ValueError('validation.source = "dataset" needs validation.dataset (a dataset table)')
         if self.source != "dataset" and self.dataset is not None:
             raise ValueError(f'validation.dataset is set but validation.source = "{self.source}"; use source = "dataset"')
+        if self.source != "dataset":
+            for key in ("class_map", "unmapped", "duplicates_per_class"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise ValueError(f'validation.{key} applies to source = "dataset" only, not "{self.source}"')
         return self
 
 
@@ -267,7 +286,11 @@ def validation_dataset(cfg: Any, kind: type, what: str) -> Any:
     (``what``: "a video dataset") is an error naming the key."""
     from ..registry import build
 
-    spec = dict(cfg.validation.dataset or {})
+    v = cfg.validation
+    for key in ("class_map", "unmapped", "duplicates_per_class"):
+        if getattr(v, key) != type(v).model_fields[key].default:
+            raise ValueError(f"validation.{key} applies to classification only (it maps and draws class labels)")
+    spec = dict(v.dataset or {})
     name = spec.pop("name")
     other = build(DATASETS, name, spec, seed=cfg.seed)
     if not isinstance(other, kind):

@@ -15,6 +15,7 @@ from ..data.partition import ClientSplit, ClientSplits
 from ..metrics import Mean, MetricSet, MetricState, PerClassAccuracy
 from ..models.base import ModelIO
 from ..registry import MODELS, PARTITIONERS, TASKS, NoParams, Params, build
+from ..rng import np_rng
 from .base import Task, TaskSpec, component_params
 
 PROVIDES = frozenset({"class_labels", "class_logits", "server_split"})
@@ -342,7 +343,9 @@ class ClassificationTask(Task):
 
 def _external_validation(cfg: Any, splits: DatasetSplits) -> ArrayDataset:
     """V from another dataset (``validation.source = "dataset"``): same image shape, labels matched to
-    the training classes by name (V may cover only some of them)."""
+    the training classes by name, or through ``validation.class_map`` (V may cover only some of them; classes
+    it cannot place are an error or, with ``unmapped = "drop"``, left out), then ``duplicates_per_class``
+    (``fedsight.data.server_split``)."""
     from ..data import load_dataset
 
     v = cfg.validation
@@ -356,18 +359,41 @@ def _external_validation(cfg: Any, splits: DatasetSplits) -> ArrayDataset:
             f"{where}: images are {tuple(part.shape)} (C, H, W) but the training data's are "
             f"{tuple(splits.train.shape)}; resize them to match (e.g. the loader's image_size)"
         )
-    if isinstance(part, StoredDataset):
-        part = part.materialize()  # V is the server's: small, held in memory
     names = list(splits.train.class_names)
-    used = [part.class_names[c] for c in np.unique(part.y.numpy())]
-    unknown = [c for c in used if c not in names]
-    if unknown:
+    mapping = dict(v.class_map or {})
+    bad = {k: t for k, t in mapping.items() if t not in names}
+    if bad:
+        k, t = next(iter(bad.items()))
+        raise ValueError(f"validation.class_map: {k!r} maps to {t!r}, which is not a training class ({names})")
+    absent = [k for k in mapping if k not in part.class_names]
+    if absent:
+        raise ValueError(f"validation.class_map: {absent} are not classes of {where} ({list(part.class_names)})")
+    target = [mapping.get(c, c) for c in part.class_names]
+    remap = np.array([names.index(t) if t in names else -1 for t in target], dtype=np.int64)
+    y = remap[np.asarray(part.labels, dtype=np.int64)]
+    if (y < 0).any() and v.unmapped == "error":
+        unknown = sorted({part.class_names[c] for c in np.unique(np.asarray(part.labels)[y < 0])})
         raise ValueError(
             f"{where}: label space does not match the training data: classes {unknown} are not among the "
-            f"training classes {names}"
+            f"training classes {names} (map them with validation.class_map, or drop them with "
+            'validation.unmapped = "drop")'
         )
-    remap = np.array([names.index(c) if c in names else -1 for c in part.class_names], dtype=np.int64)
-    return ArrayDataset(part.x.clone(), torch.from_numpy(remap[part.y.numpy()]), splits.train.num_classes, names)
+    keep = np.flatnonzero(y >= 0)
+    if not len(keep):
+        raise ValueError(f"{where}: none of its classes is a training class or mapped onto one")
+    if v.duplicates_per_class:  # the authors' sampler: n random images of each class first, then the whole pool
+        rng, n = np_rng(v.seed if v.seed is not None else cfg.seed, "validation-duplicates"), v.duplicates_per_class
+        extra = []
+        for c in np.unique(y[keep]):
+            pool = keep[y[keep] == c]
+            if len(pool) < n:
+                raise ValueError(f"validation.duplicates_per_class = {n}: {where} has {len(pool)} images of {names[c]!r}")
+            extra.append(np.sort(rng.choice(pool, size=n, replace=False)))
+        keep = np.concatenate([*extra, keep])
+    sub = part.subset(keep)
+    if isinstance(sub, StoredDataset):
+        sub = sub.materialize()  # V is the server's: small, held in memory
+    return ArrayDataset(sub.x.clone(), torch.from_numpy(y[keep]), splits.train.num_classes, names)
 
 
 @TASKS.register("classification", help="image classification: cross-entropy, accuracy, WMA over local test sets",
