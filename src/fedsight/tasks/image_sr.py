@@ -85,24 +85,29 @@ class ImageSRParams(Params):
     visual_crop: int = Field(96, ge=8, description="HR side of the crops shown in plots/visuals.png")
 
 
-def image_sr_metrics(params: ImageSRParams) -> MetricSet:
-    """psnr/ssim (on the channel ``params.metric`` picks), the same on Y and RGB, and the loss: means over images."""
-    m = params.metric
-    # outputs clamped to [0, 1] and ground truth in [0, 1]: MSE <= 255^2 on the 0..255 scale, so PSNR >= 0 dB (+inf
-    # for a perfect image); unquantised outputs may leave [0, 1], so then no range is declared (finite values only)
-    psnr_range = (0.0, math.inf) if params.quantize else None
+def sr_metrics(metric: str, quantize: bool, over: str = "images", loss: str = "loss per image") -> MetricSet:
+    """psnr/ssim on the channel ``metric`` names, the same on Y and RGB, and the loss: means ``over`` images (or,
+    for video, "clips of the per-frame mean"). Outputs clamped to [0, 1] against ground truth in [0, 1] give
+    MSE <= 255^2 on the 0..255 scale, so PSNR >= 0 dB (+inf for a perfect image); unquantised (``quantize``
+    false) outputs may leave [0, 1], so then PSNR declares no range (finite values only)."""
+    psnr_range = (0.0, math.inf) if quantize else None
     return MetricSet(
         [
-            Mean("psnr", True, f"PSNR (dB) on {m}, mean over images", psnr_range),
-            Mean("ssim", True, f"SSIM on {m}, mean over images", (-1.0, 1.0)),
+            Mean("psnr", True, f"PSNR (dB) on {metric}, mean over {over}", psnr_range),
+            Mean("ssim", True, f"SSIM on {metric}, mean over {over}", (-1.0, 1.0)),
             Mean("psnr_y", True, "PSNR (dB) on BT.601 luma", psnr_range),
             Mean("ssim_y", True, "SSIM on BT.601 luma", (-1.0, 1.0)),
             Mean("psnr_rgb", True, "PSNR (dB) on RGB", psnr_range),
             Mean("ssim_rgb", True, "SSIM on RGB", (-1.0, 1.0)),
-            Mean("loss", False, f"mean {params.loss} loss per image", (0.0, float("inf"))),
+            Mean("loss", False, f"mean {loss}", (0.0, float("inf"))),
         ],
         primary="psnr",
     )
+
+
+def image_sr_metrics(params: ImageSRParams) -> MetricSet:
+    """``sr_metrics`` of an image SR task: means over images of its ``params.loss``."""
+    return sr_metrics(params.metric, params.quantize, loss=f"{params.loss} loss per image")
 
 
 def _to_float(x: torch.Tensor) -> torch.Tensor:

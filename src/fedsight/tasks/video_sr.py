@@ -37,7 +37,6 @@ side (LR | bicubic | run 1 | run 2 | ... | GT).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -52,34 +51,20 @@ from ..data.video import VideoClip, VideoSplits
 from ..device import model_device
 from ..functional.dwt import charbonnier
 from ..functional.image_metrics import psnr, ssim
-from ..metrics import Mean, MetricSet, MetricState
+from ..metrics import MetricSet, MetricState
 from ..models.base import ModelIO
 from ..registry import DATASETS, MODELS, TASKS, Params, build
 from .base import ClientExamples, Task, TaskSpec, component_params
+from .image_sr import sr_metrics
 from .sr_visuals import _plot_rows, _read_png, _write_png
 
 PROVIDES = frozenset({"server_split", "image_outputs", "visuals"})
 
 
 def video_sr_metrics(params: "VideoSRParams") -> MetricSet:
-    """psnr/ssim (on the channel ``params.metric`` picks), the same on Y and RGB, and the loss: means over
-    clips of clip-mean per-frame values."""
-    m = params.metric
-    # outputs clamped to [0, 1] and ground truth in [0, 1]: MSE <= 255^2 on the 0..255 scale, so PSNR >= 0 dB (+inf
-    # for a perfect image); unquantised outputs may leave [0, 1], so then no range is declared (finite values only)
-    psnr_range = (0.0, math.inf) if params.quantize else None
-    return MetricSet(
-        [
-            Mean("psnr", True, f"PSNR (dB) on {m}, mean over clips of the per-frame mean", psnr_range),
-            Mean("ssim", True, f"SSIM on {m}, mean over clips of the per-frame mean", (-1.0, 1.0)),
-            Mean("psnr_y", True, "PSNR (dB) on BT.601 luma", psnr_range),
-            Mean("ssim_y", True, "SSIM on BT.601 luma", (-1.0, 1.0)),
-            Mean("psnr_rgb", True, "PSNR (dB) on RGB", psnr_range),
-            Mean("ssim_rgb", True, "SSIM on RGB", (-1.0, 1.0)),
-            Mean("loss", False, "mean Charbonnier loss per clip", (0.0, float("inf"))),
-        ],
-        primary="psnr",
-    )
+    """``sr_metrics`` of a video SR task: means over clips of clip-mean per-frame values, Charbonnier loss."""
+    return sr_metrics(params.metric, params.quantize, over="clips of the per-frame mean",
+                      loss="Charbonnier loss per clip")
 
 __all__ = ["VideoSRParams", "VideoSRTask", "assemble_visuals", "interpolation_baseline"]
 
