@@ -98,7 +98,7 @@ def plot(panels: list[tuple[str, np.ndarray, np.ndarray, float]], sizes: Sequenc
     import matplotlib.pyplot as plt
 
     colours = plt.get_cmap("viridis")(np.linspace(0, 0.9, len(sizes)))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.2 * len(panels), 6.0), 4.9), squeeze=False)
     for ax, (title, points, labels, sil) in zip(axes[0], panels):
         for k, size in enumerate(sizes):
             sel = labels == k
@@ -107,9 +107,11 @@ def plot(panels: list[tuple[str, np.ndarray, np.ndarray, float]], sizes: Sequenc
         ax.set_title(f"{title}\nsilhouette by resolution {sil:.2f}", fontsize=10)
         ax.set_xticks([])
         ax.set_yticks([])
-    axes[0][0].legend(title="input H x W", fontsize=8, title_fontsize=8, loc="best")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, title="input H x W", fontsize=8, title_fontsize=8, loc="lower center",
+               ncol=len(sizes), frameon=False)
     fig.suptitle("t-SNE of last-block features, coloured by inference resolution", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # room for the legend below the panels
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
