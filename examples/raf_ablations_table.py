@@ -70,8 +70,7 @@ def table_i(root: Path) -> list[Path]:
     print(f"\n**Table I (resolution drift)**: PCKh@0.5 (%) of plain FedAvg's global model, 3 clients at the paper's "
           f"resolution triplets (ours halved), final round; gain = the triplet - (low, low, low) at {cols[0][1]} "
           "(the paper's 128x96 column), paired by seed: mean [95% CI] and verdict.\n")
-    header(["clients (paper's heights)"] + names + ["paper at 128x96", f"gain at {cols[0][1]}", "seeds"],
-           len(cols) + 3)
+    header(["clients (paper's heights)"] + names + ["paper at 128x96", f"gain at {cols[0][1]}", "seeds"], len(cols) + 3)
     used = []
     for variant, triplet, paper in present:
         runs = complete_runs(root, variant)
@@ -86,9 +85,10 @@ def table_fig6(root: Path) -> list[Path]:
     if not (base or raf):
         return []
     cols, names = columns((base or raf)[0])
-    print("\n**Fig. 6 (every client at the high rung)**: PCKh@0.5 (%) of the global model, 4 clients all at "
-          f"{'x'.join(str(v) for v in config((base or raf)[0])['task']['ladder'][0])}, final round; gain of RAF paired by seed "
-          "(the paper: +27.6 at its 128x96 and +6.0 at its 192x144, our two lowest columns).\n")
+    high = "x".join(str(v) for v in config((base or raf)[0])["task"]["ladder"][0])
+    print(f"\n**Fig. 6 (every client at the high rung)**: PCKh@0.5 (%) of the global model, 4 clients all at {high}, "
+          "final round; gain of RAF paired by seed (the paper: +27.6 at its 128x96 and +6.0 at its 192x144, our "
+          "two lowest columns).\n")
     header(["method"] + names + ["seeds"], len(cols) + 1)
     if base:
         row("FedAvg", base, cols)

@@ -62,8 +62,8 @@ def _ids(paths):
 
 def test_there_is_a_preset_per_headline_table():
     assert {p.stem for p in PRESETS} == {
-        "fedvsr_table1_reds", "fedvsr_table1_kinetics", "fedvsr_table2_reds", "fedvsr_table2_kinetics", "ppfl_rdsn_tables", "raf_table2", "fedvg_cifar10",
-        "fed3r_cifar100", "personalized_gl", "feddrive_cityscapes", "ladd_cityscapes"}
+        "fedvsr_table1_reds", "fedvsr_table1_kinetics", "fedvsr_table2_reds", "fedvsr_table2_kinetics",
+        "ppfl_rdsn_tables", "raf_table2", "fedvg_cifar10", "fed3r_cifar100", "personalized_gl", "feddrive_cityscapes", "ladd_cityscapes"}
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))

@@ -73,8 +73,8 @@ def test_clips_hr_and_lr_in_the_loaders_layout(kc, src, tmp_path, capsys):
     assert sorted(c.name for c in splits.train.clips) == clips
     assert len({c.category for c in splits.train.clips}) == 2
     for c in splits.train.clips:
-        disk = torch.stack([torch.from_numpy(np.array(Image.open(lr / c.name / f"{k:08d}.png"))).permute(2, 0, 1)
-                            for k in range(4)])
+        disk = torch.stack([torch.from_numpy(np.array(Image.open(lr / c.name / f"{k:08d}.png")))
+                            for k in range(4)]).permute(0, 3, 1, 2)
         assert disk.shape == (4, 3, 5, 7)
         torch.testing.assert_close(disk, c.lr(0, 4))
         torch.testing.assert_close(disk, bicubic_degrade(c.hr(0, 4), 2))
