@@ -44,6 +44,8 @@ IO = {"fedvg_cifar10": {"num_outputs": 10}, "fed3r_cifar100": {"num_outputs": 10
       "feddrive_cityscapes": {"num_outputs": 19}, "ladd_cityscapes": {"num_outputs": 19},
       "fedvsr_table1_reds": {"num_outputs": 3, "scale": 4, "num_frames": 30},
       "fedvsr_table1_kinetics": {"num_outputs": 3, "scale": 4, "num_frames": 30},
+      "fedvsr_table2_reds": {"num_outputs": 3, "scale": 4, "num_frames": 30},
+      "fedvsr_table2_kinetics": {"num_outputs": 3, "scale": 4, "num_frames": 30},
       "ppfl_rdsn_tables": {"num_outputs": 3, "scale": 2}}
 
 #: parameter counts the papers print for their models (rounded as printed: FedVSR's Table 1, 10.8M)
@@ -60,8 +62,8 @@ def _ids(paths):
 
 def test_there_is_a_preset_per_headline_table():
     assert {p.stem for p in PRESETS} == {
-        "fedvsr_table1_reds", "fedvsr_table1_kinetics", "ppfl_rdsn_tables", "raf_table2", "fedvg_cifar10",
-        "fed3r_cifar100", "personalized_gl", "feddrive_cityscapes", "ladd_cityscapes"}
+        "fedvsr_table1_reds", "fedvsr_table1_kinetics", "fedvsr_table2_reds", "fedvsr_table2_kinetics",
+        "ppfl_rdsn_tables", "raf_table2", "fedvg_cifar10", "fed3r_cifar100", "personalized_gl", "feddrive_cityscapes", "ladd_cityscapes"}
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))

@@ -66,3 +66,54 @@ def test_feddrive_table_compares_heterogeneous_rows_with_heterogeneous_fedavg(tm
     assert f"| FedAdam | - | " in out and f"+1.3 [{lo:+.1f}, {hi:+.1f}] within noise (n=3) |" in out
     assert "## Provenance" in out and "of the 6 runs" in out
     assert sys.modules["feddrive_table"].ci_cell({0: 1.0}, {1: 1.0}) == "- (no common seed)"
+
+
+SIZES = ["64x48", "96x72", "160x120"]  # the lowest rungs and one unseen size; "test" is the top rung 128x96
+
+
+def _pose_run(root: Path, variant: str, seed: int, pckh: dict[str, float], rungs: list[int] | None = None) -> None:
+    """A keypoint run as the engine writes it: ``test/pckh`` at the top rung, ``test_<H>x<W>/pckh`` at the others."""
+    _run(root, variant, seed, 0.0)
+    d = root / variant / f"seed{seed}"
+    task = {"name": "keypoints", "ladder": [[128, 96], [96, 72], [64, 48]], "client_rungs": rungs}
+    (d / "config.json").write_text(json.dumps({"seed": seed, "run": {"name": variant}, "task": task}))
+    row = {"round": 100, "test/pckh": pckh["128x96"], **{f"test_{s}/pckh": pckh[s] for s in SIZES}}
+    (d / "metrics.jsonl").write_text(json.dumps({"round": 20, "test/pckh": 0.0}) + "\n" + json.dumps(row) + "\n")
+
+
+def test_raf_ablations_table_prints_each_experiment_with_paired_cis(tmp_path, capsys):
+    import raf_ablations_table
+
+    low = {0: 10.0, 1: 12.0, 2: 11.0}  # drift_lll at 64x48
+    drift = {0: 8.0, 1: 11.5, 2: 9.0}  # drift_lhh at 64x48
+    for seed in low:
+        _pose_run(tmp_path, "drift_lll", seed, {"64x48": low[seed], "96x72": 5, "128x96": 4, "160x120": 3})
+        _pose_run(tmp_path, "drift_lhh", seed, {"64x48": drift[seed], "96x72": 6, "128x96": 7, "160x120": 8})
+        _pose_run(tmp_path, "cl_high", seed, {"64x48": 1.0 + seed, "96x72": 2, "128x96": 3, "160x120": 4}, [0])
+        _pose_run(tmp_path, "cl_kd_high", seed, {"64x48": 5.0 + 2 * seed, "96x72": 2, "128x96": 3, "160x120": 4},
+                  [0])
+        _pose_run(tmp_path, "allhigh_fedavg", seed, {"64x48": 2.0, "96x72": 3, "128x96": 4, "160x120": 5})
+        _pose_run(tmp_path, "allhigh_raf_fedavg", seed, {"64x48": 12.0, "96x72": 3, "128x96": 4, "160x120": 5})
+        _pose_run(tmp_path / "raf", "raf_fedavg", seed, {"64x48": 20.0 - seed, "96x72": 2, "128x96": 3,
+                                                          "160x120": 4})
+    assert raf_ablations_table.main([str(tmp_path), "--raf", str(tmp_path / "raf")]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    lo, hi = stats.ttest_rel(list(drift.values()), list(low.values())).confidence_interval()
+    mean = sum(drift[s] - low[s] for s in low) / 3
+    # Table I: columns lowest first, unseen sizes starred, the paper's number, the gain over (low, low, low)
+    assert ("| clients (paper's heights) | 64x48 | 96x72 | 128x96 | 160x120 * | paper at 128x96 | gain at 64x48 "
+            "| seeds |") in lines
+    assert f"| 128 / 256 / 256 | 9.5 ± 1.8 | 6.0 ± 0.0 | 7.0 ± 0.0 | 8.0 ± 0.0 | 51.3 | " \
+           f"{mean:+.1f} [{lo:+.1f}, {hi:+.1f}] within noise (n=3) | 3 |" in lines
+    assert "| 128 / 128 / 128 | 11.0 ± 1.0 | 5.0 ± 0.0 | 4.0 ± 0.0 | 3.0 ± 0.0 | 52.8 | - | 3 |" in lines
+    # Fig. 8: CL+KD - CL is +4 + seed: [4, 5, 6]; RAF - CL is 19 - 2 seed: [19, 17, 15]
+    lo, hi = stats.ttest_rel([5, 7, 9], [1, 2, 3]).confidence_interval()
+    assert f"| CL+KD - CL | +5.0 [{lo:+.1f}, {hi:+.1f}] better (n=3) | +0.0 [+0.0, +0.0] within noise (n=3)" in out
+    assert "| HML (RAF), raf.toml's raf_fedavg | 19.0 ± 1.0 |" in out and "| RAF - CL | +17.0 [" in out
+    assert "4 clients all at 128x96" in out and "| FedAvg + RAF | 12.0 ± 0.0 | 3.0 ± 0.0 |" in out
+    assert "| gain of RAF | +10.0 [+10.0, +10.0] better (n=3) | +0.0 [+0.0, +0.0] within noise (n=3) |" in out
+    assert "mid client" not in out  # experiments with no run are left out
+    assert "of the 21 runs" in out[out.index("## Provenance"):]
+    assert raf_ablations_table.main([str(tmp_path / "none")]) == 2
+    assert raf_ablations_table.main([str(tmp_path / "raf")]) == 1  # a folder without this sweep's runs

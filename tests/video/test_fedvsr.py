@@ -74,6 +74,21 @@ def test_paper_rule_applies_alpha_then_decays_it():
     torch.testing.assert_close(_norm(one.weights(_results(LOSSES), _sctx(4, T))), _norm([20, 5, 10]))
 
 
+def test_f_gla_is_the_normalised_inverse_loss_in_every_round():
+    """F-GLA (Table 2; decay = "none", alpha = 1): w_i = (1/L_i) / sum_j (1/L_j) at every round, closed form
+    4/7, 1/7, 2/7 for the losses 0.05, 0.2, 0.1, while the default schedule has moved towards uniform."""
+    gla = build(WEIGHTINGS, "fedvsr", {"decay": "none", "alpha": 1.0})
+    T = 10
+    for t in (0, 1, 5, T):
+        sctx = _sctx(t, T)
+        torch.testing.assert_close(_norm(gla.weights(_results(LOSSES), sctx)),
+                                   torch.tensor([4 / 7, 1 / 7, 2 / 7], dtype=torch.float64))
+        assert sctx.metrics["fedvsr/exponent"] == 1.0
+        assert sctx.metrics["fedvsr/max_weight"] == pytest.approx(4 / 7)
+    linear = _norm(build(WEIGHTINGS, "fedvsr").weights(_results(LOSSES), _sctx(5, T)))
+    assert float(linear[0]) < 4 / 7 - 0.1
+
+
 def test_no_decay_is_greedy_and_large_exponents_do_not_overflow():
     wt = build(WEIGHTINGS, "fedvsr", {"decay": "none", "alpha": 500.0})
     w = _norm(wt.weights(_results(LOSSES), _sctx(9, 10)))

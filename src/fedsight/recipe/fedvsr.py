@@ -33,7 +33,10 @@ Super-Resolution") as two independent recipe parts.
      ``gamma_1 = alpha``, ``gamma_{t+1} = gamma_t^(1 - t/T)``, i.e.
      ``gamma_t = alpha^(prod_{k=1}^{t-1} (1 - k/T))`` (computed in closed form, so it needs no state and
      survives resumption). With alpha = 1 it stays 1 (pure inverse-loss weights every round).
-   * ``"none"``: ``gamma_t = alpha`` every round: the paper's greedy F-GLA ablation (section 5.3).
+   * ``"none"``: ``gamma_t = alpha`` every round, i.e. lines 16-18 without line 21's decay: the paper's greedy
+     loss-aware aggregation F-GLA (section 5.3, Table 2: "low-loss prioritised in all rounds, no decay"). With
+     the default alpha = 1 the weights are ``w_i = (1/L_i) / sum_j (1/L_j)`` in every round, the written rule's
+     first round held fixed; a larger alpha sharpens them towards the lowest-loss client alone.
 
    The decay rate gamma of Algorithm 1's inputs is never used by the paper (ambiguity 2); it has no
    parameter here. Losses below ``min_loss`` are clamped to it (a zero or negative mean objective,
