@@ -145,3 +145,26 @@ def test_even_restyles_a_mirrored_copy_as_its_original() -> None:
     (p, _), = plain.train_batches(0, [pos])
     changed = [not torch.equal(x[i], p[i]) for i in range(2 * n)]
     assert changed == [i % n % 2 == 0 for i in range(2 * n)]
+
+
+# -- the paper presets follow the code -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset,factor", [("feddrive_cityscapes", 2), ("feddrive_idda", 1)])
+def test_feddrive_presets_train_on_every_image_of_every_client(preset: str, factor: int, tmp_path) -> None:
+    """FedDrive keeps no local test split and doubles its Cityscapes clients (``double_dataset``), not IDDA's."""
+    import sys
+    from pathlib import Path
+
+    from fedsight.config import read_toml
+    from fedsight.sweep import expand
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tests"))
+    from paper_fixtures import overrides
+
+    raw = read_toml(root / "examples" / "paper" / f"{preset}.toml")
+    first = raw["variants"][0]["name"]
+    spec = expand(raw, f"{preset}.toml", only=[first],
+                  typed=[(k.split("."), v) for k, v in overrides(raw, tmp_path).items()])[0]
+    task = build_task(spec.config)
+    assert sum(task.num_train_examples(k) for k in range(task.num_clients)) == factor * len(task.pool)
