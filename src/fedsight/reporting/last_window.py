@@ -60,10 +60,10 @@ def window_section(config: dict[str, Any], series: dict[str, Any], n_rounds: int
     stats = window_stats(series, total, last, every)
     rounds = window_rounds(total, last, every)
     lines = [f"## Last {last} rounds (FedDrive's avg_last_100)", "",
-             f"Mean ± population std over the evaluations every {every} rounds in rounds "
+             f"Mean ± population std over the evaluations every {every} round{'s' if every != 1 else ''} in rounds "
              f"{rounds[0] if rounds else '-'}..{total} ({len(rounds)} planned; the thesis's statistic, one run).", ""]
     if not stats:
         return lines + ["No test evaluation fell in the window (the run stopped before it).", ""]
     lines += ["| metric | mean | std | evaluations |", "|---|---:|---:|---:|"]
-    lines += [f"| {k} | {m:.4g} | {sd:.3g} | {n} |" for k, (m, sd, n) in sorted(stats.items())]
+    lines += [f"| {k} | {stats[k][0]:.4g} | {stats[k][1]:.3g} | {stats[k][2]} |" for k in series if k in stats]
     return lines + [""]
