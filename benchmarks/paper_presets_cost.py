@@ -44,6 +44,7 @@ SIZES = {
     "raf_table2": ("raf_fedavg", 16, (256, 192), 4000, "MPII: 4K instances a client (the high client's size)"),
     "feddrive_cityscapes": ("het_fedavg", 19, (512, 1024), 21, "Cityscapes: 2,975 images over 144 clients"),
     "ladd_cityscapes": ("ladd_cls", 19, (512, 1024), 21, "Cityscapes: 2,975 images over 144 clients"),
+    "feddrive_idda": ("het_fedavg", 16, (512, 928), 48, "IDDA country: 48 images each of 90 clients"),
 }
 
 #: LADD's stages in which no client trains (styles: a statistics pass; source: the server pre-trains)
@@ -96,6 +97,8 @@ def runs(raw: dict) -> int:
 def estimate(preset: Path) -> tuple[str, ...]:
     raw = read_toml(preset)
     variant, outputs, hw, n_k, source = SIZES[preset.stem]
+    if raw.get("task", {}).get("double") == "all":  # FedDrive's double_dataset: every list and its mirror
+        n_k, source = 2 * n_k, f"{source}, doubled"
     model = raw["model"]
     fwd = forward_flops(model["name"], {k: v for k, v in model.items() if k != "name"}, outputs, hw)
     steps = seconds = 0.0

@@ -3,7 +3,7 @@ that point a preset at them (``tests/test_paper_presets.py``).
 
 Each writer produces the few files its loader needs, in the published layout and file naming (REDS/Kinetics
 frame folders, DIV2K and the EDSR benchmark layout, MPII in the HRNet layout, image folders, Cityscapes with
-FedDrive's LEAF split JSON, GTA5 with LADD's list); the loaders' own tests (tests/video, tests/imagesr,
+FedDrive's LEAF split JSON, IDDAsmall with FedDrive's, GTA5 with LADD's list); the loaders' own tests (tests/video, tests/imagesr,
 tests/keypoints, tests/data) check the layouts in detail against hand-written expectations, these only need
 to be readable. Pixels are random; sizes are a few dozen pixels so a task builds in well under a second.
 ``overrides(raw, root)`` returns the dotted-key overrides for one preset: its data paths replaced by the
@@ -161,6 +161,39 @@ def write_gta5(root: Path, h: int = 32, w: int = 64, n: int = 6) -> Path:
     return root
 
 
+IDDA_IDS = np.arange(0, 24)  # raw ids 0..23 (FedDrive's remap keeps 16 of them)
+
+
+def write_idda(root: Path, h: int = 32, w: int = 64) -> tuple[Path, Path, Path]:
+    """IDDAsmall's layout ``<T0k>_<W>_<V>/RGB/<n>_<scenario>.jpg`` and ``.../Semantic/<n>_<scenario>.png``, and
+    FedDrive's heterogeneous split JSONs: one client per seen scenario (T01_CN_A, T01_CS_B; 3 images each), the
+    test file's ``test_user_same_domain`` (one more image of each) and ``test_user_diff_domain`` (the rural town
+    T07, 2 images). Returns (IDDAsmall root, train JSON, test JSON)."""
+    def scenario(name: str, first: int, n: int) -> list[tuple[str, str]]:
+        pairs = []
+        for k in range(first, first + n):
+            x, y = f"{name}/RGB/{k}_{name}.jpg", f"{name}/Semantic/{k}_{name}.png"
+            (root / x).parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(RNG.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / x, quality=95)
+            _png(root / y, h, w, "L", IDDA_IDS)
+            pairs.append((x, y))
+        return pairs
+
+    def leaf(users: dict[str, list[tuple[str, str]]], path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"users": list(users), "num_samples": [len(v) for v in users.values()],
+                                    "user_data": {u: {"x": [x for x, _ in v], "y": [y for _, y in v]}
+                                                  for u, v in users.items()}}))
+        return path
+
+    train = {name: scenario(name, 100, 3) for name in ("T01_CN_A", "T01_CS_B")}
+    same = scenario("T01_CN_A", 200, 1) + scenario("T01_CS_B", 200, 1)
+    splits = root.parent / "splits"
+    return (root, leaf(train, splits / "train" / "idda_by_city_country_train_clients.json"),
+            leaf({"test_user_diff_domain": scenario("T07_CN_A", 300, 2), "test_user_same_domain": same},
+                 splits / "test" / "idda_by_city_country_test_clients.json"))
+
+
 # -- the overrides that point a preset at the fixture ----------------------------------------------------------
 
 def overrides(raw: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -207,6 +240,14 @@ def overrides(raw: dict[str, Any], root: Path) -> dict[str, Any]:
         if isinstance(raw["task"].get("source"), dict):
             out["task.source"] = {**raw["task"]["source"], "root": str(write_gta5(root / "gta5")),
                                   "split_list": str(root / "gta5" / "train.txt")}
+    elif name == "idda":
+        idda_root, train, test = write_idda(root / "idda" / "IDDAsmall")
+        out["data.root"] = str(idda_root)
+        out["data.train_split"] = str(train)
+        out["data.test_splits"] = {"seen": f"{test}#test_user_same_domain", "unseen": f"{test}#test_user_diff_domain"}
+        out["data.resize"] = [32, 64]
+        out["task.crop"] = [16, 32]
+        out["task.workers"] = 0
     else:
         raise AssertionError(f"no fixture for data {name!r}: add one to tests/paper_fixtures.py")
     out = {k: v for k, v in out.items() if v is not None}

@@ -116,6 +116,8 @@ def build_schedule(cfg: Any, task: Task) -> Schedule:
         rounds=cfg.server.rounds,
         clients_per_round=clients_per_round(task.num_clients, cfg.server.clients_per_round, cfg.server.fraction),
         eval_every=cfg.eval.every,
+        eval_last_rounds=cfg.eval.last_rounds,
+        eval_last_every=cfg.eval.last_every,
         eval_batch_size=cfg.eval.batch_size,
         eval_local=cfg.eval.local,
         eval_initial=cfg.eval.initial,

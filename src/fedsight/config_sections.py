@@ -171,6 +171,9 @@ class TrainSection(Params):
 
 class EvalSection(Params):
     every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
+    last_rounds: int = Field(0, ge=0, description="FedDrive's avg_last_100: also evaluate every last_every rounds over "
+                             "the final last_rounds rounds; summary.md gives their mean and std (0: off)")
+    last_every: int = Field(5, ge=1, description="the evaluation interval inside the last_rounds window")
     batch_size: int = Field(512, ge=1, description="evaluation batch size (no effect on the numbers)")
     local: bool = Field(True, description="evaluate on every client's local test set (WMA, worst 10%)")
     initial: bool = Field(True, description="evaluate the initial model, before any training, as round 0 (every "

@@ -567,3 +567,28 @@ def test_100000_clients_are_stored_in_a_few_arrays_and_match_the_partitioner() -
     assert len(splits) == 100_000 and all(np.array_equal(splits[c].train, parts[c]) for c in (0, 1, 4_567, 99_999))
     arrays = [v for v in vars(splits).values() if isinstance(v, np.ndarray)]
     assert len(arrays) == 4 and sum(a.nbytes for a in arrays) <= 8 * (100_000 + 2 * 100_001 + 1)
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 5), min_size=8, max_size=120), st.integers(1, 8), st.integers(0, 2**31))
+def test_stratified_gives_every_client_an_equal_share_of_every_label(labels, k, seed) -> None:
+    """FedDrive's uniform distribution: every client holds floor(n_l / K) or ceil(n_l / K) of every label, and
+    client sizes differ by at most one."""
+    labels = np.asarray(labels)
+    k = min(k, len(labels))
+    parts = build(PARTITIONERS, "stratified", {}, labels=labels, num_clients=k, rng=np.random.default_rng(seed))
+    counts = np.stack([np.bincount(labels[p], minlength=6) for p in parts])
+    n_l = np.bincount(labels, minlength=6)
+    assert np.all(counts >= n_l // k) and np.all(counts <= -(-n_l // k))
+    sizes = counts.sum(1)
+    assert sizes.max() - sizes.min() <= 1
+
+
+def test_stratified_deals_feddrive_idda_uniform_one_image_of_48_domains() -> None:
+    """The published IDDA uniform split's shape: 90 domains of 48 images over 90 clients -> 48 images each, one
+    from each of 48 distinct domains; iid leaves some client with a domain twice."""
+    labels = np.repeat(np.arange(90), 48)
+    parts = build(PARTITIONERS, "stratified", {}, labels=labels, num_clients=90, rng=np.random.default_rng(0))
+    assert all(len(p) == 48 and len(np.unique(labels[p])) == 48 for p in parts)
+    iid = build(PARTITIONERS, "iid", {}, labels=labels, num_clients=90, rng=np.random.default_rng(0))
+    assert any(len(np.unique(labels[p])) < 48 for p in iid)

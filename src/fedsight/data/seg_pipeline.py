@@ -13,11 +13,32 @@ frequency grid.
 
 ``StyleBank``: the entries other clients shared before training, one per image of the bank's clients
 (FedDrive: half of the clients): amplitude windows (``fedsight.functional.style.amplitude_window`` of the
-image resized to the crop size) for FDA and CFSI, or LAB (mean, std) pairs. A client restyles an image with
-probability ``prob`` from an entry drawn uniformly from the bank, never from its own entries for FDA and CFSI
-(``A \\ A^k``, CFSI's definition); LAB draws from the whole bank, its own entries included, as FedDrive's
-code does (the thesis is silent). CFSI mixes with ``lambda ~ U(0, 1)`` (FedDG's continuous interpolation),
-FDA swaps the window (``lambda = 1``, the original FDA).
+image resized to the crop size) for FDA and CFSI, or LAB (mean, std) pairs. CFSI mixes with
+``lambda ~ U(0, 1)`` (FedDG's continuous interpolation), FDA swaps the window (``lambda = 1``, the original FDA).
+
+Which images are restyled (``images``; thesis Sec. 5.1.7 and 5.2.3 against FedDrive's code):
+
+- ``"random"`` (default): each training sample with probability ``prob`` (0.5: as many as the code's half, in
+  expectation, but a different half in every draw). The default because every number documented so far was
+  run with it;
+- ``"even"``: the authors' release (``cityscapes.py`` / ``idda.py`` ``__getitem__``: ``index % 2 == 0``): the
+  images at even positions of the client's list, always the same half (a doubled copy shares its original's
+  position), ``prob`` unused;
+- ``"all"``: the thesis's text (Sec. 5.1.7: "CFSI applies FDA to all the local images"), ``prob`` unused.
+
+Whose entries a client may draw (``exclude``):
+
+- ``"auto"`` (default): FDA and CFSI never draw the client's own entries (``A \\ A^k``, CFSI's definition in
+  Sec. 5.1.7), LAB draws from the whole bank L (eq. 5.16's text: "a random pair is sampled from L", as
+  FedDrive's ``cityscapes.py::lab`` does);
+- ``"own"``: no method draws the client's own entries: FedDrive's ``idda.py::lab`` and ``idda.py::cfsi``
+  drop the bank files whose client id starts with the image's (town, weather) prefix, which on its
+  heterogeneous IDDA splits (client id = scenario ``T0k_W_V``) are the client's own and its sibling cameras'
+  (on the uniform and class-imbalance splits, client ids ``client_N`` never match, so nothing is dropped);
+  ``"own"`` drops exactly the client's own entries;
+- ``"none"``: every method draws from the whole bank (FedDrive's ``cityscapes.py::cfsi`` and ``::lab``).
+
+With no allowed entry (a bank of only the client, ``exclude`` "own") the image stays as it is.
 """
 
 from __future__ import annotations
@@ -79,9 +100,17 @@ class StyleBank:
     prob: float = 0.5
     #: a fixed (2 half + 1)^2 amplitude window instead of ``beta``'s (LADD's client styles)
     half: int | None = None
+    #: which samples are restyled: "random" (with ``prob``), "even" (FedDrive's code), "all" (thesis text)
+    images: str = "random"
+    #: whose entries are off limits: "auto", "own" or "none" (module docstring)
+    exclude: str = "auto"
 
     def __post_init__(self) -> None:
         _check_kind(self.kind)
+        if self.images not in STYLE_IMAGES:
+            raise ValueError(f"style images must be one of {', '.join(STYLE_IMAGES)}, got {self.images!r}")
+        if self.exclude not in STYLE_EXCLUDE:
+            raise ValueError(f"style exclude must be one of {', '.join(STYLE_EXCLUDE)}, got {self.exclude!r}")
 
     def nbytes(self) -> int:
         return int(self.entries.numel() * self.entries.element_size())
@@ -90,13 +119,30 @@ class StyleBank:
         """What ``client`` shared (its own entries)."""
         return int((self.owners == client).sum()) * int(self.entries[0].numel() * self.entries.element_size())
 
-    def apply(self, image: torch.Tensor, client: int, rng: np.random.Generator) -> torch.Tensor:
-        """``image`` uint8 ``[3, h, w]`` restyled with probability ``prob`` (draws: restyle?, entry, and for
-        CFSI lambda)."""
-        if rng.random() >= self.prob:
+    def restyles(self, position: int | None, rng: np.random.Generator) -> bool:
+        """Whether the sample at ``position`` of its client's list is restyled: ``"random"`` draws from ``rng``
+        (probability ``prob``), ``"even"`` and ``"all"`` draw nothing."""
+        if self.images == "all":
+            return True
+        if self.images == "even":
+            if position is None:
+                raise ValueError('style images = "even" needs the sample\'s position in its client\'s list')
+            return position % 2 == 0
+        return bool(rng.random() < self.prob)
+
+    def allowed(self, client: int) -> np.ndarray:
+        """Indices of the entries ``client`` may draw (``exclude``, module docstring)."""
+        own_out = self.exclude == "own" or (self.exclude == "auto" and self.kind in AMPLITUDE_KINDS)
+        return np.flatnonzero(self.owners != client) if own_out else np.arange(len(self.owners))
+
+    def apply(self, image: torch.Tensor, client: int, rng: np.random.Generator, position: int | None = None
+              ) -> torch.Tensor:
+        """``image`` uint8 ``[3, h, w]`` (at ``position`` of the client's list) restyled or not as ``images``
+        says (draws: restyle? (``"random"`` only), entry, and for CFSI lambda)."""
+        if not self.restyles(position, rng):
             return image
         amplitude = self.kind in AMPLITUDE_KINDS
-        allowed = np.flatnonzero(self.owners != client) if amplitude else np.arange(len(self.owners))
+        allowed = self.allowed(client)
         if len(allowed) == 0:
             return image
         entry = self.entries[int(allowed[int(rng.integers(0, len(allowed)))])]
@@ -108,6 +154,9 @@ class StyleBank:
 
 #: style kinds whose entries are low-frequency amplitude windows
 AMPLITUDE_KINDS = ("fda", "cfsi")
+#: which training samples a style bank restyles, and whose entries a client may not draw (module docstring)
+STYLE_IMAGES = ("random", "even", "all")
+STYLE_EXCLUDE = ("auto", "own", "none")
 
 
 def _check_kind(kind: str) -> None:
@@ -127,17 +176,21 @@ def style_entry(kind: str, image: torch.Tensor, crop: tuple[int, int], beta: flo
 
 
 class SegBatchLoader:
-    """Picklable ``(indices, key, client) -> (images uint8 [B, 3, h, w], labels uint8 [B, h, w])`` over an
-    image store and a label store, augmented (geometry, then style) from per-sample streams. Without a label
-    store (``labels=None``: unlabelled clients) no label is read and every label pixel is ``IGNORE``."""
+    """Picklable ``(indices, key, client[, positions, mirrored]) -> (images uint8 [B, 3, h, w], labels uint8
+    [B, h, w])`` over an image store and a label store, augmented (geometry, then the doubled copy's mirror, then
+    style) from per-sample streams. ``positions``: each sample's place in its client's list (the style bank's
+    ``"even"`` rule); ``mirrored``: samples that are the horizontally flipped copy of a doubled client's image
+    (``double_positions``). Without a label store (``labels=None``: unlabelled clients) no label is read and
+    every label pixel is ``IGNORE``."""
 
     def __init__(self, images: Any, labels: Any, crop: tuple[int, int], scale: tuple[float, float], flip: bool,
                  seed: int, style: StyleBank | None = None):
         self.images, self.labels, self.crop, self.scale, self.flip = images, labels, tuple(crop), tuple(scale), flip
         self.seed, self.style = int(seed), style
 
-    def __call__(self, job: tuple[Sequence[int], tuple, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        indices, key, client = job
+    def __call__(self, job: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        indices, key, client = job[:3]
+        positions, mirrored = (job[3], job[4]) if len(job) > 3 else (None, None)
         xs, ys = [], []
         for j, i in enumerate(indices):
             rng = np_rng(self.seed, *key, j)
@@ -145,8 +198,10 @@ class SegBatchLoader:
             label = (self.labels.get_one(int(i)) if self.labels is not None
                      else torch.full(image.shape[-2:], IGNORE, dtype=torch.uint8))
             img, lab = augment_pair(image, label, self.crop, self.scale, self.flip, rng)
+            if mirrored is not None and mirrored[j]:
+                img, lab = img.flip(-1), lab.flip(-1)
             if self.style is not None:
-                img = self.style.apply(img, client, rng)
+                img = self.style.apply(img, client, rng, None if positions is None else int(positions[j]))
             xs.append(img)
             ys.append(lab)
         return torch.stack(xs), torch.stack(ys)
@@ -186,15 +241,24 @@ def class_pixel_counts(labels: Any, num_classes: int, prefetcher: Any = None, ch
 
 
 def build_style_bank(kind: str, images: Any, owners: np.ndarray, crop: tuple[int, int], beta: float, prob: float,
-                     prefetcher: Any = None) -> StyleBank:
+                     prefetcher: Any = None, which: str = "random", exclude: str = "auto") -> StyleBank:
     """The bank of ``kind`` ("fda", "cfsi" or "lab") over ``images`` (a store of the bank clients' images) whose
-    clients are ``owners``."""
+    clients are ``owners``; ``which`` and ``exclude``: ``StyleBank.images`` and ``.exclude``."""
     n = len(images)
     one = lambda i: style_entry(kind, images.get_one(i), crop, beta)  # noqa: E731
     entries = list(prefetcher.map(one, range(n))) if prefetcher is not None else [one(i) for i in range(n)]
     if not entries:
         raise ValueError("the style bank is empty: no client shares images")
-    return StyleBank(kind, torch.stack(entries), np.asarray(owners, dtype=np.int64), beta, prob)
+    return StyleBank(kind, torch.stack(entries), np.asarray(owners, dtype=np.int64), beta, prob, images=which,
+                     exclude=exclude)
+
+
+def double_positions(positions: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """FedDrive's ``double_dataset`` (``cityscapes.py``: ``__len__`` is ``2 n``; item ``i >= n`` is item
+    ``i - n`` flipped horizontally): positions ``0..2n-1`` of a doubled client's virtual list -> (positions in its
+    real list, whether the sample is the mirrored copy)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    return positions % n, positions >= n
 
 
 def bank_clients(num_clients: int, fraction: float, seed: int) -> np.ndarray:

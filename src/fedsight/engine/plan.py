@@ -49,6 +49,9 @@ class Schedule:
     rounds: int
     clients_per_round: int
     eval_every: int = 1
+    #: FedDrive's ``avg_last_100`` window (``eval.last_rounds``, ``eval.last_every``; 0: none)
+    eval_last_rounds: int = 0
+    eval_last_every: int = 5
     eval_batch_size: int = 512
     eval_local: bool = True
     #: evaluate the initial model as round 0 (``eval.initial``)

@@ -292,8 +292,13 @@ class Server:
     # -- evaluation -------------------------------------------------------------------------------
 
     def should_evaluate(self, r: int) -> bool:
-        """Every ``eval_every`` rounds, and at the end of every stage (so each phase gets a number)."""
-        return r % self.schedule.eval_every == 0 or any(r == st.end_round for st in self.stages)
+        """Every ``eval_every`` rounds, at the end of every stage (so each phase gets a number), and in the
+        ``eval.last_rounds`` window (``fedsight.reporting.last_window.in_window``)."""
+        from ..reporting.last_window import in_window
+
+        sc = self.schedule
+        return (r % sc.eval_every == 0 or any(r == st.end_round for st in self.stages)
+                or in_window(r, sc.rounds, sc.eval_last_rounds, sc.eval_last_every))
 
     def eval_context(self, split: str | int, store: Any) -> EvalContext:
         return EvalContext(self.task, split, self.schedule.eval_batch_size, self.layout.personal_keys,

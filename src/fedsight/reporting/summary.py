@@ -11,6 +11,7 @@ import numpy as np
 from ..safe_write import atomic_write_text
 from .client_weights import CLIENT_WEIGHTS_FILE
 from .fmt import _fmt_duration, _md_escape, _metric_label
+from .last_window import window_section
 from .partition import read_partition
 from .plots import CURVES_FILE, plot_run
 from .run_panels import channel_label, duplicate_channels
@@ -288,6 +289,7 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
                      if any(channel_label(k) != k for k in series) else ""), ""]
     else:
         lines += ["No metrics recorded.", ""]
+    lines += window_section(run.config, series, run.n_rounds)
     lines += _events_section(run.records)
     if (run.path / "plots" / CURVES_FILE).is_file():  # (run.plots = false draws none)
         lines += ["## Curves", "", f"![training curves](plots/{CURVES_FILE})", ""]

@@ -75,6 +75,17 @@ class SegmentationParams(Params):
     style_prob: float = Field(0.5, ge=0, le=1, description="probability that a training image is restyled")
     style_clients: float = Field(0.5, gt=0, le=1, description="fraction of the clients whose images populate the "
                                  "style bank (FedDrive: half)")
+    style_images: Literal["random", "even", "all"] = Field(
+        "random", description="which images are restyled: 'random' (each with style_prob), 'even' (FedDrive's code: "
+        "the same half, even list positions), 'all' (the thesis's text)")
+    style_exclude: Literal["auto", "own", "none"] = Field(
+        "auto", description="bank entries a client may not draw: 'auto' (its own for FDA/CFSI, none for LAB), "
+        "'own' (FedDrive's IDDA code), 'none' (its Cityscapes code)")
+    double: Literal["none", "all", "small"] = Field(
+        "none", description="FedDrive's double_dataset: a client's list plus its mirrored copy ('all' clients, as "
+        "FedDrive's code; 'small': those under double_below images)")
+    double_below: int = Field(16, ge=1, description="double = 'small': clients with fewer training images than "
+                              "this are doubled (FedDrive's batch size 16)")
     labels: Literal["train", "eval_only"] = Field(
         "train", description="'eval_only': the clients' images are unlabelled for training (source-free adaptation, "
         "LADD): training batches carry only IGNORE labels and no label map is read for them; evaluation uses the "
@@ -223,8 +234,21 @@ class SegmentationTask(Task):
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    def doubled(self, client: int) -> bool:
+        """Whether ``client``'s training list is doubled with its mirrored copy (``double``; thesis Sec. 5.2.3:
+        "when clients do not have sufficient samples, their dataset is virtually doubled by applying
+        horizontal flipping"). FedDrive's code doubles every client of a run that sets ``double_dataset`` (its
+        Cityscapes configs, whose clients hold a few dozen images; the IDDA loader has no doubling): ``"all"``.
+        ``"small"`` reads the text's "not sufficient" as fewer than ``double_below`` images."""
+        p = self.params
+        n = len(self.clients[client].train)
+        return n > 0 and (p.double == "all" or (p.double == "small" and n < p.double_below))
+
     def num_train_examples(self, client: int) -> int:
-        return len(self.clients[client].train)
+        """The client's training images, twice that when doubled (FedDrive's ``len(dataset)``, which its FedAvg
+        weights and its epochs' step counts use)."""
+        n = len(self.clients[client].train)
+        return 2 * n if self.doubled(client) else n
 
     def num_test_examples(self, client: int) -> int:
         return len(self.clients[client].test)
@@ -290,12 +314,13 @@ class SegmentationTask(Task):
 
     # -- training ---------------------------------------------------------------------------------
 
-    def _batch_loader(self, seed: int) -> Any:
+    def _batch_loader(self, seed: int, flip: bool | None = None) -> Any:
         from ..data.seg_pipeline import SegBatchLoader
 
         p = self.params
         labels = self.pool.labels if p.labels == "train" else None  # unlabelled clients: labels never read
-        return SegBatchLoader(self.pool.images, labels, self.crop, p.scale, p.flip, seed, self.style_bank)
+        return SegBatchLoader(self.pool.images, labels, self.crop, p.scale, p.flip if flip is None else flip, seed,
+                              self.style_bank)
 
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Augmented crops of the client's training images at ``positions`` (the draws of step 0 of round 0)."""
@@ -307,10 +332,21 @@ class SegmentationTask(Task):
         """Images ``[B, 3, h, w]`` (standardised, on the task's device) and label maps ``[B, h, w]`` (int64),
         decoded and augmented ahead by the prefetcher; sample j of step s from (seed, "augment", round,
         client, s, j). A batch of a single image (the last of a pass) is trained with its horizontal mirror, as
-        FedDrive doubles tiny clients with flips: BatchNorm on a pooled 1 x 1 map needs two values."""
+        FedDrive doubles tiny clients with flips: BatchNorm on a pooled 1 x 1 map needs two values.
+
+        A doubled client's positions run over ``2 n``: position ``i >= n`` is image ``i - n`` mirrored, and its
+        random flips are off (FedDrive's Cityscapes transform drops ``RandomHorizontalFlip`` under
+        ``double_dataset``); the mirror is applied after the geometric draws, before style."""
+        from ..data.seg_pipeline import double_positions
+
         idx = self.clients[client].train
-        jobs = [(idx[pos.cpu().numpy()], ("augment", round, client, step), client) for step, pos in enumerate(batches)]
-        for x, y in self.prefetcher.map(self._batch_loader(seed), jobs):
+        doubled = self.doubled(client)
+        jobs = []
+        for step, pos in enumerate(batches):
+            real, mirrored = double_positions(pos.cpu().numpy(), len(idx))
+            jobs.append((idx[real], ("augment", round, client, step), client, real, mirrored if doubled else None))
+        flip = False if doubled else None
+        for x, y in self.prefetcher.map(self._batch_loader(seed, flip), jobs):
             if len(x) == 1:  # a batch of one image: with its mirror (BatchNorm on a pooled 1x1 map needs two)
                 x, y = torch.cat([x, x.flip(-1)]), torch.cat([y, y.flip(-1)])
             yield self.standardize(x), y.to(self.device).long()
@@ -378,7 +414,7 @@ class SegmentationTask(Task):
         owners = np.concatenate([np.full(len(self.clients[k].train), k) for k in members])
         self.bank_members = members
         return build_style_bank(p.style, self.pool.images.subset(idx), owners, self.crop, p.style_beta, p.style_prob,
-                                self.prefetcher)
+                                self.prefetcher, p.style_images, p.style_exclude)
 
     def source_batch(self, indices: Sequence[int], key: tuple, styles: torch.Tensor | None = None,
                      half: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
