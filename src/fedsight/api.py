@@ -30,6 +30,7 @@ from .models.base import detect_capabilities, save_weights
 from .weights import load_checkpoint
 from .plugins import load_builtin
 from .provenance import provenance
+from .recipe.oll import CLASSIFIER_INIT, OLL, OLLEval, auto_lr
 from .errors import FedSightError, RunFileError
 from .rng import PROCESS_STREAM
 from .safe_write import check_run_dir
@@ -84,6 +85,8 @@ def build_recipe(cfg: Any) -> Recipe:
         raise ConfigError(f"recipe.components: list {', '.join(late)} before {first}: with train.optimizer = {opt!r} "
                           f"Adam's transform runs right before {first}'s correction, and {', '.join(late)} must shape "
                           "the gradient Adam sees")
+    if cfg.eval.oll and not any(isinstance(c, OLL) for c in components):
+        components.append(OLLEval())  # OLL at evaluation only (Table 4.18's x column); after every other hook
     return Recipe(
         trainer=_claimed("trainer", components, what="local procedure") or SGD_TRAINER,
         weighting=_exclusive("weighting", rc.weighting, "data_size", R.WEIGHTINGS, components),
@@ -135,7 +138,13 @@ def build_stages(cfg: Any, task: Task) -> list[Stage]:
         end += rounds
         m = clients_per_round(task.num_clients, scfg.server.clients_per_round, scfg.server.fraction)
         stages.append(Stage(name, end, build_recipe(scfg), build_local(scfg, total_rounds=cfg.server.rounds), m))
-    return stages or [Stage("federated", cfg.server.rounds, build_recipe(cfg), build_local(cfg))]
+    stages = stages or [Stage("federated", cfg.server.rounds, build_recipe(cfg), build_local(cfg))]
+    initialised = False  # OLL's lr = "auto" (``recipe.oll.auto_lr``): has an earlier stage set the classifier?
+    for stage in stages:
+        if any(isinstance(c, OLL) and c.p.lr == "auto" for c in stage.recipe.components):
+            stage.local = dataclasses.replace(stage.local, lr=auto_lr(stage.local.lr, initialised))
+        initialised = initialised or any(c.name in CLASSIFIER_INIT for c in stage.recipe.components)
+    return stages
 
 
 def engine_device(cfg: Any) -> torch.device:
