@@ -31,6 +31,7 @@ from .weights import load_checkpoint
 from .plugins import load_builtin
 from .provenance import provenance
 from .recipe.oll import CLASSIFIER_INIT, OLL, OLLEval, auto_lr
+from .class_split import chosen_clients
 from .errors import FedSightError, RunFileError
 from .rng import PROCESS_STREAM
 from .safe_write import check_run_dir
@@ -128,6 +129,7 @@ def build_schedule(cfg: Any, task: Task) -> Schedule:
         deadline=cfg.server.deadline,
         select_metric=metric,
         select_higher=higher,
+        class_split=chosen_clients(cfg.seed, task.num_clients, cfg.eval.class_split),
     )
 
 
@@ -559,6 +561,10 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     fixed = weighting in ("data_size", "uniform")
     if plots and (Path(run_dir) / "client_weights.jsonl").is_file() and not fixed:
         plot_client_weights(run_dir)  # before the summary, which links it; skipped for data-fixed weights
+    if plots:
+        from .class_split import PLOT_FILE, plot_class_split
+
+        plot_class_split(run.read_metrics(), run.path / "plots" / PLOT_FILE)  # (nothing without eval.class_split)
     write_summary(run_dir, plot=plots)
     if events is not None:  # TensorBoard: the plots as images, the hparams with each metric's last value
         final = last_values(run.read_metrics())
