@@ -80,7 +80,10 @@ def test_a_run_logs_the_split_and_draws_it(tmp_path):
         assert all(f"{NONLOCAL}/client{c}" in r for c in clients)
     from fedsight.class_split import plot_class_split  # (what finish() draws when run.plots is on)
 
-    assert plot_class_split(rows, tmp_path / "cs.png").stat().st_size > 0
+    assert plot_class_split(rows, run / "plots" / "class_split.png").stat().st_size > 0
+    from fedsight.reporting import write_summary
+
+    assert "](plots/class_split.png)" in write_summary(run, plot=False).read_text()
     assert plot_class_split([{"round": 1, "test/acc": 0.5}], tmp_path / "none.png") is None
     import json
 
