@@ -111,8 +111,8 @@ def test_cli_calibrate_writes_the_choice_and_refuses_bad_input(tmp_path, monkeyp
     before = sorted(p.name for p in run.iterdir())
     for args, words in ((["--grid", "0.1,abc"], "--grid '0.1,abc': expected numbers"),
                         (["--grid", "1,0.1"], "--grid: temperatures must be strictly ascending"),
-                        (["--refine", "-1"], "--refine -1")):
-        res = runner.invoke(app, ["calibrate", str(run), *args])
+                        (["--refine", "-1"], "--refine -1"), (["--grid", "0.1,1"], "not a run directory")):
+        res = runner.invoke(app, ["calibrate", str(run if "not a run" not in words else tmp_path), *args])
         assert res.exit_code == 2 and words in res.output and len(res.output.strip().splitlines()) == 1, res.output
     assert sorted(p.name for p in run.iterdir()) == before  # nothing written
     res = runner.invoke(app, ["calibrate", str(run), "--grid", "0.01,0.03,0.1,0.3,1,3", "--refine", "3"])

@@ -30,6 +30,8 @@ def calibrate_(
     from .errors import ConfigError, OutputPathError
     from .functional.temperature import DEFAULT_GRID
 
+    if not (run_dir / "config.json").is_file():
+        C._fail(f"{run_dir}: not a run directory (no config.json)")
     taus = DEFAULT_GRID
     if grid is not None:
         try:
