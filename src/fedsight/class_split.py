@@ -124,7 +124,8 @@ def plot_class_split(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Pat
     for ax, cid in zip(axes.flat, clients):
         for rnd, name in starts:
             ax.axvline(rnd - 0.5, color="0.5", linestyle="--", linewidth=0.8)
-            ax.text(rnd - 0.4, 1.0, name, fontsize=7, color="0.4", va="top")
+            ax.text(rnd - 0.4, 0.5, name, fontsize=7, color="0.4", rotation=90, ha="left", va="center",
+                    transform=ax.get_xaxis_transform())
         for key, color, label in ((LOCAL, "C0", "local classes"), (NONLOCAL, "C1", "non-local classes")):
             pts = [(r["round"], r[f"{key}/client{cid}"]) for r in rows if f"{key}/client{cid}" in r and "round" in r]
             if pts:
