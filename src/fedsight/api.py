@@ -30,6 +30,8 @@ from .models.base import detect_capabilities, save_weights
 from .weights import load_checkpoint
 from .plugins import load_builtin
 from .provenance import provenance
+from .recipe.oll import CLASSIFIER_INIT, OLL, OLLEval, auto_lr
+from .class_split import chosen_clients
 from .errors import FedSightError, RunFileError
 from .rng import PROCESS_STREAM
 from .safe_write import check_run_dir
@@ -84,6 +86,8 @@ def build_recipe(cfg: Any) -> Recipe:
         raise ConfigError(f"recipe.components: list {', '.join(late)} before {first}: with train.optimizer = {opt!r} "
                           f"Adam's transform runs right before {first}'s correction, and {', '.join(late)} must shape "
                           "the gradient Adam sees")
+    if cfg.eval.oll and not any(isinstance(c, OLL) for c in components):
+        components.append(OLLEval())  # OLL at evaluation only (Table 4.18's x column); after every other hook
     return Recipe(
         trainer=_claimed("trainer", components, what="local procedure") or SGD_TRAINER,
         weighting=_exclusive("weighting", rc.weighting, "data_size", R.WEIGHTINGS, components),
@@ -127,6 +131,7 @@ def build_schedule(cfg: Any, task: Task) -> Schedule:
         deadline=cfg.server.deadline,
         select_metric=metric,
         select_higher=higher,
+        class_split=chosen_clients(cfg.seed, task.num_clients, cfg.eval.class_split),
     )
 
 
@@ -137,7 +142,13 @@ def build_stages(cfg: Any, task: Task) -> list[Stage]:
         end += rounds
         m = clients_per_round(task.num_clients, scfg.server.clients_per_round, scfg.server.fraction)
         stages.append(Stage(name, end, build_recipe(scfg), build_local(scfg, total_rounds=cfg.server.rounds), m))
-    return stages or [Stage("federated", cfg.server.rounds, build_recipe(cfg), build_local(cfg))]
+    stages = stages or [Stage("federated", cfg.server.rounds, build_recipe(cfg), build_local(cfg))]
+    initialised = False  # OLL's lr = "auto" (``recipe.oll.auto_lr``): has an earlier stage set the classifier?
+    for stage in stages:
+        if any(isinstance(c, OLL) and c.p.lr == "auto" for c in stage.recipe.components):
+            stage.local = dataclasses.replace(stage.local, lr=auto_lr(stage.local.lr, initialised))
+        initialised = initialised or any(c.name in CLASSIFIER_INIT for c in stage.recipe.components)
+    return stages
 
 
 def engine_device(cfg: Any) -> torch.device:
@@ -552,6 +563,10 @@ def finish(run_dir: Path, task: Task | None = None, model: torch.nn.Module | Non
     fixed = weighting in ("data_size", "uniform")
     if plots and (Path(run_dir) / "client_weights.jsonl").is_file() and not fixed:
         plot_client_weights(run_dir)  # before the summary, which links it; skipped for data-fixed weights
+    if plots:
+        from .class_split import PLOT_FILE, plot_class_split
+
+        plot_class_split(run.read_metrics(), run.path / "plots" / PLOT_FILE)  # (nothing without eval.class_split)
     write_summary(run_dir, plot=plots)
     if events is not None:  # TensorBoard: the plots as images, the hparams with each metric's last value
         final = last_values(run.read_metrics())

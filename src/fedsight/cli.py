@@ -476,6 +476,10 @@ from .pretrain_cli import pretrain_  # noqa: E402  (the server's feature extract
 
 app.command("pretrain")(pretrain_)
 
+from .calibrate_cli import calibrate_  # noqa: E402  (the softmax temperature after Fed3R, fedsight.calibrate)
+
+app.command("calibrate")(calibrate_)
+
 from .start_cli import init, schema  # noqa: E402  (starting configs, the config's JSON Schema)
 
 app.command()(init)

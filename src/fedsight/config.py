@@ -289,6 +289,10 @@ def requirements(cfg: Any) -> list[Any]:
         out.append(Requirement(f"validation.source = {v.source!r}", frozenset({"server_split"})))
     if v.imbalance is not None:
         out.append(Requirement(f"validation.imbalance = {v.imbalance}", frozenset({"class_labels"})))
+    if cfg.eval.oll:
+        out.append(Requirement("eval.oll = true", frozenset({"class_labels", "linear_head"})))
+    if cfg.eval.class_split:
+        out.append(Requirement(f"eval.class_split = {cfg.eval.class_split}", frozenset({"class_labels"})))
     if cfg.eval.select == "best":  # selection is on validation data, never on test
         out.append(Requirement("eval.select = 'best'", frozenset({"val_split"})))
     if cfg.pretrain.source != "none":

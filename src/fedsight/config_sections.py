@@ -178,6 +178,10 @@ class EvalSection(Params):
     local: bool = Field(True, description="evaluate on every client's local test set (WMA, worst 10%)")
     initial: bool = Field(True, description="evaluate the initial model, before any training, as round 0 (every "
                           "curve starts at the model the run starts from)")
+    oll: bool = Field(False, description="mask each client's local-test logits to its own training classes (OLL "
+                      "with no fine-tuning, thesis Table 4.18's x column); test/* is unchanged")
+    class_split: int = Field(0, ge=0, description="this many clients (drawn from the seed; all if more) evaluated on "
+                             "the global test set: accuracy on their own classes vs the others (thesis Fig. 4.7)")
     select: Literal["last", "best"] = Field(
         "last", description='"last": the run\'s model is the last global model; "best": also keep the global model '
         "best on the validation set (select_metric) as RUN_DIR/best.safetensors (needs [validation])")

@@ -48,6 +48,9 @@ def metric_directions(cfg: Any) -> tuple[dict[str, bool | None], str]:
             out[f"{split}/{m.key}"] = m.higher_is_better
     primary = next((m.higher_is_better for m in spec.metrics if m.matches(spec.primary)), True)
     out["local/wma"] = out["local/worst10"] = primary
+    if cfg.eval.class_split:  # fedsight.class_split: the clients' own classes (higher is better) and the others (none)
+        out["personal/acc_local_classes"] = out["personal/acc_local_classes/*"] = True
+        out["personal/acc_nonlocal_classes"] = out["personal/acc_nonlocal_classes/*"] = None
     for s in ENGINE_METRICS:
         out[s.key] = s.higher_is_better
     from .model_selection import selection_directions

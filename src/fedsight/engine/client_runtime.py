@@ -339,6 +339,17 @@ class ClientRuntime:
         return EvalContext(self.task, split, self.eval_batch_size, self.layout.personal_keys,
                            self.layout.shared_params, self.store)
 
+    def class_split(self, client: int, global_state: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+        """``client``'s (accuracy on its own classes, on the others), class-wise, on the global test set, with the
+        model and evaluation hooks its local test set is evaluated with (``fedsight.class_split``)."""
+        from ..class_split import class_counts, split_accuracy
+        from ..recipe.oll import local_classes
+
+        model = self.load(client, to_device(dict(global_state), self.device))
+        with eval_hooks(self.stage, model, self.eval_context(client)):
+            correct, count = class_counts(model, self.task, self.eval_batch_size)
+        return split_accuracy(correct, count, local_classes(self.task, client))
+
     def local_state(
         self, client: int, global_state: Mapping[str, torch.Tensor], global_model: nn.Module | None = None
     ) -> MetricState:

@@ -132,6 +132,13 @@ class InProcessBackend:
     def round_metrics(self) -> dict[str, Any]:
         return self.dp.privacy_spent() if self.dp is not None else {}
 
+    def class_split(self, r: int, clients: tuple[int, ...]) -> dict[str, float]:
+        """``eval.class_split``'s metrics (``fedsight.class_split``) of ``clients``, on this process's runtime."""
+        from ..class_split import summarize
+
+        gstate = self.server.global_state()
+        return summarize({cid: self.runtime.class_split(cid, gstate) for cid in clients})
+
     def client_evaluation(self, r: int, *, local: bool, personal: bool) -> ClientEvaluation:
         out = ClientEvaluation(store=self.runtime.store)
         if local:
@@ -156,6 +163,8 @@ def evaluate(server: Server, backend: Backend, r: int) -> tuple[dict[str, float]
     ev = backend.client_evaluation(r, local=local, personal=needs_client_entries(server))
     out = server.evaluate_global(ev.store)
     out.update(server.select(r, out, ev.store))  # eval.select = "best": the best model on val so far
+    if server.schedule.class_split:  # eval.class_split (in-process and distributed; Flower refuses it)
+        out.update(backend.class_split(r, server.schedule.class_split))
     if local:
         out.update(server.summarize_local(ev.states))
         return out, [*ev.events, server.client_metrics(r, ev.states)]

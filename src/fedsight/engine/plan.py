@@ -66,6 +66,9 @@ class Schedule:
     #: (``fedsight.model_selection``); None keeps the last model only
     select_metric: str | None = None
     select_higher: bool = True
+    #: ``eval.class_split``: the clients whose accuracy on the global test set is split by their own classes
+    #: (``fedsight.class_split``, thesis Fig. 4.7)
+    class_split: tuple[int, ...] = ()
 
 
 def clients_per_round(num_clients: int, count: int | None, fraction: float | None) -> int:

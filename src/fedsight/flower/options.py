@@ -137,6 +137,9 @@ class ServerOptions:
                     raise ConfigError(
                         "watermark on Flower needs key_file (the same key file on every node, `fedsight etlc keygen -o "
                         "FILE`): a key in the config is read by the server, and nodes cannot draw a key they share")
+        if cfg.eval.class_split:
+            raise ConfigError(f"eval.class_split = {cfg.eval.class_split}: not on Flower (the server holds no client's "
+                              "model to evaluate on the global test set); run it in-process or with --nproc")
         if self.min_clients > n:
             raise ConfigError(f"run config min-clients = {self.min_clients} exceeds the federation's {n} clients "
                               "(partition.num_clients)")

@@ -295,6 +295,8 @@ def write_summary(run_dir: StrPath, *, plot: bool = True) -> Path:
         lines += ["## Curves", "", f"![training curves](plots/{CURVES_FILE})", ""]
     if (run.path / "plots" / CLIENT_WEIGHTS_FILE).is_file():
         lines += ["## Client weights", "", f"![client weights](plots/{CLIENT_WEIGHTS_FILE})", ""]
+    if (run.path / "plots" / "class_split.png").is_file():  # eval.class_split (fedsight.class_split, Fig. 4.7)
+        lines += ["## Own vs other classes", "", "![class-wise accuracy, own vs other classes](plots/class_split.png)", ""]
     path = run.path / SUMMARY_FILE
     atomic_write_text(path, "\n".join(lines))
     return path
