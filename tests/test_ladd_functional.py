@@ -190,3 +190,45 @@ def test_swa_teacher_is_the_mean_of_the_models_since_the_start(every: int, start
         assert torch.equal(teacher["w"], models[updates[-1]]["w"])
     with pytest.raises(ValueError, match="multiple of every"):
         swa_update(teacher, teacher, 6, 4, 2)
+
+
+# ------------------------------------------------------------------------- eq. 5.19 / 5.21 as written
+
+
+@pytest.mark.parametrize("threshold, fraction", [(0.6, 0.0), (0.0, 0.5), (0.7, 0.4)])
+def test_eq_5_19_and_5_21_as_the_thesis_writes_them(threshold: float, fraction: float) -> None:
+    """``pseudo = "own_ce_kl"``: CE to the student's own thresholded labels + KL(student || teacher) (eq. 5.19);
+    with the Shannon entropy at weight 1 and eq. 5.20's KL to theta^0 the loss is eq. 5.21. Checked against a
+    hand computation (numpy pseudo-labels, torch's kl_div, which computes KL(target || input)). The default
+    stays the authors' CE to the teacher's labels."""
+    from fedsight.recipe.ladd_adapt import SelfTraining, SelfTrainingParams
+
+    torch.manual_seed(3)
+    s = (2 * torch.randn(2, 5, 6, 7)).requires_grad_(True)
+    t, ref = 2 * torch.randn(2, 5, 6, 7), torch.randn(2, 5, 6, 7)
+    targets = torch.zeros(2, 6, 7, dtype=torch.long)
+    common = {"threshold": threshold, "fraction": fraction, "reduction": "all"}
+    thesis = SelfTraining(SelfTrainingParams(pseudo="own_ce_kl", entropy="shannon", entropy_lambda=1.0,
+                                             kd_form="kl", kd_lambda=3.0, **common))
+    got = thesis.term(s, targets, {"teacher": t, "ref": ref})
+    own = torch.from_numpy(reference_pseudo_labels(s.detach().numpy(), threshold, fraction))
+    ce = F.cross_entropy(s, own, ignore_index=IGNORE, reduction="sum") / own.numel()
+    kl = lambda a, b: F.kl_div(b.log_softmax(1), a.log_softmax(1), reduction="none", log_target=True).sum(1).mean()  # noqa: E731
+    ps = s.softmax(1)
+    want = -(ps * ps.log()).sum(1).mean() + ce + kl(s, t) + 3.0 * kl(s, ref)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    t.requires_grad_(True)
+    thesis.term(s, targets, {"teacher": t, "ref": ref}).backward()
+    assert t.grad is None and s.grad is not None  # the teacher is a target
+    # the default (the authors' code): one CE to the teacher's thresholded labels, nothing else
+    code = SelfTraining(SelfTrainingParams(**common))
+    labels = torch.from_numpy(reference_pseudo_labels(t.detach().numpy(), threshold, fraction))
+    want_code = F.cross_entropy(s, labels, ignore_index=IGNORE, reduction="sum") / labels.numel()
+    assert code.term(s, targets, {"labels": labels}).item() == pytest.approx(want_code.item(), rel=1e-5)
+
+
+def test_eq_5_19_needs_the_swa_teacher() -> None:
+    from fedsight.recipe.ladd_adapt import SelfTraining, SelfTrainingParams
+
+    with pytest.raises(ValueError, match="own_ce_kl.*needs teacher = 'swa'"):
+        SelfTraining(SelfTrainingParams(pseudo="own_ce_kl", teacher="model"))

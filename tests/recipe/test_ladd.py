@@ -274,9 +274,12 @@ def test_frozen_models_normalise_with_running_or_batch_statistics() -> None:
     (LADD, {}),  # the SWA teacher of each client's cluster, distillation to theta^0 (soft-target CE), cluster heads
     ([{"name": "self_training", "teacher": "model", "fraction": 0.0, "kd_lambda": 0.5, "kd_form": "kl",
        "entropy_lambda": 0.1, "reduction": "kept"}], {}),
+    # eq. 5.21 as the thesis writes it: own labels + KL to the cluster's teacher, Shannon entropy, KL to theta^0
+    ([{"name": "self_training", "pseudo": "own_ce_kl", "fraction": 0.0, "kd_lambda": 0.5, "kd_form": "kl",
+       "entropy": "shannon", "entropy_lambda": 1.0}], {}),
     # cluster heads alone, on labels: each client's upload is relative to its cluster's head, not the global one
     ([{"name": "cluster_aggregation", "part": "head"}], {"task.labels": "train"}),
-], ids=["ladd", "own-model-kl-entropy", "cluster-heads-supervised"])
+], ids=["ladd", "own-model-kl-entropy", "eq-5-21", "cluster-heads-supervised"])
 def test_the_adaptation_stage_trains_vectorised_as_sequentially(monkeypatch, components, over) -> None:
     """Self-training under vectorised training: the frozen teacher and theta^0 run per client before the step
     (``VectorStep.prepare``), the pseudo-label loss inside it; two adaptation rounds give each cluster's model, teacher
