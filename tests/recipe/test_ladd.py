@@ -113,6 +113,12 @@ def test_clusters_follow_the_planted_weather_and_are_reported(tmp_path) -> None:
     assert (out.run_dir / "plots" / "style_clusters.png").stat().st_size > 5000
     row = next(r for r in map(json.loads, (out.run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("round") == 1)
     assert row["clusters/k"] == 2.0 and row["clusters/clients_reported"] == 4.0 and row["clients/sampled"] == 4
+    # against the true domain (town/weather: four domains, one client each, two clusters): Table 5.19's form
+    table = info["table"]
+    assert sorted(table["domains"]) == sorted(c["domain"] for c in info["clients"]) and table["clusters"] == [0, 1]
+    assert np.asarray(table["clients"]).sum() == 4 and np.asarray(table["clients"]).max() == 1
+    assert info["accuracy"] == {"majority": 0.5, "matching": 0.5}  # one domain per cluster can be right
+    assert row["clusters/accuracy_majority"] == 0.5 and row["clusters/accuracy_matching"] == 0.5
 
 
 def _garbage_labels(task: Any) -> None:
