@@ -152,15 +152,30 @@ class SegBatchLoader:
         return torch.stack(xs), torch.stack(ys)
 
 
+def restyle_to(image: torch.Tensor, window: torch.Tensor, half: int, style_size: tuple[int, int]) -> torch.Tensor:
+    """uint8 ``image`` ``[3, H, W]`` FDA-restyled (lambda 1) with the ``(2 half + 1)^2`` amplitude ``window`` of
+    a style measured on images resized to ``style_size`` (``style_entry``: LADD's client styles and cluster
+    centroids). An unnormalised DFT's low-frequency amplitudes grow with the number of pixels (the DC term is
+    the pixel sum), so the window is scaled by ``H W / (h w)`` before the swap: the restyled image, resized to
+    ``style_size``, has about the style's window, without resampling the image itself (exactly for the DC term
+    under area resizing; up to the resize filter's response for the others)."""
+    h, w = style_size
+    scale = image.shape[-2] * image.shape[-1] / float(h * w)
+    return to_uint8(fda(image.to(torch.float32), window.to(torch.float32) * scale, 0.0, 1.0, half))
+
+
 class SegEvalLoader:
     """Picklable ``indices -> (images uint8 [B, 3, H, W], labels uint8 [B, H, W])`` of whole images (the
-    indices' images must share one size)."""
+    indices' images must share one size); with ``style`` = (window, half, style_size) every image is restyled
+    by ``restyle_to`` (LADD's test-time FDA to the style of the image's cluster, thesis Sec. 5.3.8)."""
 
-    def __init__(self, images: Any, labels: Any):
-        self.images, self.labels = images, labels
+    def __init__(self, images: Any, labels: Any, style: tuple[torch.Tensor, int, tuple[int, int]] | None = None):
+        self.images, self.labels, self.style = images, labels, style
 
     def __call__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         xs = [self.images.get_one(int(i)) for i in indices]
+        if self.style is not None:
+            xs = [restyle_to(x, *self.style) for x in xs]
         ys = [self.labels.get_one(int(i)) for i in indices]
         return torch.stack(xs), torch.stack(ys)
 

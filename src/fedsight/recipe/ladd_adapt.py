@@ -259,6 +259,8 @@ class ClusterAggregationParams(Params):
     part: Literal["head", "norm", "backbone", "all"] = Field(
         "head", description="the cluster-specific entries: the head (LADD cls), the normalisation layers, the "
         "backbone, or all (LADD all)")
+    restyle: bool = Field(False, description="FDA-restyle every test image to its cluster's centroid style before "
+                          "inference (the thesis, Sec. 5.3.8) instead of leaving it as it is (the authors' code)")
 
 
 class ClusterAggregation(Component):
@@ -333,7 +335,10 @@ class ClusterAggregation(Component):
 
     def evaluate(self, model: nn.Module, ctx: EvalContext, run: Any) -> Any:
         """A global test image with the model of the cluster nearest to its style (other splits: the global
-        model, whose cluster-specific entries are the clusters' mean)."""
+        model, whose cluster-specific entries are the clusters' mean). With ``restyle`` the image is first
+        FDA-restyled (lambda 1, the styles' ``half``) to its cluster's centroid style mu_s (eq. 5.23, the mean of
+        its clients' styles), the thesis's evaluation steps 1-4 (Sec. 5.3.8; it leaves which style unnamed: the
+        centroid is the cluster's only style the server holds); the authors' code does not restyle (default)."""
         if GROUPS not in ctx.facts or CENTROIDS not in ctx.facts or not ctx.is_global_test:
             return run(ctx)
         styles = ctx.task.image_styles(ctx.split, int(ctx.facts[HALF]))
@@ -344,9 +349,20 @@ class ClusterAggregation(Component):
             members = base[nearest[base] == s]
             entries = _entries(ctx.facts, cluster_prefix(int(s)))
             with swap_entries(model, to_device(entries, model_device(model))) if entries \
-                    else contextlib.nullcontext():
+                    else contextlib.nullcontext(), self._restyled(ctx, int(s)):
                 states.append(run(dataclasses.replace(ctx, subset=members)))
         return ctx.task.metrics.merge(states)
+
+
+    def _restyled(self, ctx: EvalContext, s: int) -> contextlib.AbstractContextManager:
+        if not self.params.restyle:
+            return contextlib.nullcontext()
+        if not hasattr(ctx.task, "restyled"):
+            raise ValueError(f"cluster_aggregation: restyle = true needs a task that restyles evaluation images "
+                             f"(segmentation), not {getattr(ctx.task, 'name', type(ctx.task).__name__)!r}")
+        half = int(ctx.facts[HALF])
+        w = 2 * half + 1
+        return ctx.task.restyled(ctx.facts[CENTROIDS][s].reshape(3, w, w), half)
 
 
 @COMPONENTS.register(

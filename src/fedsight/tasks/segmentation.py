@@ -30,6 +30,7 @@ each image's mIoU (eq. 5.9 over the classes present in that image's target or pr
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -212,6 +213,8 @@ class SegmentationTask(Task):
         #: the clients whose images populate the style bank (none without style augmentation)
         self.bank_members = np.zeros(0, dtype=np.int64)
         self.style_bank = self._build_style_bank(seed) if p.style != "none" else None
+        #: (amplitude window, half) that evaluation images are restyled with (``restyled``); None: as they are
+        self.eval_style: tuple[torch.Tensor, int] | None = None
 
     # -- sizes and splits -------------------------------------------------------------------------
 
@@ -342,8 +345,20 @@ class SegmentationTask(Task):
             h, w = sizes[members[0]]
             per = max(1, min(batch_size, self.params.eval_pixels // int(h * w)))
             jobs += [members[a : a + per] for a in range(0, len(members), per)]
-        for x, y in self.prefetcher.map(SegEvalLoader(s.images, s.labels), jobs):
+        style = (self.eval_style[0], self.eval_style[1], self.crop) if self.eval_style is not None else None
+        for x, y in self.prefetcher.map(SegEvalLoader(s.images, s.labels, style), jobs):
             yield self.standardize(x), y.to(self.device).long()
+
+    @contextlib.contextmanager
+    def restyled(self, window: torch.Tensor, half: int) -> Iterator[None]:
+        """Within the block, evaluation images are FDA-restyled with the amplitude ``window`` ``[3, 2 half + 1,
+        2 half + 1]`` of a style measured like ``client_style`` (at the crop size; ``seg_pipeline.restyle_to``):
+        LADD's test-time restyling to the style of the image's cluster (thesis Sec. 5.3.8)."""
+        saved, self.eval_style = self.eval_style, (window.detach().to(torch.float32).cpu(), int(half))
+        try:
+            yield
+        finally:
+            self.eval_style = saved
 
     def predict(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         return main_output(model(inputs))
