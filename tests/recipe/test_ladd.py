@@ -391,3 +391,17 @@ def test_cluster_evaluation_restyles_each_test_image_with_its_clusters_centroid(
     sim = build_simulation(config(stages[:2] + [adapt(1, {"name": "cluster_aggregation", "part": "head"})]))
     sim.run()
     assert calls == []
+
+
+@pytest.mark.parametrize("on", ["source", "clients", "both"])
+def test_colour_jitter_reaches_the_source_or_the_clients_batches(on) -> None:
+    """``task.jitter`` with ``jitter_on``: the authors' code jitters the source set only ("source", the default);
+    "clients" the target clients' batches, "both" both; jitter 0 (the default) changes no batch."""
+    jittered = build_simulation(config([STYLES_STAGE], **{"task.jitter": 0.5, "task.jitter_on": on})).task
+    plain = build_simulation(config([STYLES_STAGE])).task
+    pos = torch.tensor([0, 1])
+    src = [t.source_batch([0, 1], ("source", 0)) for t in (jittered, plain)]
+    cli = [next(t.train_batches(0, [pos], seed=0, round=1)) for t in (jittered, plain)]
+    assert torch.equal(src[0][1], src[1][1]) and torch.equal(cli[0][1], cli[1][1])  # labels: same geometry
+    assert torch.equal(src[0][0], src[1][0]) == (on == "clients")
+    assert torch.equal(cli[0][0], cli[1][0]) == (on == "source")

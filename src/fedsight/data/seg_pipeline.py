@@ -2,7 +2,8 @@
 
 Every random choice for sample ``j`` of step ``s`` of client ``k`` in round ``r`` comes from the stream
 ``np_rng(seed, "augment", r, k, s, j)``, in this order: the scale factor, the crop position, the flip, then
-(with a style bank) whether to restyle, which bank entry and (CFSI) lambda. So batches are the same with
+(with a style bank) whether to restyle, which bank entry and (CFSI) lambda, then (with colour jitter) the
+order of the three colour operations and their three factors. So batches are the same with
 any number of prefetching workers, threads or processes (``fedsight.data.prefetch.Prefetcher``).
 
 Geometry (FedDrive's protocol, thesis Sec. 5.2.3): the image is scaled by ``s ~ U(scale)`` (bilinear; the
@@ -18,6 +19,11 @@ probability ``prob`` from an entry drawn uniformly from the bank, never from its
 (``A \\ A^k``, CFSI's definition); LAB draws from the whole bank, its own entries included, as FedDrive's
 code does (the thesis is silent). CFSI mixes with ``lambda ~ U(0, 1)`` (FedDG's continuous interpolation),
 FDA swaps the window (``lambda = 1``, the original FDA).
+
+Colour jitter (``jitter`` > 0; LADD's released configs: 0.5 on the source set): brightness, contrast and saturation
+factors ``U(max(0, 1 - jitter), 1 + jitter)`` applied in a random order (torchvision's ``ColorJitter`` as LADD's
+``transform.ColorJitter`` copies it, hue off), after the geometry and the style, just before standardisation,
+where LADD's transform list puts it (``functional.style.color_jitter``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..functional.style import amplitude_window, fda, lab_stats, lab_transfer, to_uint8
+from ..functional.style import amplitude_window, color_jitter, fda, lab_stats, lab_transfer, to_uint8
 from ..rng import np_rng
 from .segmentation import IGNORE
 
@@ -126,15 +132,27 @@ def style_entry(kind: str, image: torch.Tensor, crop: tuple[int, int], beta: flo
     return lab_stats(img.clamp(0, 255)).to(torch.float32)
 
 
+JITTER_OPS = ("brightness", "contrast", "saturation")
+
+
+def jitter_colors(image: torch.Tensor, strength: float, rng: np.random.Generator) -> torch.Tensor:
+    """uint8 ``image`` with random brightness, contrast and saturation (module docstring); draws: the order (a
+    permutation of the three), then the three factors in ``JITTER_OPS`` order."""
+    order = [JITTER_OPS[int(i)] for i in rng.permutation(len(JITTER_OPS))]
+    low, high = max(0.0, 1.0 - strength), 1.0 + strength
+    factors = {name: float(rng.uniform(low, high)) for name in JITTER_OPS}
+    return color_jitter(image, factors, order)
+
+
 class SegBatchLoader:
     """Picklable ``(indices, key, client) -> (images uint8 [B, 3, h, w], labels uint8 [B, h, w])`` over an
     image store and a label store, augmented (geometry, then style) from per-sample streams. Without a label
     store (``labels=None``: unlabelled clients) no label is read and every label pixel is ``IGNORE``."""
 
     def __init__(self, images: Any, labels: Any, crop: tuple[int, int], scale: tuple[float, float], flip: bool,
-                 seed: int, style: StyleBank | None = None):
+                 seed: int, style: StyleBank | None = None, jitter: float = 0.0):
         self.images, self.labels, self.crop, self.scale, self.flip = images, labels, tuple(crop), tuple(scale), flip
-        self.seed, self.style = int(seed), style
+        self.seed, self.style, self.jitter = int(seed), style, float(jitter)
 
     def __call__(self, job: tuple[Sequence[int], tuple, int]) -> tuple[torch.Tensor, torch.Tensor]:
         indices, key, client = job
@@ -147,6 +165,8 @@ class SegBatchLoader:
             img, lab = augment_pair(image, label, self.crop, self.scale, self.flip, rng)
             if self.style is not None:
                 img = self.style.apply(img, client, rng)
+            if self.jitter > 0:
+                img = jitter_colors(img, self.jitter, rng)
             xs.append(img)
             ys.append(lab)
         return torch.stack(xs), torch.stack(ys)

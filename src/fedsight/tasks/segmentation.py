@@ -74,6 +74,10 @@ class SegmentationParams(Params):
     style_beta: float = Field(0.1, gt=0, lt=1, description="FDA/CFSI window: 2 floor(beta N / 2) + 1 frequencies "
                               "per side of N (0.1 = FedDrive's half-size floor(0.05 N))")
     style_prob: float = Field(0.5, ge=0, le=1, description="probability that a training image is restyled")
+    jitter: float = Field(0.0, ge=0, le=1, description="colour jitter: brightness, contrast and saturation factors "
+                          "in [1 - j, 1 + j], random order (LADD: 0.5; 0: off)")
+    jitter_on: Literal["source", "clients", "both"] = Field("source", description="whose training images are "
+                                                           "jittered (LADD's code: the source set only)")
     style_clients: float = Field(0.5, gt=0, le=1, description="fraction of the clients whose images populate the "
                                  "style bank (FedDrive: half)")
     labels: Literal["train", "eval_only"] = Field(
@@ -298,7 +302,8 @@ class SegmentationTask(Task):
 
         p = self.params
         labels = self.pool.labels if p.labels == "train" else None  # unlabelled clients: labels never read
-        return SegBatchLoader(self.pool.images, labels, self.crop, p.scale, p.flip, seed, self.style_bank)
+        jitter = p.jitter if p.jitter_on in ("clients", "both") else 0.0
+        return SegBatchLoader(self.pool.images, labels, self.crop, p.scale, p.flip, seed, self.style_bank, jitter)
 
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Augmented crops of the client's training images at ``positions`` (the draws of step 0 of round 0)."""
@@ -409,7 +414,8 @@ class SegmentationTask(Task):
         if styles is not None:
             bank = StyleBank("fda", styles.to(torch.float32).cpu(), np.full(len(styles), -1), 0.0, 1.0, half)
         p = self.params
-        loader = SegBatchLoader(self.source.images, self.source.labels, self.crop, p.scale, p.flip, seed, bank)
+        jitter = p.jitter if p.jitter_on in ("source", "both") else 0.0
+        loader = SegBatchLoader(self.source.images, self.source.labels, self.crop, p.scale, p.flip, seed, bank, jitter)
         x, y = loader((list(indices), key, -2))
         return self.standardize(x), y.to(self.device).long()
 
