@@ -13,12 +13,15 @@ as four recipe parts used in three stages, not a class with its own loop.
   class) from the SWA teacher of the client's cluster (eq. 5.22, updated every ``every`` rounds from
   ``start`` on) or from the client's own model; optional entropy term (eq. 5.18 or the code's normalised
   4th power) and distillation towards theta^0 (the code's soft-target CE with the teacher's logits times
-  ``kd_alpha``, masked to the pseudo-labelled pixels, weight ``kd_lambda``; or eq. 5.20's KL).
+  ``kd_alpha``, masked to the pseudo-labelled pixels, weight ``kd_lambda``; or eq. 5.20's KL). ``pseudo =
+  "own_ce_kl"`` trains eq. 5.19 as the thesis writes it instead (CE to the student's own pseudo-labels +
+  KL(student || teacher)); with the Shannon entropy at weight 1 and the KL distillation the loss is eq. 5.21.
 * ``cluster_aggregation`` (stage "adapt"): the ``part`` entries (head, norm, backbone or all) are
   cluster-specific: each cluster's clients receive and train their cluster's values, which are averaged
   within the cluster (eq. 5.17, data-size weights); the rest is averaged over all clients as usual. A test
   image goes to the cluster whose centroid is nearest to its style and is evaluated with that cluster's
-  model (Sec. 5.3.8, as the authors' code: no test-time FDA). The global model holds the clusters' mean for
+  model (Sec. 5.3.8, as the authors' code: no test-time FDA; ``restyle = true`` FDA-restyles it to its
+  cluster's centroid style first, as the thesis describes). The global model holds the clusters' mean for
   cluster-specific entries. List it before other components whose client hooks read the received values.
 
 Ambiguities resolved (digest Sec. 7, item 11): the pseudo-label loss, KD form and weights follow the released
