@@ -190,3 +190,104 @@ def test_swa_teacher_is_the_mean_of_the_models_since_the_start(every: int, start
         assert torch.equal(teacher["w"], models[updates[-1]]["w"])
     with pytest.raises(ValueError, match="multiple of every"):
         swa_update(teacher, teacher, 6, 4, 2)
+
+
+# ------------------------------------------------------------------------- eq. 5.19 / 5.21 as written
+
+
+@pytest.mark.parametrize("threshold, fraction", [(0.6, 0.0), (0.0, 0.5), (0.7, 0.4)])
+def test_eq_5_19_and_5_21_as_the_thesis_writes_them(threshold: float, fraction: float) -> None:
+    """``pseudo = "own_ce_kl"``: CE to the student's own thresholded labels + KL(student || teacher) (eq. 5.19);
+    with the Shannon entropy at weight 1 and eq. 5.20's KL to theta^0 the loss is eq. 5.21. Checked against a
+    hand computation (numpy pseudo-labels, torch's kl_div, which computes KL(target || input)). The default
+    stays the authors' CE to the teacher's labels."""
+    from fedsight.recipe.ladd_adapt import SelfTraining, SelfTrainingParams
+
+    torch.manual_seed(3)
+    s = (2 * torch.randn(2, 5, 6, 7)).requires_grad_(True)
+    t, ref = 2 * torch.randn(2, 5, 6, 7), torch.randn(2, 5, 6, 7)
+    targets = torch.zeros(2, 6, 7, dtype=torch.long)
+    common = {"threshold": threshold, "fraction": fraction, "reduction": "all"}
+    thesis = SelfTraining(SelfTrainingParams(pseudo="own_ce_kl", entropy="shannon", entropy_lambda=1.0,
+                                             kd_form="kl", kd_lambda=3.0, **common))
+    got = thesis.term(s, targets, {"teacher": t, "ref": ref})
+    own = torch.from_numpy(reference_pseudo_labels(s.detach().numpy(), threshold, fraction))
+    ce = F.cross_entropy(s, own, ignore_index=IGNORE, reduction="sum") / own.numel()
+    kl = lambda a, b: F.kl_div(b.log_softmax(1), a.log_softmax(1), reduction="none", log_target=True).sum(1).mean()  # noqa: E731
+    ps = s.softmax(1)
+    want = -(ps * ps.log()).sum(1).mean() + ce + kl(s, t) + 3.0 * kl(s, ref)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    t.requires_grad_(True)
+    thesis.term(s, targets, {"teacher": t, "ref": ref}).backward()
+    assert t.grad is None and s.grad is not None  # the teacher is a target
+    # the default (the authors' code): one CE to the teacher's thresholded labels, nothing else
+    code = SelfTraining(SelfTrainingParams(**common))
+    labels = torch.from_numpy(reference_pseudo_labels(t.detach().numpy(), threshold, fraction))
+    want_code = F.cross_entropy(s, labels, ignore_index=IGNORE, reduction="sum") / labels.numel()
+    assert code.term(s, targets, {"labels": labels}).item() == pytest.approx(want_code.item(), rel=1e-5)
+
+
+def test_eq_5_19_needs_the_swa_teacher() -> None:
+    from fedsight.recipe.ladd_adapt import SelfTraining, SelfTrainingParams
+
+    with pytest.raises(ValueError, match="own_ce_kl.*needs teacher = 'swa'"):
+        SelfTraining(SelfTrainingParams(pseudo="own_ce_kl", teacher="model"))
+
+
+# ----------------------------------------------------------------------- clustering accuracy (Table 5.19)
+
+
+def test_clustering_accuracy_of_the_thesis_table_5_19_and_hand_cases() -> None:
+    from fedsight.functional.clustering import clustering_accuracy, contingency
+
+    table = np.array([[76, 22, 17, 6], [7, 70, 38, 1], [26, 10, 73, 8], [6, 0, 9, 103]])  # Rome, Rio, Tokyo, Taipei
+    acc = clustering_accuracy(table)
+    assert acc["majority"] == pytest.approx(322 / 472) and acc["matching"] == pytest.approx(322 / 472)  # 68.2%
+    # two clusters whose majority is the same domain: majority counts both, one-to-one matching only one
+    truth, clusters = np.array([0, 0, 0, 0, 1, 1]), np.array([0, 0, 1, 1, 1, 1])
+    t = contingency(truth, clusters)
+    assert t.tolist() == [[2, 2], [0, 2]]
+    assert clustering_accuracy(t) == {"majority": pytest.approx(4 / 6), "matching": pytest.approx(4 / 6)}
+    truth, clusters = np.array([0, 0, 1, 1, 2, 2]), np.array([0, 0, 0, 1, 1, 1])
+    acc = clustering_accuracy(contingency(truth, clusters))
+    assert acc["majority"] == pytest.approx(4 / 6) and acc["matching"] == pytest.approx(4 / 6)
+    truth, clusters = np.array([0, 0, 0, 1, 1, 1]), np.array([0, 1, 0, 1, 0, 1])
+    acc = clustering_accuracy(contingency(truth, clusters))  # the majority: 2 + 2; one-to-one: 2 + 2
+    assert acc == {"majority": pytest.approx(4 / 6), "matching": pytest.approx(4 / 6)}
+    truth, clusters = np.array([0, 0, 1, 1]), np.array([0, 0, 0, 0])  # one cluster for two domains
+    assert clustering_accuracy(contingency(truth, clusters)) == {"majority": 0.5, "matching": 0.5}
+    truth, clusters = np.array([0, 1, 2, 2]), np.array([0, 0, 1, 1])
+    assert clustering_accuracy(contingency(truth, clusters))["majority"] == pytest.approx(3 / 4)
+    with pytest.raises(ValueError, match="one length"):
+        contingency(np.array([0, 1]), np.array([0]))
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(2, 40), d=st.integers(1, 5), k=st.integers(1, 5))
+def test_clustering_accuracy_against_sklearn_and_a_brute_force_matching(seed, n, d, k) -> None:
+    """Perfect one-to-one accuracy exactly when scikit-learn's adjusted Rand index is 1 (same partition up to
+    renaming, with as many clusters as domains); the matching equals a brute force over every injective pairing;
+    neither depends on the clusters' names; matching <= majority."""
+    import itertools
+
+    from sklearn.metrics import adjusted_rand_score
+
+    from fedsight.functional.clustering import clustering_accuracy, contingency
+
+    rng = np.random.default_rng(seed)
+    truth, clusters = rng.integers(0, d, n), rng.integers(0, k, n)
+    if rng.random() < 0.3:  # sometimes a renamed copy of the truth
+        clusters = rng.permutation(max(d, k))[truth]
+    table = contingency(truth, clusters)
+    acc = clustering_accuracy(table)
+    rows, cols = table.shape
+    best = 0
+    for perm in itertools.permutations(range(max(rows, cols)), min(rows, cols)):
+        pairs = zip(range(rows), perm) if rows <= cols else zip(perm, range(cols))
+        best = max(best, sum(int(table[i, j]) for i, j in pairs))
+    assert acc["matching"] == pytest.approx(best / n)
+    assert acc["matching"] <= acc["majority"] + 1e-12
+    same = len(np.unique(truth)) == len(np.unique(clusters)) and adjusted_rand_score(truth, clusters) == pytest.approx(1.0)
+    assert (acc["matching"] == pytest.approx(1.0)) == same
+    renamed = rng.permutation(table.shape[1])
+    assert clustering_accuracy(table[:, renamed]) == pytest.approx(acc)

@@ -15,6 +15,7 @@ BUILTIN = (
     "fedsight.data.image_sr",
     "fedsight.data.keypoints",
     "fedsight.data.seg_datasets",
+    "fedsight.data.seg_ladd_datasets",
     "fedsight.data.street",
     "fedsight.models",
     "fedsight.tasks.classification",

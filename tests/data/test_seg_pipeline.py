@@ -491,3 +491,56 @@ def test_fda_style_swaps_in_another_clients_window_with_lambda_one() -> None:
     assert used == {0, 2}
     with pytest.raises(ValueError, match="style kind must be 'fda', 'cfsi' or 'lab'"):
         StyleBank("CFSI", entries, np.array([0, 1, 2]))
+
+
+# ------------------------------------------------------------------------------------------ colour jitter
+
+
+@FEW
+@given(seed=st.integers(0, 2**31 - 1), factor=st.floats(0.0, 2.0))
+def test_colour_operations_match_pil_image_enhance(seed, factor) -> None:
+    """brightness, contrast and saturation against PIL's ImageEnhance (what torchvision's ColorJitter calls on
+    PIL images, LADD's transform): at most one level apart (PIL truncates where these round)."""
+    from PIL import Image, ImageEnhance
+
+    from fedsight.functional.style import adjust_brightness, adjust_contrast, adjust_saturation
+
+    img = np.random.default_rng(seed).integers(0, 256, (9, 13, 3), dtype=np.uint8)
+    pil = Image.fromarray(img)
+    x = torch.from_numpy(img).permute(2, 0, 1).contiguous()
+    for ours, theirs in ((adjust_brightness, ImageEnhance.Brightness), (adjust_contrast, ImageEnhance.Contrast),
+                         (adjust_saturation, ImageEnhance.Color)):
+        want = np.asarray(theirs(pil).enhance(factor)).astype(np.int64)
+        got = ours(x, factor).permute(1, 2, 0).numpy().astype(np.int64)
+        assert np.abs(got - want).max() <= 1, (ours.__name__, factor)
+
+
+def test_colour_jitter_properties_and_stream() -> None:
+    """Factor 1 is the identity; saturation 0 leaves grey (equal channels); contrast 0 one grey level; the draws
+    (order, then factors in [1 - j, 1 + j]) come from the sample's stream after the geometry's, so geometry and
+    labels are those of the unjittered batch."""
+    from fedsight.data.seg_pipeline import jitter_colors
+    from fedsight.functional.style import color_jitter
+
+    images, labels = _stores()
+    x = images.get_one(0)
+    ones = {"brightness": 1.0, "contrast": 1.0, "saturation": 1.0}
+    assert torch.equal(color_jitter(x, ones, ["contrast", "saturation", "brightness"]), x)
+    grey = color_jitter(x, {**ones, "saturation": 0.0}, ["saturation"])
+    assert torch.equal(grey[0], grey[1]) and torch.equal(grey[1], grey[2])
+    assert color_jitter(x, {**ones, "contrast": 0.0}, ["contrast"]).unique().numel() == 1
+    rng = np.random.default_rng(5)
+    order = list(rng.permutation(3))
+    f = [rng.uniform(0.5, 1.5) for _ in range(3)]
+    names = ["brightness", "contrast", "saturation"]
+    want = color_jitter(x, dict(zip(names, f)), [names[i] for i in order])
+    assert torch.equal(jitter_colors(x, 0.5, np.random.default_rng(5)), want)
+    plain = SegBatchLoader(images, labels, CROP, (0.75, 1.5), True, seed=3)
+    jit = SegBatchLoader(images, labels, CROP, (0.75, 1.5), True, seed=3, jitter=0.5)
+    job = ([0, 4, 7], ("augment", 1, 2, 0), 2)
+    (xp, yp), (xj, yj) = plain(job), jit(job)
+    assert torch.equal(yp, yj) and not torch.equal(xp, xj)
+    for j, i in enumerate(job[0]):  # the jittered crop is the plain crop, jittered by the stream's next draws
+        rng = np_rng(3, *job[1], j)
+        augment_pair(images.get_one(i), labels.get_one(i), CROP, (0.75, 1.5), True, rng)
+        assert torch.equal(xj[j], jitter_colors(xp[j], 0.5, rng))

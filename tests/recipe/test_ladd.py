@@ -113,6 +113,12 @@ def test_clusters_follow_the_planted_weather_and_are_reported(tmp_path) -> None:
     assert (out.run_dir / "plots" / "style_clusters.png").stat().st_size > 5000
     row = next(r for r in map(json.loads, (out.run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("round") == 1)
     assert row["clusters/k"] == 2.0 and row["clusters/clients_reported"] == 4.0 and row["clients/sampled"] == 4
+    # against the true domain (town/weather: four domains, one client each, two clusters): Table 5.19's form
+    table = info["table"]
+    assert sorted(table["domains"]) == sorted(c["domain"] for c in info["clients"]) and table["clusters"] == [0, 1]
+    assert np.asarray(table["clients"]).sum() == 4 and np.asarray(table["clients"]).max() == 1
+    assert info["accuracy"] == {"majority": 0.5, "matching": 0.5}  # one domain per cluster can be right
+    assert row["clusters/accuracy_majority"] == 0.5 and row["clusters/accuracy_matching"] == 0.5
 
 
 def _garbage_labels(task: Any) -> None:
@@ -274,9 +280,12 @@ def test_frozen_models_normalise_with_running_or_batch_statistics() -> None:
     (LADD, {}),  # the SWA teacher of each client's cluster, distillation to theta^0 (soft-target CE), cluster heads
     ([{"name": "self_training", "teacher": "model", "fraction": 0.0, "kd_lambda": 0.5, "kd_form": "kl",
        "entropy_lambda": 0.1, "reduction": "kept"}], {}),
+    # eq. 5.21 as the thesis writes it: own labels + KL to the cluster's teacher, Shannon entropy, KL to theta^0
+    ([{"name": "self_training", "pseudo": "own_ce_kl", "fraction": 0.0, "kd_lambda": 0.5, "kd_form": "kl",
+       "entropy": "shannon", "entropy_lambda": 1.0}], {}),
     # cluster heads alone, on labels: each client's upload is relative to its cluster's head, not the global one
     ([{"name": "cluster_aggregation", "part": "head"}], {"task.labels": "train"}),
-], ids=["ladd", "own-model-kl-entropy", "cluster-heads-supervised"])
+], ids=["ladd", "own-model-kl-entropy", "eq-5-21", "cluster-heads-supervised"])
 def test_the_adaptation_stage_trains_vectorised_as_sequentially(monkeypatch, components, over) -> None:
     """Self-training under vectorised training: the frozen teacher and theta^0 run per client before the step
     (``VectorStep.prepare``), the pseudo-label loss inside it; two adaptation rounds give each cluster's model, teacher
@@ -317,3 +326,82 @@ def test_pseudo_labels_from_the_student_by_rank_are_not_vectorised() -> None:
     cfg = config([adapt(1, {"name": "self_training", "teacher": "model"})], **{"engine.vectorize": True})
     with pytest.raises(ConfigError, match="self_training.*teacher = 'model' with 0 < fraction < 1"):
         build_simulation(cfg)
+
+
+# ---------------------------------------------------------------------------------- test-time restyling
+
+
+def test_restyling_moves_an_images_style_to_the_window_at_any_size() -> None:
+    """``restyle_to`` (Sec. 5.3.8's test-time FDA): a style measured at the crop size, applied to a larger test
+    image, gives that image the style at the crop size (the window is scaled by the pixel ratio), and the full
+    image's own window becomes the scaled one."""
+    from fedsight.data.seg_pipeline import restyle_to, style_entry
+    from fedsight.functional.style import amplitude_window
+
+    rng = np.random.default_rng(0)
+    crop = (24, 40)
+    yy, xx = np.mgrid[0:48, 0:80]
+    smooth = lambda a, b: 110 + 40 * np.sin(xx / a) * np.cos(yy / b)  # noqa: E731
+    image = torch.from_numpy(np.stack([smooth(7, 9), smooth(5, 11), smooth(9, 6)]) + rng.normal(0, 5, (3, 48, 80)))
+    image = image.clamp(0, 255).round().to(torch.uint8)
+    other = torch.from_numpy(np.stack([smooth(4, 5) * 0.6 + 30, smooth(8, 4) * 0.7, smooth(6, 6) + 20]))
+    target = style_entry("fda", other.clamp(0, 255).round().to(torch.uint8), crop, 0.0, 1)
+    before = style_entry("fda", image, crop, 0.0, 1)
+    out = restyle_to(image, target, 1, crop)
+    assert out.dtype == torch.uint8 and out.shape == image.shape
+    full = amplitude_window(out.to(torch.float64), 0.0, 1)
+    np.testing.assert_allclose(full.numpy(), (target.double() * 48 * 80 / (24 * 40)).numpy(), rtol=0.02, atol=600)
+    after = style_entry("fda", out, crop, 0.0, 1)
+    assert float((after - target).norm()) < 0.05 * float((before - target).norm())
+
+
+def test_cluster_evaluation_restyles_each_test_image_with_its_clusters_centroid(tmp_path, monkeypatch) -> None:
+    """``cluster_aggregation.restyle``: each cluster's test images are evaluated inside ``task.restyled`` with
+    that cluster's centroid (eq. 5.23) as the window, and the restyled batches are the FDA-restyled images; off
+    (the default, the authors' code) nothing is restyled."""
+    from fedsight.data.seg_pipeline import restyle_to
+    from fedsight.recipe.ladd import CENTROIDS
+    from fedsight.tasks.segmentation import SegmentationTask
+
+    calls: list[tuple[torch.Tensor, int, list[Any]]] = []
+    original = SegmentationTask.restyled
+    seen_batches: list[tuple[Any, Any]] = []
+
+    def spy(self, window, half):
+        calls.append((window.clone(), half, []))
+        return original(self, window, half)
+
+    monkeypatch.setattr(SegmentationTask, "restyled", spy)
+    stages = [STYLES_STAGE, SOURCE_STAGE, adapt(1, {"name": "cluster_aggregation", "part": "head", "restyle": True})]
+    sim = build_simulation(config(stages, **{"eval.every": 1}))
+    sim.run()
+    centroids = sim.server.facts[CENTROIDS]
+    assert calls and {tuple(c[0].reshape(-1).tolist()) for c in calls} <= {tuple(r.tolist()) for r in centroids}
+    assert all(c[1] == 1 and c[0].shape == (3, 3, 3) for c in calls)
+    task = sim.task
+    plain = next(task.eval_batches("test", 2))
+    with task.restyled(centroids[0].reshape(3, 3, 3), 1):
+        x, _ = next(task.eval_batches("test", 2))
+        seen_batches.append((x, task.eval_style))
+    s = task._split("test")
+    raw = torch.stack([s.images.get_one(i) for i in range(len(x))])
+    want = task.standardize(torch.stack([restyle_to(im, centroids[0].reshape(3, 3, 3), 1, task.crop) for im in raw]))
+    assert torch.allclose(x, want) and not torch.allclose(x, plain[0]) and task.eval_style is None
+    calls.clear()
+    sim = build_simulation(config(stages[:2] + [adapt(1, {"name": "cluster_aggregation", "part": "head"})]))
+    sim.run()
+    assert calls == []
+
+
+@pytest.mark.parametrize("on", ["source", "clients", "both"])
+def test_colour_jitter_reaches_the_source_or_the_clients_batches(on) -> None:
+    """``task.jitter`` with ``jitter_on``: the authors' code jitters the source set only ("source", the default);
+    "clients" the target clients' batches, "both" both; jitter 0 (the default) changes no batch."""
+    jittered = build_simulation(config([STYLES_STAGE], **{"task.jitter": 0.5, "task.jitter_on": on})).task
+    plain = build_simulation(config([STYLES_STAGE])).task
+    pos = torch.tensor([0, 1])
+    src = [t.source_batch([0, 1], ("source", 0)) for t in (jittered, plain)]
+    cli = [next(t.train_batches(0, [pos], seed=0, round=1)) for t in (jittered, plain)]
+    assert torch.equal(src[0][1], src[1][1]) and torch.equal(cli[0][1], cli[1][1])  # labels: same geometry
+    assert torch.equal(src[0][0], src[1][0]) == (on == "clients")
+    assert torch.equal(cli[0][0], cli[1][0]) == (on == "source")

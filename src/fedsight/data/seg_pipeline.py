@@ -2,7 +2,8 @@
 
 Every random choice for sample ``j`` of step ``s`` of client ``k`` in round ``r`` comes from the stream
 ``np_rng(seed, "augment", r, k, s, j)``, in this order: the scale factor, the crop position, the flip, then
-(with a style bank) whether to restyle, which bank entry and (CFSI) lambda. So batches are the same with
+(with a style bank) whether to restyle, which bank entry and (CFSI) lambda, then (with colour jitter) the
+order of the three colour operations and their three factors. So batches are the same with
 any number of prefetching workers, threads or processes (``fedsight.data.prefetch.Prefetcher``).
 
 Geometry (FedDrive's protocol, thesis Sec. 5.2.3): the image is scaled by ``s ~ U(scale)`` (bilinear; the
@@ -39,6 +40,11 @@ Whose entries a client may draw (``exclude``):
 - ``"none"``: every method draws from the whole bank (FedDrive's ``cityscapes.py::cfsi`` and ``::lab``).
 
 With no allowed entry (a bank of only the client, ``exclude`` "own") the image stays as it is.
+
+Colour jitter (``jitter`` > 0; LADD's released configs: 0.5 on the source set): brightness, contrast and saturation
+factors ``U(max(0, 1 - jitter), 1 + jitter)`` applied in a random order (torchvision's ``ColorJitter`` as LADD's
+``transform.ColorJitter`` copies it, hue off), after the geometry and the style, just before standardisation,
+where LADD's transform list puts it (``functional.style.color_jitter``).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..functional.style import amplitude_window, fda, lab_stats, lab_transfer, to_uint8
+from ..functional.style import amplitude_window, color_jitter, fda, lab_stats, lab_transfer, to_uint8
 from ..rng import np_rng
 from .segmentation import IGNORE
 
@@ -175,6 +181,18 @@ def style_entry(kind: str, image: torch.Tensor, crop: tuple[int, int], beta: flo
     return lab_stats(img.clamp(0, 255)).to(torch.float32)
 
 
+JITTER_OPS = ("brightness", "contrast", "saturation")
+
+
+def jitter_colors(image: torch.Tensor, strength: float, rng: np.random.Generator) -> torch.Tensor:
+    """uint8 ``image`` with random brightness, contrast and saturation (module docstring); draws: the order (a
+    permutation of the three), then the three factors in ``JITTER_OPS`` order."""
+    order = [JITTER_OPS[int(i)] for i in rng.permutation(len(JITTER_OPS))]
+    low, high = max(0.0, 1.0 - strength), 1.0 + strength
+    factors = {name: float(rng.uniform(low, high)) for name in JITTER_OPS}
+    return color_jitter(image, factors, order)
+
+
 class SegBatchLoader:
     """Picklable ``(indices, key, client[, positions, mirrored]) -> (images uint8 [B, 3, h, w], labels uint8
     [B, h, w])`` over an image store and a label store, augmented (geometry, then the doubled copy's mirror, then
@@ -184,9 +202,9 @@ class SegBatchLoader:
     every label pixel is ``IGNORE``."""
 
     def __init__(self, images: Any, labels: Any, crop: tuple[int, int], scale: tuple[float, float], flip: bool,
-                 seed: int, style: StyleBank | None = None):
+                 seed: int, style: StyleBank | None = None, jitter: float = 0.0):
         self.images, self.labels, self.crop, self.scale, self.flip = images, labels, tuple(crop), tuple(scale), flip
-        self.seed, self.style = int(seed), style
+        self.seed, self.style, self.jitter = int(seed), style, float(jitter)
 
     def __call__(self, job: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         indices, key, client = job[:3]
@@ -202,20 +220,37 @@ class SegBatchLoader:
                 img, lab = img.flip(-1), lab.flip(-1)
             if self.style is not None:
                 img = self.style.apply(img, client, rng, None if positions is None else int(positions[j]))
+            if self.jitter > 0:
+                img = jitter_colors(img, self.jitter, rng)
             xs.append(img)
             ys.append(lab)
         return torch.stack(xs), torch.stack(ys)
 
 
+def restyle_to(image: torch.Tensor, window: torch.Tensor, half: int, style_size: tuple[int, int]) -> torch.Tensor:
+    """uint8 ``image`` ``[3, H, W]`` FDA-restyled (lambda 1) with the ``(2 half + 1)^2`` amplitude ``window`` of
+    a style measured on images resized to ``style_size`` (``style_entry``: LADD's client styles and cluster
+    centroids). An unnormalised DFT's low-frequency amplitudes grow with the number of pixels (the DC term is
+    the pixel sum), so the window is scaled by ``H W / (h w)`` before the swap: the restyled image, resized to
+    ``style_size``, has about the style's window, without resampling the image itself (exactly for the DC term
+    under area resizing; up to the resize filter's response for the others)."""
+    h, w = style_size
+    scale = image.shape[-2] * image.shape[-1] / float(h * w)
+    return to_uint8(fda(image.to(torch.float32), window.to(torch.float32) * scale, 0.0, 1.0, half))
+
+
 class SegEvalLoader:
     """Picklable ``indices -> (images uint8 [B, 3, H, W], labels uint8 [B, H, W])`` of whole images (the
-    indices' images must share one size)."""
+    indices' images must share one size); with ``style`` = (window, half, style_size) every image is restyled
+    by ``restyle_to`` (LADD's test-time FDA to the style of the image's cluster, thesis Sec. 5.3.8)."""
 
-    def __init__(self, images: Any, labels: Any):
-        self.images, self.labels = images, labels
+    def __init__(self, images: Any, labels: Any, style: tuple[torch.Tensor, int, tuple[int, int]] | None = None):
+        self.images, self.labels, self.style = images, labels, style
 
     def __call__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         xs = [self.images.get_one(int(i)) for i in indices]
+        if self.style is not None:
+            xs = [restyle_to(x, *self.style) for x in xs]
         ys = [self.labels.get_one(int(i)) for i in indices]
         return torch.stack(xs), torch.stack(ys)
 

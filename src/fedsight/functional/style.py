@@ -25,6 +25,13 @@ client shares its images' amplitude *windows* (``amplitude_window``), never whol
 every channel is standardised with the image's own mean and std and rescaled to a target's:
 ``x_hat = (sigma_T / sigma_S) (x - mu_S) + mu_T``. A constant channel (``sigma_S = 0``) is shifted to
 ``mu_T`` instead of divided by zero (FedDrive's code had no guard).
+
+**Colour jitter** (LADD's ``ColorJitter(brightness=0.5, contrast=0.5, saturation=0.5)``, thesis Sec. 5.3.9):
+``adjust_brightness``, ``adjust_contrast`` and ``adjust_saturation`` follow PIL's ``ImageEnhance`` (what
+torchvision's PIL path calls): a blend ``degenerate + f (x - degenerate)`` with a black image, the mean grey
+level of the image's luma (ITU-R 601: 0.299 R + 0.587 G + 0.114 B) or the luma itself; each result is
+clipped and rounded to 8 bits, as PIL works in 8 bits between steps (PIL truncates where this rounds: at most
+one level apart per step).
 """
 
 from __future__ import annotations
@@ -119,3 +126,40 @@ def lab_transfer(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     out = (flat - mu) * scale + mu_t
     rgb = lab_to_rgb(out.reshape(lab.shape).to(torch.float32).unsqueeze(0), clip=False)[0]
     return rgb * 255.0
+
+
+def luma(x: torch.Tensor) -> torch.Tensor:
+    """ITU-R 601 luma ``[..., 1, H, W]`` of RGB ``[..., 3, H, W]`` (PIL's "L" conversion, unrounded)."""
+    return (0.299 * x[..., 0:1, :, :] + 0.587 * x[..., 1:2, :, :] + 0.114 * x[..., 2:3, :, :])
+
+
+def _blend(x: torch.Tensor, degenerate: torch.Tensor, factor: float) -> torch.Tensor:
+    return to_uint8(degenerate + factor * (x - degenerate)).to(torch.float32)
+
+
+def adjust_brightness(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """RGB 0..255 scaled by ``factor`` (a blend with black), clipped and rounded."""
+    return _blend(x.to(torch.float32), torch.zeros_like(x, dtype=torch.float32), factor)
+
+
+def adjust_contrast(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """RGB 0..255 blended with the constant grey of its mean luma (rounded, as PIL's histogram mean)."""
+    x = x.to(torch.float32)
+    mean = luma(x).round().mean(dim=(-3, -2, -1), keepdim=True)
+    return _blend(x, torch.floor(mean + 0.5).expand_as(x), factor)
+
+
+def adjust_saturation(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """RGB 0..255 blended with its own luma (0: grey, 1: unchanged)."""
+    x = x.to(torch.float32)
+    return _blend(x, luma(x).round().expand_as(x), factor)
+
+
+def color_jitter(x: torch.Tensor, factors: dict[str, float], order: list[str]) -> torch.Tensor:
+    """uint8 RGB ``[3, H, W]`` with the ``factors`` (``brightness``, ``contrast``, ``saturation``) applied in
+    ``order`` (torchvision/LADD shuffle the order per image); uint8 out."""
+    ops = {"brightness": adjust_brightness, "contrast": adjust_contrast, "saturation": adjust_saturation}
+    out = x.to(torch.float32)
+    for name in order:
+        out = ops[name](out, factors[name])
+    return to_uint8(out)

@@ -13,12 +13,15 @@ as four recipe parts used in three stages, not a class with its own loop.
   class) from the SWA teacher of the client's cluster (eq. 5.22, updated every ``every`` rounds from
   ``start`` on) or from the client's own model; optional entropy term (eq. 5.18 or the code's normalised
   4th power) and distillation towards theta^0 (the code's soft-target CE with the teacher's logits times
-  ``kd_alpha``, masked to the pseudo-labelled pixels, weight ``kd_lambda``; or eq. 5.20's KL).
+  ``kd_alpha``, masked to the pseudo-labelled pixels, weight ``kd_lambda``; or eq. 5.20's KL). ``pseudo =
+  "own_ce_kl"`` trains eq. 5.19 as the thesis writes it instead (CE to the student's own pseudo-labels +
+  KL(student || teacher)); with the Shannon entropy at weight 1 and the KL distillation the loss is eq. 5.21.
 * ``cluster_aggregation`` (stage "adapt"): the ``part`` entries (head, norm, backbone or all) are
   cluster-specific: each cluster's clients receive and train their cluster's values, which are averaged
   within the cluster (eq. 5.17, data-size weights); the rest is averaged over all clients as usual. A test
   image goes to the cluster whose centroid is nearest to its style and is evaluated with that cluster's
-  model (Sec. 5.3.8, as the authors' code: no test-time FDA). The global model holds the clusters' mean for
+  model (Sec. 5.3.8, as the authors' code: no test-time FDA; ``restyle = true`` FDA-restyles it to its
+  cluster's centroid style first, as the thesis describes). The global model holds the clusters' mean for
   cluster-specific entries. List it before other components whose client hooks read the received values.
 
 Ambiguities resolved (digest Sec. 7, item 11): the pseudo-label loss, KD form and weights follow the released
@@ -45,7 +48,7 @@ import torch
 from pydantic import Field
 
 from ..device import model_device
-from ..functional.clustering import cluster_styles
+from ..functional.clustering import cluster_styles, clustering_accuracy, contingency
 from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, FACT_REPORTS, Params
@@ -135,6 +138,11 @@ class ClientStyles(Component):
             sctx.metrics["clusters/k"] = float(res.k)
             if res.k in res.scores:
                 sctx.metrics["clusters/silhouette"] = res.scores[res.k][1]
+            truth = true_domains(sctx.task)
+            if truth is not None:  # evaluation only: the server's clustering never reads the true domains
+                acc = clustering_accuracy(contingency(truth, res.labels))
+                sctx.metrics["clusters/accuracy_majority"] = acc["majority"]
+                sctx.metrics["clusters/accuracy_matching"] = acc["matching"]
 
 
 @COMPONENTS.register(
@@ -146,10 +154,21 @@ def _client_styles(params: ClientStylesParams) -> ClientStyles:
     return ClientStyles(params)
 
 
+def true_domains(task: Any) -> np.ndarray | None:
+    """Every client's true domain, the one most of its training images come from (a CrossCity client's city);
+    None when the task knows no domains."""
+    if not hasattr(task, "client_domain_counts"):
+        return None
+    counts = np.asarray(task.client_domain_counts())
+    return counts.argmax(1) if counts.ndim == 2 and counts.shape[1] else None
+
+
 def report_style_clusters(run_dir: Path, facts: dict[str, torch.Tensor], task: Any) -> None:
-    """``clusters.json`` (every client's cluster and main domain, the centroids) and
-    ``plots/style_clusters.png``: the clients' styles in 2-D (PCA), coloured by cluster and by the client's
-    main domain (when the task knows domains): whether the clusters found the planted styles."""
+    """``clusters.json`` (every client's cluster and main domain, the centroids, and with domains the table of
+    clients per domain in each cluster (the thesis's Table 5.19) and the clustering accuracies against the true
+    domain, ``functional.clustering.clustering_accuracy``) and ``plots/style_clusters.png``: the clients' styles
+    in 2-D (PCA), coloured by cluster and by the client's main domain, and that table (when the task knows
+    domains): whether the clusters found the planted styles."""
     from sklearn.decomposition import PCA
 
     from ..reporting.plots import _new_figure, _save
@@ -158,16 +177,24 @@ def report_style_clusters(run_dir: Path, facts: dict[str, torch.Tensor], task: A
         return
     styles = facts[STYLES].reshape(len(facts[STYLES]), -1).cpu().numpy()
     groups = facts[GROUPS].cpu().numpy()
-    counts = task.client_domain_counts() if hasattr(task, "client_domain_counts") else None
-    names = list(task.data.domain_names) if counts is not None else []
-    main = [names[int(i)] for i in counts.argmax(1)] if counts is not None else []
-    info = {"k": int(groups.max()) + 1, "clients": [
+    truth = true_domains(task)
+    names = list(task.data.domain_names) if truth is not None else []
+    main = [names[int(i)] for i in truth] if truth is not None else []
+    info: dict[str, Any] = {"k": int(groups.max()) + 1, "clients": [
         {"client": c, "cluster": int(g), **({"domain": main[c]} if main else {})} for c, g in enumerate(groups)],
         "centroids": facts[CENTROIDS].cpu().numpy().tolist() if CENTROIDS in facts else []}
+    table = acc = None
+    if truth is not None:
+        table = contingency(truth, groups, len(names), info["k"])
+        present = np.flatnonzero(table.sum(1))  # the domains some client holds
+        table, row_names = table[present], [names[int(i)] for i in present]
+        acc = clustering_accuracy(table)
+        info["accuracy"] = acc
+        info["table"] = {"domains": row_names, "clusters": list(range(info["k"])), "clients": table.tolist()}
     (run_dir / "clusters.json").write_text(json.dumps(info, indent=1) + "\n")
     xy = PCA(n_components=2).fit_transform(styles) if len(styles) > 2 and styles.std(0).sum() > 0 else \
         np.column_stack([styles[:, 0], styles[:, min(1, styles.shape[1] - 1)]])
-    fig, axes = _new_figure(2 if main else 1, f"LADD style clusters of {len(groups)} clients")
+    fig, axes = _new_figure(3 if main else 1, f"LADD style clusters of {len(groups)} clients")
     panels = [("style clusters (k-means, k by silhouette)", groups, [f"cluster {g}" for g in range(info["k"])])]
     if main:
         ids = np.unique(main, return_inverse=True)
@@ -182,7 +209,21 @@ def report_style_clusters(run_dir: Path, facts: dict[str, torch.Tensor], task: A
         ax.set_xlabel("style PC 1")
         ax.set_ylabel("style PC 2")
         ax.legend(fontsize=7, loc="best")
+    if table is not None and acc is not None:
+        _plot_table(axes[2], table, info["table"]["domains"], acc)
     _save(fig, run_dir / "plots" / "style_clusters.png")
+
+
+def _plot_table(ax: Any, table: np.ndarray, rows: list[str], acc: dict[str, float]) -> None:
+    """Clients per true domain (rows) in each cluster (columns), annotated, as the thesis's Table 5.19."""
+    ax.imshow(table, cmap="Blues", aspect="auto", vmin=0)
+    for (i, j), v in np.ndenumerate(table):
+        ax.text(j, i, str(int(v)), ha="center", va="center", fontsize=8,
+                color="white" if v > 0.6 * max(1, table.max()) else "black")
+    ax.set_xticks(range(table.shape[1]), [f"cluster {j}" for j in range(table.shape[1])], fontsize=7)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.set_title(f"clients per domain and cluster\naccuracy: majority {100 * acc['majority']:.1f}%, "
+                 f"one-to-one {100 * acc['matching']:.1f}%", fontsize=9)
 
 
 FACT_REPORTS[GROUPS] = report_style_clusters

@@ -30,6 +30,7 @@ each image's mIoU (eq. 5.9 over the classes present in that image's target or pr
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -73,6 +74,10 @@ class SegmentationParams(Params):
     style_beta: float = Field(0.1, gt=0, lt=1, description="FDA/CFSI window: 2 floor(beta N / 2) + 1 frequencies "
                               "per side of N (0.1 = FedDrive's half-size floor(0.05 N))")
     style_prob: float = Field(0.5, ge=0, le=1, description="probability that a training image is restyled")
+    jitter: float = Field(0.0, ge=0, le=1, description="colour jitter: brightness, contrast and saturation factors "
+                          "in [1 - j, 1 + j], random order (LADD: 0.5; 0: off)")
+    jitter_on: Literal["source", "clients", "both"] = Field("source", description="whose training images are "
+                                                           "jittered (LADD's code: the source set only)")
     style_clients: float = Field(0.5, gt=0, le=1, description="fraction of the clients whose images populate the "
                                  "style bank (FedDrive: half)")
     style_images: Literal["random", "even", "all"] = Field(
@@ -223,6 +228,8 @@ class SegmentationTask(Task):
         #: the clients whose images populate the style bank (none without style augmentation)
         self.bank_members = np.zeros(0, dtype=np.int64)
         self.style_bank = self._build_style_bank(seed) if p.style != "none" else None
+        #: (amplitude window, half) that evaluation images are restyled with (``restyled``); None: as they are
+        self.eval_style: tuple[torch.Tensor, int] | None = None
 
     # -- sizes and splits -------------------------------------------------------------------------
 
@@ -319,8 +326,9 @@ class SegmentationTask(Task):
 
         p = self.params
         labels = self.pool.labels if p.labels == "train" else None  # unlabelled clients: labels never read
+        jitter = p.jitter if p.jitter_on in ("clients", "both") else 0.0
         return SegBatchLoader(self.pool.images, labels, self.crop, p.scale, p.flip if flip is None else flip, seed,
-                              self.style_bank)
+                              self.style_bank, jitter)
 
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Augmented crops of the client's training images at ``positions`` (the draws of step 0 of round 0)."""
@@ -378,8 +386,20 @@ class SegmentationTask(Task):
             h, w = sizes[members[0]]
             per = max(1, min(batch_size, self.params.eval_pixels // int(h * w)))
             jobs += [members[a : a + per] for a in range(0, len(members), per)]
-        for x, y in self.prefetcher.map(SegEvalLoader(s.images, s.labels), jobs):
+        style = (self.eval_style[0], self.eval_style[1], self.crop) if self.eval_style is not None else None
+        for x, y in self.prefetcher.map(SegEvalLoader(s.images, s.labels, style), jobs):
             yield self.standardize(x), y.to(self.device).long()
+
+    @contextlib.contextmanager
+    def restyled(self, window: torch.Tensor, half: int) -> Iterator[None]:
+        """Within the block, evaluation images are FDA-restyled with the amplitude ``window`` ``[3, 2 half + 1,
+        2 half + 1]`` of a style measured like ``client_style`` (at the crop size; ``seg_pipeline.restyle_to``):
+        LADD's test-time restyling to the style of the image's cluster (thesis Sec. 5.3.8)."""
+        saved, self.eval_style = self.eval_style, (window.detach().to(torch.float32).cpu(), int(half))
+        try:
+            yield
+        finally:
+            self.eval_style = saved
 
     def predict(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         return main_output(model(inputs))
@@ -430,7 +450,8 @@ class SegmentationTask(Task):
         if styles is not None:
             bank = StyleBank("fda", styles.to(torch.float32).cpu(), np.full(len(styles), -1), 0.0, 1.0, half)
         p = self.params
-        loader = SegBatchLoader(self.source.images, self.source.labels, self.crop, p.scale, p.flip, seed, bank)
+        jitter = p.jitter if p.jitter_on in ("source", "both") else 0.0
+        loader = SegBatchLoader(self.source.images, self.source.labels, self.crop, p.scale, p.flip, seed, bank, jitter)
         x, y = loader((list(indices), key, -2))
         return self.standardize(x), y.to(self.device).long()
 
