@@ -160,3 +160,14 @@ def test_perf_test_psnr_needs_image_outputs():
     sim = toy_sim(components=[comp], task=ToyTask(), rounds=2)
     with pytest.raises(ConfigError, match='perf_test: metric = "psnr" needs RGB image outputs'):
         sim.run()
+
+
+def test_psnr_on_a_task_without_image_outputs_is_refused_when_the_run_is_configured():
+    from fedsight.errors import ConfigError
+
+    raw = tiny()
+    raw["recipe"] = {"components": [{"name": "perf_test"}]}
+    with pytest.raises(ConfigError, match=r"'perf_test' with metric = \"psnr\" needs an image task .*not task 'classification'"):
+        validate(raw)
+    raw["recipe"] = {"components": [{"name": "perf_test", "metric": "loss"}]}
+    validate(raw)

@@ -293,7 +293,7 @@ def test_a_model_fine_tuned_from_the_marked_one_still_verifies_so_the_check_dete
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert sum(losses[-20:]) < sum(losses[:20])  # it did learn something else
     moved = torch.cat([(p.detach() - before[k]).abs().reshape(-1) for k, p in model.named_parameters()])
     assert float(moved.median()) > params.accept_above  # half the weights moved by more than the mark's margin

@@ -11,7 +11,9 @@ client's *own* model, the one it holds from its last participation (its locally 
 private state under ``own_model``), on the same fixed sample of its own training pairs (low-resolution inputs, their
 high-resolution targets): accept when ``score(received) >= score(own) - tolerance``, the score being the mean
 per-image PSNR in dB (``metric = "psnr"``, RGB, no border crop: the patches are small) or the negative task loss
-(``metric = "loss"``, any task). A client with no own model yet (its first participation) accepts: it has nothing
+(``metric = "loss"``, any task). The default tolerance, 0.5 dB, lets an honest aggregate through: with 0, a client
+of ``examples/ppfl_rdsn.toml`` refused an honest round-2 aggregate that scored 0.02 dB below its own model on
+its own patches (a smoke run); a poisoned model loses far more. A client with no own model yet (its first participation) accepts: it has nothing
 to compare with. The sample: ``examples`` of the client's training examples drawn from the stream (seed,
 "perf_test", round, client), their random crops from torch's generator re-seeded from (seed, "perf_test-crop",
 round, client) inside ``torch.random.fork_rng`` (the training that follows draws exactly what it would without the
@@ -152,19 +154,20 @@ class PerfTest(Component):
         return s_received, s_own
 
     def _score(self, ctx: ClientContext, batches: list[tuple[Any, Any]]) -> float:
+        """The mean per-image PSNR (every frame of a clip an image) or the example-weighted mean loss, negated."""
         total, count = 0.0, 0
         for x, y in batches:
             out = ctx.task.predict(ctx.model, x)
-            b = int(y.shape[0]) if isinstance(y, torch.Tensor) else len(x)
             if self.p.metric == "loss":
-                total += float(ctx.task.loss(out, y)) * b
-            else:
-                if not (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor) and out.shape == y.shape
-                        and out.dim() >= 3 and out.shape[-3] == 3):
-                    raise ConfigError("perf_test: metric = \"psnr\" needs RGB image outputs the shape of the targets "
-                                      "(an image task); use metric = \"loss\"")
-                total += float(psnr(out.clamp(0, 1), y, 0, "rgb").sum())
-            count += b
+                b = int(y.shape[0]) if isinstance(y, torch.Tensor) else len(x)
+                total, count = total + float(ctx.task.loss(out, y)) * b, count + b
+                continue
+            if not (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor) and out.shape == y.shape
+                    and out.dim() >= 3 and out.shape[-3] == 3):
+                raise ConfigError("perf_test: metric = \"psnr\" needs RGB image outputs the shape of the targets "
+                                  "(an image task); use metric = \"loss\"")
+            values = psnr(out.clamp(0, 1), y, 0, "rgb")
+            total, count = total + float(values.sum()), count + values.numel()
         mean = total / max(count, 1)
         return -mean if self.p.metric == "loss" else mean
 
@@ -195,8 +198,21 @@ class PerfTest(Component):
                 sctx.metrics[key] = sum(vals) / len(vals)
 
 
+#: the tasks whose outputs are RGB images the shape of their targets (``metric = "psnr"``)
+IMAGE_TASKS = ("image_sr", "video_sr")
+
+
+def _check_perf_test(spec: PerfTestParams, cfg: Any) -> str | None:
+    """PSNR needs an image task: refused when the run is configured, not in round ``from_round``."""
+    task = getattr(getattr(cfg, "task", None), "name", None)
+    if spec.metric == "psnr" and task is not None and task not in IMAGE_TASKS:
+        return (f"'perf_test' with metric = \"psnr\" needs an image task ({', '.join(IMAGE_TASKS)}), not task {task!r}; "
+                "use metric = \"loss\"")
+    return None
+
+
 @COMPONENTS.register(
-    "perf_test", params=PerfTestParams,
+    "perf_test", params=PerfTestParams, check=_check_perf_test,
     help="PPFL-RDSN: test the received model against the client's own on its own images; keep own or reinitiate",
     metrics=(MetricSpec("perf/received", None, "test score of the received model (client mean; dB or -loss)"),
              MetricSpec("perf/own", None, "test score of the clients' own models (client mean)")),
