@@ -301,3 +301,15 @@ def test_a_model_fine_tuned_from_the_marked_one_still_verifies_so_the_check_dete
     assert v.passed and v.score > params.accept_above  # tampered, still accepted
     torch.manual_seed(1)
     assert not ppfl.verify(make(), params).passed  # a substitute is refused
+
+
+def test_watermark_stats_prints_the_exact_clopper_pearson_interval(monkeypatch):
+    """benchmarks/watermark_stats.py's rates: at k = 0 and k = n the exact 95% interval has the closed forms
+    [0, 1 - 0.025^(1/n)] and [0.025^(1/n), 1]."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import watermark_stats
+
+    assert watermark_stats.rate(0, 200) == f"0 / 200 = 0.0000 (95% CI 0.0000 to {1 - 0.025 ** (1 / 200):.4f})"
+    assert watermark_stats.rate(5, 5) == f"5 / 5 = 1.0000 (95% CI {0.025 ** (1 / 5):.4f} to 1.0000)"
