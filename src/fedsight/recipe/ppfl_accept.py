@@ -8,13 +8,13 @@ pieces, which the paper names but does not specify:
 
 ``perf_test`` (the performance test). The paper gives no criterion; ours compares the received model with the
 client's *own* model, the one it holds from its last participation (its locally trained weights, kept in its
-private state under ``own_model``), on the same fixed sample of its own training pairs (low-resolution inputs, their
+private state under ``own_model``), on the same sample of its own training pairs (low-resolution inputs, their
 high-resolution targets): accept when ``score(received) >= score(own) - tolerance``, the score being the mean
 per-image PSNR in dB (``metric = "psnr"``, RGB, no border crop: the patches are small) or the negative task loss
 (``metric = "loss"``, any task). The default tolerance, 0.5 dB, lets an honest aggregate through: with 0, a client
 of ``examples/ppfl_rdsn.toml`` refused an honest round-2 aggregate that scored 0.02 dB below its own model on
-its own patches (a smoke run); a poisoned model loses far more. A client with no own model yet (its first participation) accepts: it has nothing
-to compare with. The sample: ``examples`` of the client's training examples drawn from the stream (seed,
+its own patches (a smoke run); a poisoned model loses far more. A client with no own model yet (its first
+participation) accepts: it has nothing to compare with. The sample: ``examples`` of the client's training examples drawn from the stream (seed,
 "perf_test", round, client), their random crops from torch's generator re-seeded from (seed, "perf_test-crop",
 round, client) inside ``torch.random.fork_rng`` (the training that follows draws exactly what it would without the
 test). Both models are evaluated in eval mode, on the same batch.
@@ -29,7 +29,8 @@ The fallback after a refusal (``fallback``, here and on ``watermark``), the two 
   against the received model, so FedAvg's new global is the weighted mean of the uploaded models, as ever). A client
   without an own model re-initialises its weights (every module's ``reset_parameters``, torch's generator re-seeded
   from (seed, "reinitiate", round, client)): the paper's "if a client lacks a pretrained model, it initialises
-  theta_0 and performs local training" (section 4.1-III).
+  theta_0 and performs local training" (section 4.1-III). That is PyTorch's default initialisation of each layer,
+  which is RDSN's own (it sets no other); a model with a custom initialisation gets the defaults instead.
 
 Every refusal counts in the round's ``clients/refused`` (``fedsight.engine.server``): the ``model_refused`` events
 (keep_own) plus the clients that re-initiated (their result's ``REFUSED`` metric).
