@@ -17,10 +17,13 @@ scale=<s>/seed<k>``); PSNR (dB) and SSIM on BT.601 Y with a scale-sized border c
   every model against the key and parameters of the ``fedavg_dp_wm`` run of the same scale and seed, with
   how many runs accept (S > threshold): the marked models should be accepted, the vanilla ones (never marked)
   rejected (their acceptances are false positives).
+* Table IV: FedAvg vs FedAvg + the paper's DCT-domain local DP (Algorithm 1, ``dct_dp``) at each epsilon the sweep
+  has (variants ``fedavg_dct_e<epsilon>``), with the mechanism's single-release epsilon, delta, sigma and C_max,
+  the noised releases per example over the run, and the PSNR drop vs FedAvg paired by seed with its 95% CI.
 
-    python examples/ppfl_table.py runs/ppfl_rdsn                 # Tables I-III (III runs the attacks)
+    python examples/ppfl_table.py runs/ppfl_rdsn                 # Tables I-IV (III runs the attacks)
     python examples/ppfl_table.py runs/ppfl_rdsn --ft-steps 300
-    python examples/ppfl_table.py runs/ppfl_rdsn --no-attacks    # Tables I-II only
+    python examples/ppfl_table.py runs/ppfl_rdsn --no-attacks    # Tables I, II and IV
 
 Variants or scales without a complete run are left out (a table with none is omitted).
 """
@@ -201,6 +204,69 @@ def table_ii(root: Path, scale_list: list[str]) -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------------------- Table IV
+
+
+DCT_PREFIX = "fedavg_dct_e"
+
+
+def dct_variants(root: Path) -> list[str]:
+    """The sweep's DCT-DP variants (``fedavg_dct_e<epsilon>``), by increasing epsilon."""
+    found = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith(DCT_PREFIX)]
+
+    def eps(name: str) -> float:
+        try:
+            return float(name[len(DCT_PREFIX):])
+        except ValueError:
+            return float("inf")
+
+    return sorted(found, key=lambda n: (eps(n), n))
+
+
+def total(run: Path, key: str) -> float | None:
+    """The sum of ``key`` over the run's round rows (None when no row has it)."""
+    vals = [r[key] for r in rows(run) if key in r and "event" not in r]
+    return sum(vals) if vals else None
+
+
+def table_iv(root: Path, scale_list: list[str]) -> bool:
+    variants = dct_variants(root)
+    splits = first_splits(root, ["fedavg", *variants], scale_list) if variants else None
+    if splits is None or not any(runs_of(root, v, s) for v in variants for s in scale_list):
+        return False
+    print("**Table IV**: FedAvg vs FedAvg + DCT-domain local DP (the paper's Algorithm 1, `dct_dp`), final round; "
+          "ε and σ are of ONE release of one example's high band at the layer (δ per release; no composition, the "
+          "weights are not DP); releases = noised passes per example over the run (mean over clients, summed over "
+          "rounds); PSNR drop = FedAvg - variant, paired by seed: mean [95% CI] and whether the interval excludes 0 "
+          "('better': FedAvg higher).")
+    print()
+    cols = [*[f"{n} {m}" for _, n in splits for m in ("PSNR", "SSIM")], "ε", "δ", "σ", "C_max", "releases",
+            *[f"{n} PSNR drop" for _, n in splits], "seeds"]
+    header(["scale", "method", *cols], len(cols))
+    for s in scale_list:
+        base = runs_of(root, "fedavg", s)
+        for variant in ["fedavg", *variants]:
+            runs = runs_of(root, variant, s)
+            if not runs:
+                continue
+            if variant == "fedavg":
+                label, privacy, drop = "FedAvg (no DP)", ["-"] * 5, ["-"] * len(splits)
+            else:
+                label = "FedAvg + DCT-DP"
+                last_rows = [last(r, "privacy/dct_epsilon") for r in runs]
+                dct = component(config(runs[0]), "dct_dp") or {}
+                releases = [t for t in (total(r, "privacy/dct_passes") for r in runs) if t is not None]
+                privacy = [fmt([x["privacy/dct_epsilon"] for x in last_rows if x], 2),
+                           ", ".join(sorted({f"{x['privacy/dct_delta']:g}" for x in last_rows if x})) or "-",
+                           fmt([x["privacy/dct_sigma"] for x in last_rows if x], 1),
+                           f"{dct.get('c_max', 1.0):g}", fmt(releases, 1)]
+                drop = [drops(base, runs, split) if base else "-" for split, _ in splits]
+            print(f"| x{s} | {label} | {' | '.join(metric_cells(runs, splits))} | {' | '.join(privacy)} | "
+                  f"{' | '.join(drop)} | {len(runs)} |")
+    print()
+    return True
+
+
 # ---------------------------------------------------------------------------------------- Table III
 
 
@@ -372,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = [table_i(args.root, scale_list), table_ii(args.root, scale_list)]
     if not args.no_attacks:
         shown.append(table_iii(args.root, scale_list, args.ft_steps))
+    shown.append(table_iv(args.root, scale_list))
     if not any(shown):
         print(f"ppfl_table: no complete run under {args.root}/<variant>/scale=<s>/", file=sys.stderr)
     print_provenance(sorted(r for v in sorted({p.name for p in args.root.iterdir() if p.is_dir()}) for sc in scale_list

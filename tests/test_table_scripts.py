@@ -117,3 +117,30 @@ def test_raf_ablations_table_prints_each_experiment_with_paired_cis(tmp_path, ca
     assert "of the 21 runs" in out[out.index("## Provenance"):]
     assert raf_ablations_table.main([str(tmp_path / "none")]) == 2
     assert raf_ablations_table.main([str(tmp_path / "raf")]) == 1  # a folder without this sweep's runs
+
+
+def test_ppfl_table_iv_sets_dct_dp_against_fedavg_paired_by_seed(tmp_path, capsys):
+    import ppfl_table
+
+    base = {0: 27.10, 1: 27.15, 2: 27.20}
+    dct = {0: 26.50, 1: 26.70, 2: 26.55}
+    for seed in base:
+        for variant, psnr, comps in (("fedavg", base[seed], []),
+                                     ("fedavg_dct_e2.75", dct[seed], [{"name": "dct_dp", "c_max": 10.0}])):
+            _run(tmp_path, f"{variant}/scale=2", seed, 0.0)
+            d = tmp_path / variant / "scale=2" / f"seed{seed}"
+            (d / "config.json").write_text(json.dumps({"seed": seed, "data": {"test_sets": {"photos": ["a"]}},
+                                                       "recipe": {"components": comps}}))
+            priv = {"privacy/dct_epsilon": 2.75, "privacy/dct_delta": 1e-5, "privacy/dct_sigma": 35.2,
+                    "privacy/dct_passes": 1.25} if comps else {}
+            rows = [{"round": 1, **priv}, {"round": 2, "test/psnr_y": psnr, "test/ssim_y": 0.8, **priv}]
+            (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert ppfl_table.table_iv(tmp_path, ["2"])
+    out = capsys.readouterr().out
+    lo, hi = stats.ttest_rel(list(base.values()), list(dct.values())).confidence_interval()
+    mean = sum(base[s] - dct[s] for s in base) / 3
+    assert "**Table IV**" in out
+    assert "| x2 | FedAvg (no DP) | 27.15 ± 0.05 | 0.800 ± 0.000 | - | - | - | - | - | - | 3 |" in out
+    assert (f"| x2 | FedAvg + DCT-DP | 26.58 ± 0.10 | 0.800 ± 0.000 | 2.75 ± 0.00 | 1e-05 | 35.2 ± 0.0 | 10 | "
+            f"2.5 ± 0.0 | {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] better (n=3) | 3 |") in out
+    assert not ppfl_table.table_iv(tmp_path / "fedavg", ["2"])  # no DCT-DP variant: no table

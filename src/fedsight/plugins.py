@@ -45,6 +45,7 @@ BUILTIN = (
     "fedsight.recipe.ladd_adapt",
     "fedsight.recipe.dp_sgd",
     "fedsight.recipe.ppfl",
+    "fedsight.recipe.ppfl_accept",
 )
 
 _loaded = False

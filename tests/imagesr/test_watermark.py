@@ -265,3 +265,51 @@ def test_component_in_a_run_marks_the_global_model_and_refuses_a_substitution():
     sim.run(on_round=lambda r, row, ev: (rows.append(row), events.extend(ev)))
     refused = [e for e in events if e["event"] == "model_refused"]
     assert len(refused) == 3 and all(e["round"] == 3 and e["score"] < e["threshold"] for e in refused)
+
+
+def test_a_model_fine_tuned_from_the_marked_one_still_verifies_so_the_check_detects_substitution_not_tampering():
+    """The paper's threat model lists "parameter tampering" (section 3.1) beside substitution; the check cannot tell
+    a model *derived* from the marked one: 100 Adam steps (lr 2e-3) of a different objective (task loss only, no L_wm) on an
+    RDSN change most weights by far more than the mark's margin, yet S stays above the threshold; a substituted
+    (freshly initialised) RDSN is refused. docs/image_sr.md states this."""
+    from fedsight.models import build_model
+    from fedsight.models.base import ModelIO
+
+    make = lambda: build_model("rdsn", {"features": 8, "blocks": 1, "layers": 2, "growth": 4},
+                               io=ModelIO("image_sr", in_channels=3, num_outputs=3, scale=2))
+    params = ppfl.WatermarkParams(key=KEY.hex(), p=0.05, min_carriers=200, beta=0.05)
+    torch.manual_seed(0)
+    model = marked(make(), params)
+    assert ppfl.verify(model, params).passed
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    hr = torch.rand(64, 3, 24, 24, generator=g)
+    lr = hr[..., ::2, ::2]
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    losses = []
+    for step in range(100):
+        i = torch.randint(0, 64, (8,), generator=g)
+        loss = (model(lr[i]) - hr[i]).abs().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-20:]) < sum(losses[:20])  # it did learn something else
+    moved = torch.cat([(p.detach() - before[k]).abs().reshape(-1) for k, p in model.named_parameters()])
+    assert float(moved.median()) > params.accept_above  # half the weights moved by more than the mark's margin
+    v = ppfl.verify(model, params)
+    assert v.passed and v.score > params.accept_above  # tampered, still accepted
+    torch.manual_seed(1)
+    assert not ppfl.verify(make(), params).passed  # a substitute is refused
+
+
+def test_watermark_stats_prints_the_exact_clopper_pearson_interval(monkeypatch):
+    """benchmarks/watermark_stats.py's rates: at k = 0 and k = n the exact 95% interval has the closed forms
+    [0, 1 - 0.025^(1/n)] and [0.025^(1/n), 1]."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import watermark_stats
+
+    assert watermark_stats.rate(0, 200) == f"0 / 200 = 0.0000 (95% CI 0.0000 to {1 - 0.025 ** (1 / 200):.4f})"
+    assert watermark_stats.rate(5, 5) == f"5 / 5 = 1.0000 (95% CI {0.025 ** (1 / 5):.4f} to 1.0000)"

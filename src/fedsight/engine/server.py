@@ -233,6 +233,11 @@ class Server:
         r, sctx = plan.round, plan.sctx
         t_train = time.perf_counter() - plan.t0
         row: dict[str, Any] = {"clients/sampled": len(plan.sampled), "clients/aggregated": len(results)}
+        if any(getattr(c, "refuses_models", False) for c in self.recipe.components):
+            # refusals of the received model: clients that trained nothing (events) and clients that trained from
+            # their own model instead (``fedsight.recipe.ppfl_accept``: their result's ``clients/refused`` is 1)
+            row["clients/refused"] = (sum(1 for e in events if e.get("event") == "model_refused" and e.get("round") == r)
+                                      + sum(int(res.metrics.get("clients/refused", 0)) for res in results))
         self.last_weights = None
         delta = None
         if results:

@@ -33,8 +33,10 @@ dimension 0; it assumes the layers up to k treat examples independently (no Batc
 
 ``watermark``: the parameter watermark of section 3.3 (``fedsight.functional.watermark``). Every client adds
 lam * L_wm to its local objective (``loss_term``); from round ``verify_from`` on it first verifies the global model
-it received: S <= threshold raises ``ModelRefused`` (the client trains nothing; the server logs a
-``model_refused`` event with ``score`` and ``threshold``). ``verify_from`` defaults to 2: round 1 starts from the
+it received: S <= threshold refuses it, with the ``fallback`` of ``fedsight.recipe.ppfl_accept`` ("keep_own", the
+default: ``ModelRefused``, the client trains nothing and the server logs a ``model_refused`` event with ``score`` and
+``threshold``; "reinitiate": the client trains from its own model instead). A model that passes may then be tested
+for performance (``perf_test``, listed after ``watermark``: the paper's order). ``verify_from`` defaults to 2: round 1 starts from the
 randomly initialised, unmarked model, and the first aggregate (after round 1) is the first marked one.
 
 The key mk is shared by all clients and must not be known to the server. Where it comes from (``watermark_key``):
@@ -67,7 +69,7 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from ..device import model_device
-from ..errors import ConfigError, ModelRefused
+from ..errors import ConfigError
 from ..functional.dct import dct_mechanism, dct_noise, draws_noise, gaussian_sigma
 from ..functional.watermark import (
     Carrier,
@@ -84,6 +86,7 @@ from ..registry import COMPONENTS, Params
 from ..rng import derive_seed
 from ..secret import holds_client_secrets, noise_generator, read_key_file
 from ..training import ClientContext, Component, OutputNoise, ServerContext, VectorStep
+from .ppfl_accept import REFUSED, Fallback, keep_own_model, refuse, refused
 
 __all__ = [
     "DctDP",
@@ -255,6 +258,8 @@ class WatermarkParams(Params):
                                     "floating parameter")
     verify_from: int = Field(2, ge=1, description="first round whose received model is verified (round 1's "
                              "is the unmarked initial model)")
+    fallback: Fallback = Field("keep_own", description="after a refused model: keep_own (train nothing) or "
+                               "reinitiate (train from the own model); fedsight.recipe.ppfl_accept")
 
     @field_validator("key")
     @classmethod
@@ -344,6 +349,7 @@ class Watermark(Component):
     """Embeds the key's mark through the local objective and verifies the received global model."""
 
     name = "watermark"
+    refuses_models = True
 
     @property
     def uses_secrets(self) -> bool:
@@ -402,8 +408,8 @@ class Watermark(Component):
         score = wm_score(received, c)
         thr = self.p.accept_above
         if ctx.round >= self.p.verify_from and not score > thr:
-            raise ModelRefused(f"watermark check failed: S = {score:.4g} <= threshold {thr:.4g} (|J| = {c.size})",
-                               score=score, threshold=thr, carriers=c.size)
+            refuse(ctx, self.p.fallback, f"watermark check failed: S = {score:.4g} <= threshold {thr:.4g} "
+                   f"(|J| = {c.size})", score=score, threshold=thr, carriers=c.size)
         lam = float(c.size) if self.p.lam is None else float(self.p.lam)
         ctx.scratch[self.name] = {"carrier": c, "lam": lam, "score": score}
 
@@ -428,6 +434,9 @@ class Watermark(Component):
                           loss_term=lambda own, params, outputs, targets: lam * wm_loss({**own, **params}, c, beta))
 
     def client_end(self, ctx: ClientContext, result: ClientResult) -> None:
+        if self.p.fallback == "reinitiate":
+            keep_own_model(ctx)
+        result.metrics[REFUSED] = 1.0 if refused(ctx) else 0.0
         s = ctx.scratch[self.name]
         result.metrics["wm/score"] = float(s["score"])
         result.metrics["wm/local_score"] = float(wm_score(ctx.model, s["carrier"]))

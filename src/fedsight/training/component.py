@@ -137,6 +137,10 @@ class Component:
     reruns_the_model: bool = False
     #: whether the component noises a layer's output in every forward (``VectorStep.output_noise``: ``dct_dp``)
     noises_a_layer: bool = False
+    #: whether the component may refuse the received global model (``ModelRefused``, or a fallback that trains
+    #: from the client's own model: ``fedsight.recipe.ppfl_accept``): the round's row then counts the refusals
+    #: (``clients/refused``)
+    refuses_models: bool = False
 
     # -- client side ---------------------------------------------------------------------------
     def client_start(self, ctx: ClientContext) -> None:
