@@ -14,7 +14,7 @@ statistics are then those of the shifted pool). Choices the thesis leaves open, 
 * *clipping*: ``clip = true`` (the default) clamps the shifted pixels to [0, 1], what an 8-bit image of the
   shifted scene holds (a channel multiplied by 2 saturates); ``clip = false`` keeps the products (a channel may
   reach delta), the literal "multiplied", for in-memory datasets only. On-disk images (``imagefolder``,
-  ``federated_csv``) are 8-bit and shifted as 8-bit: round(clamp(255 x pixel x factor, 0, 255)), so they always clip.
+  ``federated_csv``) are 8-bit and shifted as 8-bit: floor(clamp(255 x pixel x factor, 0, 255) + 0.5), so they always clip.
 * the server-held validation and pre-training splits (``[validation]``, ``[pretrain]``) are the server's, not a
   client's: left unshifted.
 
@@ -77,7 +77,7 @@ def three_groups(n: int, rng: np.random.Generator) -> np.ndarray:
 
 class ShiftedStore(ImageStore):
     """The 8-bit images of ``base``, image i's channels multiplied by ``factors[i]`` and stored back as 8-bit
-    (rounded, clamped to 0..255): the images a client of a shifted domain would hold on disk."""
+    (rounded half up, clamped to 0..255): the images a client of a shifted domain would hold on disk."""
 
     def __init__(self, base: ImageStore, factors: torch.Tensor) -> None:
         self.base, self.factors = base, factors.to(torch.float32)
@@ -91,7 +91,7 @@ class ShiftedStore(ImageStore):
 
     def _apply(self, images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         out = images.to(torch.float32) * f.view(*f.shape, 1, 1)
-        return out.round_().clamp_(0, 255).to(torch.uint8)
+        return out.add_(0.5).floor_().clamp_(0, 255).to(torch.uint8)  # rounded half up
 
     def get(self, indices: Any) -> torch.Tensor:
         idx = _as_index(indices, len(self))
