@@ -212,7 +212,7 @@ def overrides(raw: dict[str, Any], root: Path) -> dict[str, Any]:
     elif name == "federated_csv" and "inaturalist" in data["train_csv"]:
         data_root, train, test = write_inat_csv(root / "inat")
         out.update({"data.root": str(data_root), "data.train_csv": str(train), "data.test_csv": str(test),
-                    "data.image_size": 12, "data.workers": 0})
+                    "data.min_images": 1, "data.image_size": 12, "data.workers": 0})
     elif name == "federated_csv":
         data_root, train, test = write_federated_csv(root / "gldv2")
         out.update({"data.root": str(data_root), "data.train_csv": str(train), "data.test_csv": str(test),

@@ -41,6 +41,7 @@ PUBLISHED = {"resnet18_imagenet": (11_689_512, 512), "mobilenetv2": (3_504_872, 
 #: fixture has fewer classes)
 IO = {"fedvg_cifar10": {"num_outputs": 10}, "fed3r_cifar100": {"num_outputs": 100},
       "fed3r_gl": {"num_outputs": 2028}, "fed3r_inat": {"num_outputs": 1203},
+      "fed3r_inat_rgb_shift": {"num_outputs": 1203}, "fed3r_cifar100_imbalance": {"num_outputs": 100},
       "personalized_gl": {"num_outputs": 2028}, "raf_table2": {"num_outputs": 16},
       "feddrive_cityscapes": {"num_outputs": 19}, "ladd_cityscapes": {"num_outputs": 19},
       "fedvsr_table1_reds": {"num_outputs": 3, "scale": 4, "num_frames": 30},
@@ -62,7 +63,8 @@ def _ids(paths):
 def test_there_is_a_preset_per_headline_table():
     assert {p.stem for p in PRESETS} == {
         "fedvsr_table1_reds", "fedvsr_table1_kinetics", "ppfl_rdsn_tables", "raf_table2", "fedvg_cifar10",
-        "fed3r_cifar100", "fed3r_gl", "fed3r_inat", "personalized_gl", "feddrive_cityscapes", "ladd_cityscapes"}
+        "fed3r_cifar100", "fed3r_cifar100_imbalance", "fed3r_gl", "fed3r_inat", "fed3r_inat_rgb_shift",
+        "personalized_gl", "feddrive_cityscapes", "ladd_cityscapes"}
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))
