@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .base import ArrayDataset, DatasetSplits, StoredDataset
 from .pipeline import ImageStore, _as_index, _one
+from ..errors import ConfigError
 from ..rng import np_rng
 
 #: thesis Sec. 3.9.12: the fraction of each class's data that each class group keeps
@@ -108,7 +109,7 @@ class ShiftedStore(ImageStore):
 def _shift(data: ArrayDataset | StoredDataset, factors: torch.Tensor, clip: bool, where: str):
     if isinstance(data, StoredDataset):
         if not clip:
-            raise ValueError(f"partition.rgb_shift.clip = false: {where} is read from 8-bit image files, which hold "
+            raise ConfigError(f"partition.rgb_shift.clip = false: {where} is read from 8-bit image files, which hold "
                              "clipped pixels only; set clip = true")
         return StoredDataset(ShiftedStore(data.store, factors), data.y, data.num_classes, data.class_names,
                              data.loader)
@@ -124,7 +125,7 @@ def apply_rgb_shift(splits: DatasetSplits, clients: Any, shift: RGBShift, seed: 
     set's images by theirs; and what ``partition.json`` records (each client's group, the test groups' sizes)."""
     channels = splits.in_channels
     if channels != 3:
-        raise ValueError(f"partition.rgb_shift needs RGB images; the data have {channels} channel(s) "
+        raise ConfigError(f"partition.rgb_shift needs RGB images; the data have {channels} channel(s) "
                          "(set data.channels = 3)")
     table = torch.stack([rgb_factors(shift.delta, c) for c in range(3)])  # [group, channel]
     client_group = three_groups(len(clients), np_rng(seed, "rgb_shift", "clients"))
@@ -153,7 +154,7 @@ def global_imbalance_keep(labels: np.ndarray, num_classes: int, variant: str, se
     fractions = GLOBAL_IMBALANCE_VARIANTS[variant]
     groups = len(fractions)
     if num_classes % groups:
-        raise ValueError(f"partition.global_imbalance = {variant!r} splits the classes into {groups} equal groups; "
+        raise ConfigError(f"partition.global_imbalance = {variant!r} splits the classes into {groups} equal groups; "
                          f"the data's {num_classes} classes are not a multiple of {groups}")
     order = np_rng(seed, "global_imbalance", "groups").permutation(num_classes)
     group_of = np.empty(num_classes, dtype=np.int64)
