@@ -110,3 +110,16 @@ def test_a_run_uploads_2c_float32_a_client_and_fills_the_bank(task_and_raw):
     assert rdn.status == "complete"
     # 3 clients x (mean, std) x 3 channels x 4 bytes: the pairs and nothing else beside the model update
     assert rdn.history[-1]["cost/up_bytes"] - plain.history[-1]["cost/up_bytes"] == 3 * 2 * 3 * 4
+
+
+def test_the_bank_survives_a_checkpoint():
+    comp = FedRDN()
+    comp.bank = {4: (torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0.2, 0.2, 0.2])),
+                 1: (torch.tensor([0.3, 0.4, 0.5]), torch.tensor([0.4, 0.6, 0.2]))}
+    again = FedRDN()
+    again.load_state_dict(comp.state_dict())
+    assert sorted(again.bank) == [1, 4]
+    assert all(torch.equal(again.bank[k][i], comp.bank[k][i]) for k in comp.bank for i in (0, 1))
+    empty = FedRDN()
+    empty.load_state_dict(FedRDN().state_dict())
+    assert empty.bank == {} and empty.server_broadcast(None) is None
