@@ -39,6 +39,11 @@ FLOOR = 0.005  # seconds: the assumed launch-bound time of one small training st
 SIZES = {
     "fedvg_cifar10": ("fedvg", 10, (32, 32), 390, "CIFAR-10: 65% of 60,000 over 100 clients"),
     "fed3r_cifar100": ("fedavg", 100, (32, 32), 500, "CIFAR-100: one class of 500 a client"),
+    "fed3r_gl": ("fed3r+fedavg", 2028, (224, 224), 120, "GL Users-160k: 119.9 a client"),
+    "fed3r_inat": ("fed3r+fedavg", 1203, (224, 224), 13, "iNat Users-120k: 13.0 a client, 5 epochs"),
+    "fed3r_inat_rgb_shift": ("fed3r+fedavg+fedrdn", 1203, (224, 224), 24,
+                             "iNat Pers-Geo-100: 66,165 images over 2,714 clients"),
+    "fed3r_cifar100_imbalance": ("fed3r", 100, (32, 32), 250, "CIFAR-100 variants: 25,000 images, one class a client"),
     "personalized_gl": ("fed3r+fedavg+oll_fp_psi", 2028, (224, 224), 44,
                         "GL Pers-Users-160k: 80.2 a client, 55% train"),
     "raf_table2": ("raf_fedavg", 16, (256, 192), 4000, "MPII: 4K instances a client (the high client's size)"),

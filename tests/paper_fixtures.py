@@ -2,8 +2,9 @@
 that point a preset at them (``tests/test_paper_presets.py``).
 
 Each writer produces the few files its loader needs, in the published layout and file naming (REDS/Kinetics
-frame folders, DIV2K and the EDSR benchmark layout, MPII in the HRNet layout, image folders, Cityscapes with
-FedDrive's LEAF split JSON, IDDAsmall with FedDrive's, GTA5 with LADD's list); the loaders' own tests (tests/video, tests/imagesr,
+frame folders, DIV2K and the EDSR benchmark layout, MPII in the HRNet layout, image folders, Hsu et al.'s GLDv2
+and iNaturalist CSV splits, Cityscapes with FedDrive's LEAF split JSON, IDDAsmall with FedDrive's, GTA5 with LADD's
+list); the loaders' own tests (tests/video, tests/imagesr,
 tests/keypoints, tests/data) check the layouts in detail against hand-written expectations, these only need
 to be readable. Pixels are random; sizes are a few dozen pixels so a task builds in well under a second.
 ``overrides(raw, root)`` returns the dotted-key overrides for one preset: its data paths replaced by the
@@ -119,6 +120,21 @@ def write_federated_csv(root: Path) -> tuple[Path, Path, Path]:
     return root, train, test
 
 
+def write_inat_csv(root: Path) -> tuple[Path, Path, Path]:
+    """Hsu et al.'s iNaturalist split (federated_train_user_120k.csv: user_id, image_id, class, label; test.csv:
+    image_id, class, label, as the release's inspect_splits.py parses them) over a flat folder of <image_id>.jpg
+    (the preset's linked copy of iNaturalist 2017's train_val_images): users 17 (4 images) and 230 (3)."""
+    rows = [("17", f"{k:032x}", k % 3, 2000 + k % 3) for k in range(4)] + \
+           [("230", f"{100 + k:032x}", k % 2, 2000 + k % 2) for k in range(3)]
+    tests = [(f"{900 + k:032x}", k % 3, 2000 + k % 3) for k in range(3)]
+    for image_id in [r[1] for r in rows] + [t[0] for t in tests]:
+        _png(root / "flat" / f"{image_id}.jpg", 12, 12)
+    train, test = root / "federated_train_user_120k.csv", root / "test.csv"
+    train.write_text("user_id,image_id,class,label\n" + "".join(f"{u},{i},{c},{lab}\n" for u, i, c, lab in rows))
+    test.write_text("image_id,class,label\n" + "".join(f"{i},{c},{lab}\n" for i, c, lab in tests))
+    return root / "flat", train, test
+
+
 # -- segmentation: Cityscapes (+ FedDrive's LEAF JSON), GTA5 (+ LADD's list) -------------------------------------
 
 CITYSCAPES_IDS = np.r_[np.arange(34), 255]
@@ -227,6 +243,10 @@ def overrides(raw: dict[str, Any], root: Path) -> dict[str, Any]:
         if raw["partition"]["name"] == "classes":
             clients = 4  # one class each, as the preset
         out["partition.min_size"] = 1 if raw["partition"]["name"] == "dirichlet" else None
+    elif name == "federated_csv" and "inaturalist" in data["train_csv"]:
+        data_root, train, test = write_inat_csv(root / "inat")
+        out.update({"data.root": str(data_root), "data.train_csv": str(train), "data.test_csv": str(test),
+                    "data.min_images": 1, "data.image_size": 12, "data.workers": 0})
     elif name == "federated_csv":
         data_root, train, test = write_federated_csv(root / "gldv2")
         out.update({"data.root": str(data_root), "data.train_csv": str(train), "data.test_csv": str(test),

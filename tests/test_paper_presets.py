@@ -40,6 +40,8 @@ PUBLISHED = {"resnet18_imagenet": (11_689_512, 512), "mobilenetv2": (3_504_872, 
 #: what each preset's model is told about its inputs and outputs on the paper's data (``ModelIO`` fields: the
 #: fixture has fewer classes)
 IO = {"fedvg_cifar10": {"num_outputs": 10}, "fed3r_cifar100": {"num_outputs": 100},
+      "fed3r_gl": {"num_outputs": 2028}, "fed3r_inat": {"num_outputs": 1203},
+      "fed3r_inat_rgb_shift": {"num_outputs": 1203}, "fed3r_cifar100_imbalance": {"num_outputs": 100},
       "personalized_gl": {"num_outputs": 2028}, "raf_table2": {"num_outputs": 16},
       "feddrive_cityscapes": {"num_outputs": 19}, "ladd_cityscapes": {"num_outputs": 19},
       "feddrive_idda": {"num_outputs": 16},
@@ -64,8 +66,9 @@ def _ids(paths):
 def test_there_is_a_preset_per_headline_table():
     assert {p.stem for p in PRESETS} == {
         "fedvsr_table1_reds", "fedvsr_table1_kinetics", "fedvsr_table2_reds", "fedvsr_table2_kinetics",
-        "ppfl_rdsn_tables", "raf_table2", "fedvg_cifar10", "fed3r_cifar100", "personalized_gl", "feddrive_cityscapes",
-        "feddrive_idda", "ladd_cityscapes"}
+        "ppfl_rdsn_tables", "raf_table2", "fedvg_cifar10", "fed3r_cifar100", "fed3r_cifar100_imbalance", "fed3r_gl",
+        "fed3r_inat", "fed3r_inat_rgb_shift", "personalized_gl", "feddrive_cityscapes", "feddrive_idda",
+        "ladd_cityscapes"}
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=_ids(PRESETS))

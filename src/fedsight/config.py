@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, model_validator
 
@@ -29,17 +29,25 @@ from .config_sections import (  # noqa: F401  (re-exported: fedsight.config is w
 from .registry import Params
 from .rng import check_seed
 
+#: the partition section's keys that are not the partitioner's parameters (kept when partition.name changes)
+PARTITION_KEYS = ("num_clients", "local_test_fraction", "rgb_shift", "global_imbalance")
+
 __all__ = ["ConfigError", "parse_override", "read_toml", "set_path", "validate"]  # sweeps and loading: fedsight.sweep
 
 
 def _sections() -> dict[str, Any]:
     from .data.server_split import ValidationSection  # the server-held validation set (FedVG)
     from .pretrain import PretrainSection  # the server-held pre-training split (Fed3R's extractor)
+    from .data.thesis_protocols import RGBShift  # thesis Table 3.9's domain perturbation
 
     partition_extra = {
         "num_clients": (int, Field(..., ge=1, description="clients the training pool is split over")),
         "local_test_fraction": (float, Field(0.2, ge=0, lt=1, description="share of each client's examples kept "
                                                                                 "as its local test set")),
+        "rgb_shift": (RGBShift | None, Field(None, description="thesis Table 3.9: thirds of the clients (and of the "
+                                             "test set) get one RGB channel x delta, the others x 1/delta")),
+        "global_imbalance": (Literal["A", "B", "C", "D"] | None, Field(None, description=(
+            "thesis Table 3.11: keep half the training pool, class groups keeping 50 | 25/75 | 20-80 | 5-95%"))),
     }
     recipe = create_model(
         "RecipeSection",
@@ -113,6 +121,9 @@ def config_model() -> type[BaseModel]:
                         f"{section}.name = {entry.name!r} is a {entry.task_family} {reg.kind}, but task is {family!r}; "
                         f"{reg.kind}s for {family}: {', '.join(e.name for e in reg.entries() if e.task_family == family)}"
                     )
+            for key in ("rgb_shift", "global_imbalance"):  # thesis ch. 3 protocols of the classification pool
+                if getattr(self.partition, key) is not None and family != "classification":
+                    raise ValueError(f"partition.{key} applies to classification data; task is {family!r}")
             v = self.validation
             if v.source == "dataset" and v.dataset is not None:  # V is a split of a dataset of this task
                 entry = R.DATASETS.get(v.dataset["name"])
@@ -184,7 +195,7 @@ def set_path(raw: dict[str, Any], path: list[str], value: Any) -> None:
     if path[-1] == "name" and path[:-1] != ["run"] and isinstance(cur.get("name"), str) and cur.get("name") != value:
         # switching component: drop the old component's parameters ([run] has a name but is no component)
         for k in list(cur):
-            if k not in ("name", "num_clients", "local_test_fraction"):
+            if k != "name" and k not in PARTITION_KEYS:
                 del cur[k]
     cur[path[-1]] = value
 
@@ -197,7 +208,7 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
             b = {"name": b}
         if isinstance(b, dict) and isinstance(v, dict):
             if "name" in v and b.get("name") != v["name"] and k != "run":
-                keep = {kk: vv for kk, vv in b.items() if kk in ("num_clients", "local_test_fraction")}
+                keep = {kk: vv for kk, vv in b.items() if kk in PARTITION_KEYS}
                 out[k] = {**keep, **copy.deepcopy(v)}
             else:
                 out[k] = deep_merge(b, v)

@@ -135,7 +135,9 @@ def site_config(raw: dict[str, Any], changes: Sequence[tuple[list[str], Any, boo
     sampling settings of training (``clients_per_round``, ``fraction``, ``min_clients``, also in stages), which
     an evaluation does not use and which a site with fewer clients could not satisfy, are dropped."""
     raw = json.loads(json.dumps(raw))  # a deep copy of JSON values
-    for section, keep in (("data", ()), ("partition", ("num_clients", "local_test_fraction"))):
+    from .config import PARTITION_KEYS
+
+    for section, keep in (("data", ()), ("partition", PARTITION_KEYS)):
         new = [v for p, v, _ in changes if p == [section, "name"]]
         old = raw.get(section, {})
         old_name = old.get("name") if isinstance(old, dict) else old

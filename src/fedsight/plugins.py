@@ -39,6 +39,7 @@ BUILTIN = (
     "fedsight.recipe.local_adam",
     "fedsight.recipe.fed3r",
     "fedsight.recipe.oll",
+    "fedsight.recipe.fedrdn",
     "fedsight.recipe.personalize",
     "fedsight.recipe.ladd",
     "fedsight.recipe.raf",

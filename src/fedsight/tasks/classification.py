@@ -107,6 +107,8 @@ class ClassificationTask(Task):
         way and served by ``pretrain_batches``."""
         self.splits = splits
         self.clients = clients
+        #: what the thesis's data protocols did (``partition.rgb_shift`` / ``global_imbalance``), for partition.json
+        self.protocols: dict[str, Any] = {}
         self.model_name = model_name
         self.model_params = model_params
         self.metrics = classification_metrics(splits.num_classes, list(splits.train.class_names))
@@ -252,6 +254,7 @@ class ClassificationTask(Task):
             "client_label_counts": self.client_label_counts().tolist(),
             "validation": self.val_info,
             "pretrain": self.pretrain_info,
+            **self.protocols,  # partition.rgb_shift / global_imbalance: groups and counts
         }
 
     def train_batch(self, client: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,6 +409,12 @@ def build_classification_task(params: NoParams, *, cfg: Any) -> ClassificationTa
     from ..data.server_split import carve_server_splits, split_summary, validation_subset
 
     splits = load_dataset(cfg.data.name, component_params(cfg.data), seed=cfg.seed)
+    protocols: dict[str, Any] = {}
+    if cfg.partition.global_imbalance is not None:  # thesis Table 3.11: before anything is carved or dealt
+        from ..data.thesis_protocols import apply_global_imbalance
+
+        splits, protocols["global_imbalance"] = apply_global_imbalance(splits, cfg.partition.global_imbalance,
+                                                                       cfg.seed)
     names = list(splits.train.class_names)
     # V and the pre-training split leave the pool before partitioning: no client ever holds them
     server = carve_server_splits(cfg, splits.train.labels, splits.num_classes, names)
@@ -425,8 +434,14 @@ def build_classification_task(params: NoParams, *, cfg: Any) -> ClassificationTa
     if "val" in server.held or "pretrain" in server.held:
         splits = DatasetSplits(train=splits.train.subset(server.rest), test=splits.test)
     clients = partition_from_config(splits.train.labels, cfg, attributes)
+    if cfg.partition.rgb_shift is not None:  # thesis Table 3.9: each client's domain, after the clients are dealt
+        from ..data.thesis_protocols import apply_rgb_shift
+
+        splits, protocols["rgb_shift"] = apply_rgb_shift(splits, clients, cfg.partition.rgb_shift, cfg.seed)
     model_params = MODELS.get(cfg.model.name).params(**component_params(cfg.model))
-    return ClassificationTask(
+    task = ClassificationTask(
         splits, clients, cfg.model.name, model_params, val=val, val_info=server.summaries.get("validation"),
         pretrain=pre, pretrain_info=server.summaries.get("pretrain"),
     )
+    task.protocols = protocols
+    return task
