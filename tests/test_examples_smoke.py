@@ -66,3 +66,19 @@ def test_smoke_shrinks_every_stage_and_component_and_refuses_stop_after():
     assert fed3r.config.pretrain.epochs == 1
     with pytest.raises(ConfigError, match="^smoke with stop_after"):
         fedsight.run(EXAMPLES[0].parent / "quickstart.toml", smoke=True, stop_after=1)
+
+
+def test_smoke_caps_a_single_variant_in_a_fresh_process():
+    """``--variant X --smoke`` in a new process: the parts' smoke values are read before any config is validated (a
+    shrink that ran before the registry was loaded left LADD's source_pretrain at 3000 steps, so theta^0 never
+    came and the adaptation stage failed)."""
+    import subprocess
+    import sys
+
+    code = ("from fedsight.sweep import load; from fedsight.config import stage_configs\n"
+            "(s,) = load('examples/ladd.toml', only=['ladd_cls'], smoke=True)\n"
+            "print([(c.steps, c.steps_per_round) for _, _, cfg in stage_configs(s.config)"
+            " for c in cfg.recipe.components if c.name == 'source_pretrain'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=EXAMPLES[0].parents[1], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[(2, 2)]"

@@ -172,7 +172,10 @@ def _shrink(r: dict[str, Any]) -> None:
     declared smoke value (a field's ``json_schema_extra={"smoke": N}``: ``source_pretrain.steps``,
     ``pretrain.epochs``, ``builtin_pose.num_test``)."""
     from . import registry as R
+    from .plugins import load_builtin
     from .pretrain import PretrainSection
+
+    load_builtin()  # the parts' declared smoke values: a run's first validation may come after its shrink
 
     def cap(table: Any, params: Any) -> None:
         if not isinstance(table, dict):
