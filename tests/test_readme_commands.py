@@ -72,7 +72,7 @@ def fenced_commands(path: Path) -> list[str]:
     for lang, body in _FENCE.findall(path.read_text(encoding="utf-8")):
         if lang not in _SHELL:
             continue
-        for line in body.splitlines():
+        for line in re.sub(r"\\\n\s*", " ", body).splitlines():  # a line continued with \ is one command
             line = re.sub(r"^(\w+=\S*\s+)+", "", line.strip().removeprefix("$ "))  # environment settings
             if not re.match(r"(fedsight|python|pip|pytest)\b", line):
                 continue
