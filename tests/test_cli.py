@@ -94,7 +94,7 @@ def test_list_shows_metrics_and_capabilities(monkeypatch):
     """What a task measures (with directions), what it and each model provide, what each part needs."""
     from rich.console import Console
 
-    monkeypatch.setattr("fedsight.cli.console", Console(width=1000))  # one line per entry
+    monkeypatch.setattr("fedsight.cli_common.console", Console(width=1000))  # one line per entry
     res = runner.invoke(app, ["list", "task"])
     line = next(x for x in res.output.splitlines() if "video_sr" in x)
     assert "psnr ↑" in line and "loss ↓" in line and "primary psnr" in line and "provides: image_outputs" in line

@@ -23,7 +23,7 @@ runner = CliRunner()
                                            ("server_optimizer", "server optimizers"), ("sharing", "parameter sharings"),
                                            ("Datasets", "datasets"), ("task", "tasks")])
 def test_list_takes_the_words_of_its_own_headings(word, heading, monkeypatch):
-    monkeypatch.setattr("fedsight.cli.console", Console(width=200))
+    monkeypatch.setattr("fedsight.cli_common.console", Console(width=200))
     res = runner.invoke(app, ["list", word])
     assert res.exit_code == 0, res.output
     titles = [line.strip() for line in res.output.splitlines() if line.strip() and line.strip()[0].isalpha()]
@@ -37,7 +37,7 @@ def test_list_of_an_unknown_kind_is_one_line_naming_the_kinds():
 
 
 def test_list_shows_every_choice_of_a_choice_parameter(monkeypatch):
-    monkeypatch.setattr("fedsight.cli.console", Console(width=1000))  # one line per entry
+    monkeypatch.setattr("fedsight.cli_common.console", Console(width=1000))  # one line per entry
     res = runner.invoke(app, ["list", "tasks"])
     line = next(x for x in res.output.splitlines() if x.strip("│ ").startswith("segmentation"))
     assert "style='none' [none|fda|cfsi|lab]" in line

@@ -25,33 +25,33 @@ def calibrate_(
     docs/fed3r.md."""
     from rich.table import Table
 
-    from . import cli as C
+    from . import cli_common as C
     from .calibrate import calibrate_run
     from .errors import ConfigError, OutputPathError
     from .functional.temperature import DEFAULT_GRID
 
     if not (run_dir / "config.json").is_file():
-        C._fail(f"{run_dir}: not a run directory (no config.json)")
+        C.fail(f"{run_dir}: not a run directory (no config.json)")
     taus = DEFAULT_GRID
     if grid is not None:
         try:
             taus = tuple(float(t) for t in grid.split(",") if t.strip())
         except ValueError:
-            C._fail(f"--grid {grid!r}: expected numbers separated by commas, e.g. 0.05,0.1,0.2")
+            C.fail(f"--grid {grid!r}: expected numbers separated by commas, e.g. 0.05,0.1,0.2")
     if refine < 0:
-        C._fail(f"--refine {refine}: expected a number of steps >= 0")
+        C.fail(f"--refine {refine}: expected a number of steps >= 0")
     try:
         from .functional.temperature import check_grid
 
         check_grid(taus)
     except ValueError as exc:
-        C._fail(f"--grid: {exc}")
+        C.fail(f"--grid: {exc}")
     try:
         cal = calibrate_run(run_dir, taus, refine)
     except (ConfigError, OutputPathError) as exc:
-        C._fail(str(exc))
+        C.fail(str(exc))
     except (FileNotFoundError, ValueError) as exc:
-        C._fail(str(exc), 1)
+        C.fail(str(exc), 1)
     table = Table()
     table.add_column("tau", justify="right")
     table.add_column("mean train CE", justify="right")
@@ -59,9 +59,9 @@ def calibrate_(
     for t, v, what in rows:
         mark = " ←" if t == cal.tau else ""
         table.add_row(f"{t:.4g}{what}", f"{v:.5g}{mark}")
-    C._say(f"{run_dir}: round {cal.round} (stage {cal.stage}), {cal.clients} clients, {cal.examples} training examples")
+    C.say(f"{run_dir}: round {cal.round} (stage {cal.stage}), {cal.clients} clients, {cal.examples} training examples")
     C.console.print(table)
-    C._say(f"tau = {cal.tau:.4g} (mean training CE {cal.ce:.5g}): --set train.temperature={cal.tau:.4g}")
+    C.say(f"tau = {cal.tau:.4g} (mean training CE {cal.ce:.5g}): --set train.temperature={cal.tau:.4g}")
     if cal.at_edge:
-        C._say("the minimum is at an end of the grid: it may lie beyond it; widen --grid")
-    C._say(f"wrote {Path(run_dir) / 'temperature.json'} and {Path(run_dir) / 'plots' / 'temperature.png'}")
+        C.say("the minimum is at an end of the grid: it may lie beyond it; widen --grid")
+    C.say(f"wrote {Path(run_dir) / 'temperature.json'} and {Path(run_dir) / 'plots' / 'temperature.png'}")

@@ -13,10 +13,11 @@ from typing import Annotated, Any, Optional
 import click
 import numpy as np
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from . import cli_common as term
+from .cli_common import fail, find_runs, guard, progress, say
 from .errors import ConfigError, OutputPathError, describe_error
 from .help_text import reflow_help
 from .run_lines import complete_variants
@@ -27,8 +28,6 @@ app = typer.Typer(
     help="FedSight: federated learning for real-world vision tasks under heterogeneity.",
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
 
 
 def _version(value: bool) -> None:
@@ -37,7 +36,7 @@ def _version(value: bool) -> None:
 
         import torch
 
-        console.print(f"fedsight {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})",
+        term.console.print(f"fedsight {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})",
                       highlight=False)
         raise typer.Exit()
 
@@ -56,36 +55,6 @@ SetOpt = Annotated[
 ]
 
 
-def _fail(msg: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)  # paths may hold [..]
-    raise typer.Exit(code)
-
-
-def _say(text: str) -> None:
-    """A line of plain text (paths, names, values from the user): never read as rich markup (``runs/exp[bold]``
-    stays as written), never highlighted, never wrapped into two lines."""
-    console.print(escape(text), highlight=False, soft_wrap=True)
-
-
-def _guard(check: Any, *args: Any, **kwargs: Any) -> Path:
-    """``check(*args, **kwargs)`` of ``fedsight.safe_write`` (the one output-path guard); a path it refuses is one
-    line naming it and why, exit 2, before anything is written."""
-    from .errors import OutputPathError
-
-    try:
-        return check(*args, **kwargs)
-    except OutputPathError as exc:
-        _fail(str(exc))
-        raise  # unreachable: _fail exits
-
-
-def _progress():
-    """The progress display (``fedsight.live``): two lines a run, readable at 80 columns."""
-    from .live import make_progress
-
-    return make_progress(console)
-
-
 def _spec_label(spec: Any, index: int | None = None, count: int = 1) -> str:
     """A sweep member as the progress shows it: ``run k/N`` in a sweep, its run name (the variant and grid point)
     and seed."""
@@ -102,8 +71,8 @@ def _execute_with_progress(cfg: Any, run_dir: Path, label: str, **kwargs: Any):
     from .runs import RunDir
 
     done = int(RunDir(run_dir).read_status().get("round", 0)) if RunDir(run_dir).exists() else 0
-    with _progress() if console.is_terminal else contextlib.nullcontext() as progress:
-        view = RunView(progress, _say, label, cfg.server.rounds, progress_keys(cfg), done=done)
+    with progress() if term.console.is_terminal else contextlib.nullcontext() as shown:
+        view = RunView(shown, say, label, cfg.server.rounds, progress_keys(cfg), done=done)
         out = execute(cfg, run_dir, on_round=view.round, on_phase=view.phase, **kwargs)
         view.finish(out.status)
         return out
@@ -144,7 +113,7 @@ def run(
     from .run_lines import again_command, device_override, interrupted_lines
 
     if smoke and stop_after is not None:
-        _fail("--smoke with --stop-after: a smoke run is already at most 2 rounds a stage; pass one of them")
+        fail("--smoke with --stop-after: a smoke run is already at most 2 rounds a stage; pass one of them")
     again = again_command(config, set_ or [], variant or [], device)
     specs: list[Any] = []
     try:
@@ -154,20 +123,20 @@ def run(
             raise typer.Exit(code)  # the ranks' exit code (--nproc), or a worker rank's end (docs/distributed.md)
         dirs = _run_specs(config, sets, variant or [], specs, jobs, overwrite, stop_after, smoke)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): which run stopped where, and how to go on
         for line in interrupted_lines([s.run_dir for s in specs], again, device):
-            _say(line)
+            say(line)
         raise typer.Exit(130) from None
     if stop_after is not None:
-        _say(f"stopped after round {stop_after}; continue with: {again}")
+        say(f"stopped after round {stop_after}; continue with: {again}")
         return
     group = Path(os.path.commonpath([d.parent for d in dirs]))  # the sweep's folder
     rep = report(dirs, group)
-    rep.print(console)
-    _say(f"runs: {', '.join(str(d) for d in dirs)}")
+    rep.print(term.console)
+    say(f"runs: {', '.join(str(d) for d in dirs)}")
     costs = [str(group / s.cost_curves) for s in rep.sections if s.cost_curves]
-    _say(f"report: {group / 'report.md'}  {group / 'report.html'}  curves: "
+    say(f"report: {group / 'report.md'}  {group / 'report.html'}  curves: "
          + ", ".join(str(group / s.curves) for s in rep.sections) + (f"  cost: {', '.join(costs)}" if costs else ""))
 
 
@@ -182,9 +151,9 @@ def _run_specs(config: Path, sets: list[str], variants: list[str], specs: list[A
         try:
             out = _execute_with_progress(spec.config, spec.run_dir, label, overwrite=overwrite, stop_after=stop_after)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
+            fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
         if out.status == "skipped":
-            _say(f"{label}: already complete in {out.run_dir}")
+            say(f"{label}: already complete in {out.run_dir}")
         dirs.append(out.run_dir)
     return dirs
 
@@ -199,9 +168,9 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
 
     labels = [_spec_label(s, i, len(specs)) for i, s in enumerate(specs)]
     keys, start = progress_keys(specs[0].config), time.monotonic()
-    with _progress() if console.is_terminal else contextlib.nullcontext() as progress:
-        views = [RunView(progress, _say, label, s.config.server.rounds, keys, start=start,
-                         phase="waiting for a worker" if progress is not None else "")
+    with progress() if term.console.is_terminal else contextlib.nullcontext() as shown:
+        views = [RunView(shown, say, label, s.config.server.rounds, keys, start=start,
+                         phase="waiting for a worker" if shown is not None else "")
                  for label, s in zip(labels, specs)]
 
         def on_message(msg: Any) -> None:
@@ -218,11 +187,11 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
     failed = [(labels[i], err) for i, status, err in results if status == "failed"]
     for i, status, _ in results:
         if status == "skipped":
-            _say(f"{labels[i]}: already complete in {specs[i].run_dir}")
+            say(f"{labels[i]}: already complete in {specs[i].run_dir}")
     if any(status == "interrupted" for _, status, _ in results):
         raise KeyboardInterrupt
     if failed:
-        _fail("; ".join(f"{label}: {err}" for label, err in failed), 1)
+        fail("; ".join(f"{label}: {err}" for label, err in failed), 1)
     return [s.run_dir for s in specs]
 
 
@@ -247,41 +216,27 @@ def resume(
             raise typer.Exit(code)
         out = _execute_with_progress(cfg, run_dir, f"{cfg.run.name} seed {cfg.seed}", resume=True, stop_after=stop_after)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
+        fail(str(exc), 2 if isinstance(exc, OutputPathError) else 1)
     except KeyboardInterrupt:
         for line in interrupted_lines([run_dir], None, device):
-            _say(line)
+            say(line)
         raise typer.Exit(130) from None
     if out.status == "skipped":
-        _say(f"{run_dir} is already complete")
+        say(f"{run_dir} is already complete")
         write_summary(run_dir)
     if out.status in ("complete", "skipped"):  # as `fedsight run` ends: the table, then where the files are
         table, lines = finished(out.run_dir)
-        console.print(table.to_rich())
+        term.console.print(table.to_rich())
         for line in lines:
-            _say(line)
+            say(line)
     else:
-        _say(f"stopped at round {out.last_row['round'] if out.last_row else 0}; continue with: "
+        say(f"stopped at round {out.last_row['round'] if out.last_row else 0}; continue with: "
              f"{resume_command(run_dir, device)}")
 
 
 from .evaluate_cli import evaluate  # noqa: E402  (a run's model again: its own data, other sites, a matrix)
 
 app.command()(evaluate)
-
-
-def _find_runs(paths: list[Path]) -> list[Path]:
-    found: list[Path] = []
-    for p in paths:
-        if (p / "config.json").is_file():
-            found.append(p)
-        elif p.is_dir():
-            found.extend(sorted(c.parent for c in p.rglob("config.json")))
-        else:
-            _fail(f"{p}: not a run directory or a folder of runs", 1)
-    if not found:
-        _fail(f"no run directories under {', '.join(map(str, paths))}", 1)
-    return found
 
 
 @app.command()
@@ -313,20 +268,20 @@ def report(
     from .reporting.outputs import RECORD, Outputs
     from .safe_write import check_output, check_output_folder
 
-    runs = _find_runs(paths)
-    _guard(check_output_folder, out, "--out", force=force)
+    runs = find_runs(paths)
+    guard(check_output_folder, out, "--out", force=force)
     try:
         rep = plan_report(runs, metric or None, baseline=baseline, select=select, targets=target)
     except ConfigError as exc:  # a bad --baseline, --select or --target: nothing written
-        _fail(str(exc))
+        fail(str(exc))
     except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 1)
+        fail(str(exc), 1)
     before = Outputs(out)  # what an earlier report into `out` wrote, unchanged, it replaces without --force
     for name in rep.files:
-        _guard(check_output, out / name, force=force, exists_ok=before.ours(out / name))
-    _guard(check_output, out / RECORD, exists_ok=True)
+        guard(check_output, out / name, force=force, exists_ok=before.ours(out / name))
+    guard(check_output, out / RECORD, exists_ok=True)
     if csv is not None:
-        _guard(check_output, csv, "--csv", force=force, exists_ok=before.ours(csv))
+        guard(check_output, csv, "--csv", force=force, exists_ok=before.ours(csv))
     try:
         written = write_report(rep, out)
         if csv is not None:
@@ -334,9 +289,9 @@ def report(
         before.remove_stale(written)
         before.record([*written, *([csv] if csv is not None else [])])
     except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 1)
-    rep.print(console)
-    _say(f"wrote {', '.join(str(p) for p in written)}" + (f" and {csv}" if csv is not None else ""))
+        fail(str(exc), 1)
+    rep.print(term.console)
+    say(f"wrote {', '.join(str(p) for p in written)}" + (f" and {csv}" if csv is not None else ""))
 
 
 
@@ -350,9 +305,9 @@ def list_(
     try:
         tables = registry_tables(kind)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for table in tables:
-        console.print(table)
+        term.console.print(table)
 
 
 @app.command()
@@ -377,12 +332,12 @@ def partition(
     from .safe_write import check_output
 
     if out is not None:
-        _guard(check_output, out, "--out", force=force)
+        guard(check_output, out, "--out", force=force)
 
     try:
         specs = S.load(config, set_ or [], variant or [])
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     specs = [s for s in specs if s.seed == specs[0].seed]
     group = Path(os.path.commonpath([s.run_dir.parent for s in specs]))  # the sweep's folder
     points: dict[str, list[Any]] = {}  # the sections that decide a task's partition -> the points sharing it
@@ -403,17 +358,17 @@ def partition(
         else:  # the sweep's folder, where every variant sharing it finds it
             path = out.with_name(f"{out.stem}-{slug}{out.suffix}") if out else group / f"partition-{slug}.png"
         for target in (path, path.with_name(path.stem + "_classes.png")):  # all checked before anything is written
-            _guard(check_output, target, "--out" if target == out else "", force=force, exists_ok=out is None)
+            guard(check_output, target, "--out" if target == out else "", force=force, exists_ok=out is None)
         paths.append(path)
     for same, path, point in zip(points.values(), paths, shown):
         spec = same[0]
         names = [str(s.run_dir.parent.relative_to(group)) for s in same if s.run_dir.parent != group]
         if names:
-            _say(f"-- {', '.join(names)} (seed {spec.seed})")
+            say(f"-- {', '.join(names)} (seed {spec.seed})")
         try:
             task = build_task(spec.config)  # the same data, validation carve-out and partition a run uses
         except (ConfigError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1)
+            fail(str(exc), 2 if isinstance(exc, ConfigError) else 1)
         _show_partition(spec.config, task, path, point)
 
 
@@ -439,7 +394,7 @@ def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
 
     describe = getattr(task, "data_description", None)
     if describe is None:
-        _fail(f"task {cfg.task.name!r} has no per-client label statistics to show", 1)
+        fail(f"task {cfg.task.name!r} has no per-client label statistics to show", 1)
     info = describe()
     counts = np.asarray(info["client_label_counts"])
     key = info.get("partition_key", "class")  # what the partition deals out: classes, or (segmentation) domains
@@ -450,26 +405,26 @@ def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
     for k, row in enumerate(counts):
         table.add_row(str(k), str(task.num_train_examples(k)), str(task.num_test_examples(k)), str(int((row > 0).sum())),
                       f"{row.max() / max(row.sum(), 1):.2f}")
-    console.print(table)
+    term.console.print(table)
     summary = partition_summary(counts)
     if key != "class":
         summary = {k.replace("classes", f"{key}s").replace("label", key): v for k, v in summary.items()}
-    _say("  ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()))
+    say("  ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()))
     if info.get("validation"):
         from .reporting.partition import describe_split
 
-        _say(f"server validation set: {describe_split(info['validation'])}")
+        say(f"server validation set: {describe_split(info['validation'])}")
     path.parent.mkdir(parents=True, exist_ok=True)
     title = f"{cfg.data.name} / {p.name}" + (f" ({point})" if point else "")
     plot_partition_heatmap(counts, path, class_names=info.get("class_names"), title=title, key=key)
-    _say(f"heatmap: {path}")
+    say(f"heatmap: {path}")
     if "client_class_pixels" in info:  # segmentation: how the classes' pixels are spread over the clients
         from .tasks.seg_visuals import plot_class_distribution
 
         dist = path.with_name(path.stem + "_classes.png")
         plot_class_distribution(np.asarray(info["client_class_pixels"]), info["pixel_class_names"], dist,
                                 title=f"{title}: class pixel shares of {len(counts)} clients")
-        _say(f"class distribution: {dist}")
+        say(f"class distribution: {dist}")
 
 
 from .pretrain_cli import pretrain_  # noqa: E402  (the server's feature extractor, fedsight.pretrain)
@@ -544,17 +499,17 @@ def _entry() -> None:
         msg = exc.format_message()
         head, *hints = msg.split(" Did you mean ")  # typer and click each append the same suggestion
         msg = head + "".join(f" Did you mean {h}" for h in dict.fromkeys(h.strip() for h in hints))
-        err_console.print(f"[bold red]error:[/] {escape(msg)}{escape(where)}", highlight=False,
+        term.err_console.print(f"[bold red]error:[/] {escape(msg)}{escape(where)}", highlight=False,
                           soft_wrap=True)
         sys.exit(2)
     except (click.Abort, KeyboardInterrupt):  # `run` and `resume` say their own round and resume command first
-        err_console.print(_interrupted_line(sys.argv[1:]), highlight=False, soft_wrap=True)
+        term.err_console.print(_interrupted_line(sys.argv[1:]), highlight=False, soft_wrap=True)
         sys.exit(130)
     except Exception as exc:  # the one error boundary: no traceback unless asked for
         if os.environ.get(DEBUG_ENV):
             raise
-        err_console.print(f"[bold red]error:[/] {escape(describe_error(exc))}", highlight=False, soft_wrap=True)
-        err_console.print(f"(set {DEBUG_ENV}=1 for the traceback)", style="dim", highlight=False)
+        term.err_console.print(f"[bold red]error:[/] {escape(describe_error(exc))}", highlight=False, soft_wrap=True)
+        term.err_console.print(f"(set {DEBUG_ENV}=1 for the traceback)", style="dim", highlight=False)
         sys.exit(2 if isinstance(exc, ConfigError) else 1)
     sys.exit(code if isinstance(code, int) else 0)
 

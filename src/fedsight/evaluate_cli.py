@@ -49,24 +49,24 @@ def evaluate(
     classes differ from the model's. One run: its metrics, appended to RUN_DIR/evaluations.jsonl.
     Several runs or --site: a models x sites matrix of the primary metric in --out (crosseval.md, .csv, .json),
     each evaluation appended to its run's evaluations.jsonl. See docs/evaluation.md."""
-    from .cli import _fail, _find_runs, _guard, _say, console
+    from .cli_common import console, fail, find_runs, guard, say
     from .crosseval import MATRIX_FILES, SITE_SECTIONS, Site, append_matrix, cross_evaluate, evaluate_one, \
         parse_sites, write_matrix
     from .errors import ConfigError, OutputPathError
     from .safe_write import check_output_folder
 
-    runs = _find_runs(paths)
+    runs = find_runs(paths)
     try:
         sites = parse_sites(site or [])
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if len(runs) == 1 and not sites:
         try:
             checked, ev = evaluate_one(runs[0], set_ or [], model)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
+            fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
         what = f" with {', '.join(set_)}" if set_ else ""
-        _say(f"{runs[0]}: the {model} model, round {ev.round}{what}")
+        say(f"{runs[0]}: the {model} model, round {ev.round}{what}")
         table = Table()
         table.add_column("metric")
         table.add_column("value", justify="right")
@@ -77,20 +77,20 @@ def evaluate(
         if not checked.own_clients:
             why = ("the selected model is a global model" if model == "best"
                    else "the site's clients are not the run's")
-            _say(f"clients: global model only ({why}: no client's personal state is used; docs/evaluation.md)")
-        _say(f"appended to {runs[0] / 'evaluations.jsonl'}")
+            say(f"clients: global model only ({why}: no client's personal state is used; docs/evaluation.md)")
+        say(f"appended to {runs[0] / 'evaluations.jsonl'}")
         return
     if not sites:  # several runs, one site: what --set makes of each run's data
         named = any(s.split("=", 1)[0].strip().split(".")[0] in SITE_SECTIONS for s in set_ or [])
         sites = [Site("set" if named else "own")]
-    _guard(check_output_folder, out, "--out", files=MATRIX_FILES, force=force)
+    guard(check_output_folder, out, "--out", files=MATRIX_FILES, force=force)
     try:
         matrix = cross_evaluate(runs, sites, set_ or [], model)
         written = write_matrix(matrix, out)
         append_matrix(matrix)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
-    _say(f"{matrix.headline} of each run's {model} model (rows) on each site (columns):")
+        fail(str(exc), 2 if isinstance(exc, (ConfigError, OutputPathError)) else 1)
+    say(f"{matrix.headline} of each run's {model} model (rows) on each site (columns):")
     table = Table()
     table.add_column("model \\ site")
     for s in matrix.sites:
@@ -99,4 +99,4 @@ def evaluate(
         vals = [matrix.value(i, j, matrix.headline) for j in range(len(matrix.sites))]
         table.add_row(escape(label), *["-" if v is None else f"{v:.4g}" for v in vals])
     console.print(table)
-    _say(f"wrote {', '.join(map(str, written))}; appended each evaluation to its run's evaluations.jsonl")
+    say(f"wrote {', '.join(map(str, written))}; appended each evaluation to its run's evaluations.jsonl")

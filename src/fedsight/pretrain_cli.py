@@ -33,11 +33,11 @@ def pretrain_(
 
     `fedsight run` on the same config loads this file, and pre-trains by itself when the file is missing.
     """
-    from . import cli as C
+    from . import cli_common as C
     from .safe_write import check_output
 
     if out is not None:
-        C._guard(check_output, out, "--out", force=True)  # an existing file: below (pre-trained, or --force)
+        C.guard(check_output, out, "--out", force=True)  # an existing file: below (pre-trained, or --force)
     from . import sweep as S
     from .api import build_task
     from .pretrain import pretrain, pretrain_key, pretrain_weights_path, sidecar_path
@@ -45,21 +45,21 @@ def pretrain_(
     try:
         specs = S.load(config, set_ or [])
     except ConfigError as exc:
-        C._fail(str(exc))
+        C.fail(str(exc))
     todo: dict[Path, Any] = {}
     for spec in specs:
         if spec.config.pretrain.source == "none":
-            C._fail(f'{config}: pretrain.source = "none" (run {spec.run_dir}); set pretrain.source = "samples" '
+            C.fail(f'{config}: pretrain.source = "none" (run {spec.run_dir}); set pretrain.source = "samples" '
                   "in the config or pass --set pretrain.source=samples")
         todo.setdefault(out or pretrain_weights_path(spec.config), spec)
     if out is not None and len({pretrain_key(s.config) for s in specs}) > 1:
-        C._fail(f"--out names one file but {config} has {len({pretrain_key(s.config) for s in specs})} distinct pretraining "
+        C.fail(f"--out names one file but {config} has {len({pretrain_key(s.config) for s in specs})} distinct pretraining "
               "setups (seeds or variants); drop --out to give each its own file")
     for path in todo:  # each file it writes, and its sidecar, before anything is computed
         for target in (path, sidecar_path(path)):
-            C._guard(check_output, target, "--out" if target == out else "", force=True)
+            C.guard(check_output, target, "--out" if target == out else "", force=True)
         if path.is_file() and not sidecar_path(path).is_file() and not force:
-            C._fail(f"{'--out ' if path == out else ''}{path}: exists without its sidecar {sidecar_path(path)} (not a "
+            C.fail(f"{'--out ' if path == out else ''}{path}: exists without its sidecar {sidecar_path(path)} (not a "
                   "file `fedsight pretrain` wrote); pass --force to replace it")
     for path, spec in todo.items():
         cfg = spec.config
@@ -68,12 +68,12 @@ def pretrain_(
             import json
 
             meta = json.loads(sidecar_path(path).read_text())
-            C._say(f"{label}: already pre-trained (test acc {meta['test'].get('acc', float('nan')):.4f}) in {path}; "
+            C.say(f"{label}: already pre-trained (test acc {meta['test'].get('acc', float('nan')):.4f}) in {path}; "
                  "--force to redo")
             continue
         try:
             task = build_task(cfg)  # data errors surface before the progress bar
-            with C._progress() as progress:
+            with C.progress() as progress:
                 bar = progress.add_task(escape(label), total=cfg.pretrain.epochs, detail="pre-training")
 
                 def on_epoch(epoch: int, loss: float) -> None:
@@ -81,13 +81,13 @@ def pretrain_(
 
                 res = pretrain(cfg, task, out=path, progress=on_epoch)
         except (ConfigError, FileNotFoundError, ValueError) as exc:
-            C._fail(str(exc), 1)
+            C.fail(str(exc), 1)
         extra = res.test.get("acc_pretrain_classes")
         seen = f" ({extra:.4f} on pretrain.classes)" if extra is not None else ""
         C.console.print(
             f"{label}: {res.num_examples} server examples, {cfg.pretrain.epochs} epochs, final train loss "
             f"{res.train_loss[-1]:.4f}; test acc {res.test.get('acc', float('nan')):.4f}{seen} (own head)"
         )
-        C._say(f"weights: {res.path}  details: {res.meta_path}")
+        C.say(f"weights: {res.path}  details: {res.meta_path}")
         if out is not None:
-            C._say(f"use it with: fedsight run {config} --set pretrain.weights={res.path}")
+            C.say(f"use it with: fedsight run {config} --set pretrain.weights={res.path}")

@@ -30,7 +30,7 @@ def init(
     Each key's comment is its description from the config model; each section's other keys follow, commented
     out at their defaults. Try it with `fedsight run FILE --smoke`.
     """
-    from . import cli as C
+    from . import cli_common as C
     from .init_config import write
     from .safe_write import check_output
 
@@ -40,8 +40,8 @@ def init(
             check_output(path, "--out" if out is not None else "")  # inside a run directory, a parent that is a file
         write(task, path)
     except (ConfigError, OutputPathError) as exc:
-        C._fail(str(exc))
-    C._say(f"wrote {path}; try it with: fedsight run {path} --smoke")
+        C.fail(str(exc))
+    C.say(f"wrote {path}; try it with: fedsight run {path} --smoke")
 
 
 def schema(
@@ -54,7 +54,7 @@ def schema(
     Use it with `#:schema ./fedsight.schema.json` as a config's first line. Checks across keys stay with
     `fedsight run` (docs/cli.md says what the schema does not cover).
     """
-    from . import cli as C
+    from . import cli_common as C
     from .safe_write import check_output
     from .schema import config_schema, write
 
@@ -65,5 +65,5 @@ def schema(
         check_output(out, "--out", force=force)
         write(out)
     except OutputPathError as exc:
-        C._fail(str(exc))
-    C._say(f"wrote {out}; first line of a config for editors: #:schema ./{out.name}")
+        C.fail(str(exc))
+    C.say(f"wrote {out}; first line of a config for editors: #:schema ./{out.name}")
