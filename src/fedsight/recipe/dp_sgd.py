@@ -73,7 +73,8 @@ from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..secret import noise_generator
-from ..training import ClientContext, Component, ServerContext
+from ..device import model_device
+from ..training import ClientContext, Component, ServerContext, VectorStep
 
 _HISTORY = "dp_sgd"
 # Opacus's backward hooks fire on module outputs when the inputs need no gradient (always, for data): benign
@@ -134,6 +135,8 @@ class DPSGD(Component):
     name = "dp_sgd"
     #: its noise protects the client's data: secret under ``[privacy] noise = "secret"``
     uses_secrets = True
+    #: trained together, the trainer computes each example's clipped gradient (``fedsight.training.private_step``)
+    clips_examples = True
 
     def __init__(self, params: DPSGDParams):
         self.p = params
@@ -203,6 +206,32 @@ class DPSGD(Component):
             noise = self._noise(s["z"] * c, p, s["gen"])
             p.grad = (clipped + noise) / expected + reg
             p.grad_sample = None
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        """``after_backward`` for the vectorised step (``fedsight.training.private_step``): the trainer hands the
+        clipped sum, the unclipped mean and the number of real examples; this client's noise is drawn outside the
+        step (``step_draw``) from its own generator, parameter by parameter in the model's order, as
+        ``after_backward`` draws it (the same draws: equal noise on equal streams). Opacus's hooks are removed (the
+        trainer's per-example vmap replaces them)."""
+        self._release()
+        s, p = ctx.scratch[self.name], self.p
+        std, c = s["z"] * p.max_grad_norm, p.max_grad_norm
+        params = [(k, q) for k, q in ctx.model.named_parameters() if q.requires_grad]
+        poisson = p.sampling == "poisson"
+
+        def step_draw() -> dict[str, torch.Tensor]:
+            s["steps"] += 1
+            return {k: self._noise(std, q, s["gen"]) for k, q in params}
+
+        def grads(own: Any, _params: Any, grads: Any) -> dict[str, torch.Tensor]:
+            # the sequential ``(clipped + noise) / E[B] + (p.grad - mean_i g_i)``, E[B] = q n_k (Poisson) or the
+            # batch's size (shuffle)
+            expected = own["expected"] if poisson else own["examples"].clamp(min=1)
+            return {k: (own["clipped_sum"][k] + own["drawn"][k]) / expected + (g - own["example_mean"][k])
+                    for k, g in grads.items()}
+
+        expected = torch.tensor(s["q"] * ctx.num_examples, dtype=torch.float64, device=model_device(ctx.model))
+        return VectorStep(tensors={"expected": expected}, grads=grads, clip_examples=c, step_draw=step_draw)
 
     def _noise(self, std: float, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """N(0, std^2) of ``p``'s shape and dtype on ``p``'s device, drawn from ``gen`` (CPU): plainly, or by Opacus's
