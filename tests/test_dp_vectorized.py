@@ -32,8 +32,9 @@ UNEQUAL = {"partition.alpha": 0.3, "train.batch_size": 8, "train.epochs": None, 
            "server.rounds": 2, "server.clients_per_round": 3, "eval.every": 3, "engine.threads": 1}
 
 CASES = {
-    # Poisson batches of expected size 1: many steps of some client are empty (noise-only steps)
-    "poisson_empty": {"train.batch_size": 1, "recipe.components": [DP]},
+    # Poisson batches of expected size 1: many steps of some client are empty (noise-only steps; the padding's dropout
+    # masks are drawn and the client's stream put back, as sequential training draws none)
+    "poisson_empty": {"train.batch_size": 1, "model.dropout": 0.5, "recipe.components": [DP]},
     # shuffled fixed-size batches (E[B] = the batch's size), FedProx's data-independent term (no noise on it), momentum
     "shuffle_fedprox": {"train.momentum": 0.9, "recipe.components": [{**DP, "sampling": "shuffle"},
                                                                      {"name": "fedprox", "mu": 0.5}]},
@@ -188,6 +189,11 @@ def test_dp_sgd_blockers_name_what_per_example_clipping_cannot_take_apart():
     bn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     assert blockers(bn, [dp], SGD_TRAINER, local) == ["'dp_sgd': 1 is a BatchNorm, which mixes a batch's examples"]
     sim = build_simulation(validate(tiny(**{**UNEQUAL, "engine.vectorize": True, "recipe.components": [DP]})))
+    runtime = sim.runtime
+    runtime.vectorize, runtime.stage_index = "auto", -1  # (what ``"auto"`` is on CUDA: ``api.vectorize_mode``)
+    runtime.enter_stage(0)
+    assert runtime.vectorizes(3) and not runtime.sequential_reasons  # "auto" trains a DP-SGD stage together
     sim.task.loss_is_example_mean = False
+    runtime.vectorize = True
     with pytest.raises(ConfigError, match="engine.vectorize = true: .*not a mean of per-example losses"):
         sim.runtime.vector_blockers(sim.runtime.stage)

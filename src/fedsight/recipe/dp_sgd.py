@@ -56,6 +56,18 @@ secure mode, a CSPRNG generator (``torchcsprng``, which ``PrivacyEngine(secure_m
 available for torch 2 (its last release, 0.2.1, targets torch 1.8): the draws come from the secret-seeded
 Mersenne-Twister stream above, which is not a CSPRNG. It costs four normal draws per parameter per step.
 
+Trained together (``engine.vectorize``: ``vector_step``, ``fedsight.training.private_step``): Opacus's hooks are
+removed and the trainer takes each example's gradient under a vmap over the client's batch (torch.func's
+per-sample-gradient pattern; through the model's forward only, as the hooks see it, so data-independent terms
+stay the unclipped, un-noised ``g_reg``), clips it with the same factor and hands the clipped sum and the unclipped
+mean to ``vector_step``'s ``grads``, which applies the formula above. The batches are this component's
+``batch_positions`` (an empty Poisson batch is one masked padding example: a noise-only step), the noise is drawn
+outside the vectorised call from the same generator, parameter by parameter in the same order (so equal streams
+give equal noise), and the accountant gets the same (z, q, steps): the same epsilon. It needs the task's loss to be
+a mean of per-example losses (``Task.loss_is_example_mean``: each example's gradient alone is then Opacus's
+per-sample gradient) and no component that reruns the model or noises a layer; otherwise the stage trains one
+client at a time (``fedsight.training.vectorized.blockers``).
+
 Models with BatchNorm mix examples in a batch and have no per-example gradient: refused at config time
 (Opacus's ``ModuleValidator``; use ``norm = "group"``). Loss terms must be batch means (every FedSight task
 and component's are) so that Opacus's ``loss_reduction = "mean"`` recovers per-example gradients.
@@ -68,12 +80,14 @@ from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
+from torch.utils._pytree import tree_flatten
 
 from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..secret import noise_generator
 from ..device import model_device
+from ..errors import ConfigError
 from ..training import ClientContext, Component, ServerContext, VectorStep
 
 _HISTORY = "dp_sgd"
@@ -188,6 +202,8 @@ class DPSGD(Component):
         samples = [getattr(p, "grad_sample", None) for p in params]
         first = next((g for g in samples if g is not None), None)
         n = 0 if first is None else first.shape[0]
+        if n:
+            self._check_rows(n, ctx.inputs)
         expected = s["q"] * ctx.num_examples if self.p.sampling == "poisson" else float(max(n, 1))
         c = self.p.max_grad_norm
         if n:
@@ -206,6 +222,19 @@ class DPSGD(Component):
             noise = self._noise(s["z"] * c, p, s["gen"])
             p.grad = (clipped + noise) / expected + reg
             p.grad_sample = None
+
+    def _check_rows(self, rows: int, inputs: Any) -> None:
+        """A ``ConfigError`` unless Opacus's per-sample gradients have one row per example of the batch: a model that
+        folds another dimension into the batch (a video model's frames, ``sliding_vsr``: ``[B T, ...]``) gives one
+        per frame, so each frame would be clipped to C (a clip moving the update by up to T C against noise for C)
+        and scaled by T. Vectorised training takes each example's gradient alone and has no such rows."""
+        leaves = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        examples = leaves[0].shape[0] if leaves and leaves[0].dim() else None
+        if examples is not None and rows != examples:
+            raise ConfigError(f"dp_sgd: the model's layers compute on {rows} rows for a batch of {examples} examples "
+                              f"(it folds another dimension, such as a clip's frames, into the batch), so Opacus's "
+                              f"per-sample gradients would not be per example; train this stage vectorised "
+                              f"(engine.vectorize = true), which takes each example's gradient alone")
 
     def vector_step(self, ctx: ClientContext) -> VectorStep:
         """``after_backward`` for the vectorised step (``fedsight.training.private_step``): the trainer hands the
