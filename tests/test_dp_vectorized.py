@@ -93,17 +93,30 @@ class SmallCNN(nn.Module):
 
 def test_clipped_sum_equals_opacus_per_sample_gradients():
     """``private_step``'s clipped sum and unclipped mean over a padded batch's real examples, for two clients, equal
-    Opacus's (``GradSampleModule``, per-sample gradients of the batch-mean loss, clipped with its factor)."""
+    Opacus's (``GradSampleModule``, per-sample gradients of the batch-mean loss, clipped with its factor), with C the
+    median of the examples' norms: some examples clipped, some not."""
     from opacus import GradSampleModule
 
     torch.manual_seed(0)
-    model, clip = SmallCNN(), 0.3
+    model = SmallCNN()
     names = [k for k, _ in model.named_parameters()]
     starts = [{k: v.detach().clone() for k, v in model.named_parameters()}]
     starts.append({k: v + 0.1 * torch.randn_like(v) for k, v in starts[0].items()})
     sizes, size = [5, 3], 5
     x, y = torch.randn(2, size, 3, 4, 4), torch.randint(0, 5, (2, size))
     x[1, 3:] = 1e3  # padding: must not count
+    refs = []  # Opacus's per-sample gradients, their norms and the batch loss, by client
+    for i, n in enumerate(sizes):
+        ref = SmallCNN()
+        ref.load_state_dict(starts[i])
+        gsm = GradSampleModule(ref, batch_first=True, loss_reduction="mean", strict=True)
+        loss = nn.functional.cross_entropy(gsm(x[i, :n]), y[i, :n])
+        loss.backward()
+        samples = [p.grad_sample.detach().clone() for p in ref.parameters()]
+        norms = torch.stack([g.reshape(n, -1).double().pow(2).sum(1) for g in samples]).sum(0).sqrt()
+        refs.append((samples, norms, [p.grad.detach().clone() for p in ref.parameters()], float(loss)))
+        gsm._close()
+    clip = float(torch.cat([r[1] for r in refs]).median())
 
     def objective(params, own, out, y, mask, sums=None):
         return nn.functional.cross_entropy(out, y)
@@ -114,23 +127,18 @@ def test_clipped_sum_equals_opacus_per_sample_gradients():
     step = private_step(model, objective, update, NormState(), {}, "dp", clip)
     params = {k: torch.stack([s[k] for s in starts]) for k in names}
     mask = (torch.arange(size) < torch.tensor(sizes)[:, None]).float()
-    got, _, _, loss = step(params, {}, {}, {"dp": {}}, x, y, mask, ([], {}), torch.ones(2), torch.ones(2))
-    for i, n in enumerate(sizes):
-        ref = SmallCNN()
-        ref.load_state_dict(starts[i])
-        gsm = GradSampleModule(ref, batch_first=True, loss_reduction="mean", strict=True)
-        out = gsm(x[i, :n])
-        nn.functional.cross_entropy(out, y[i, :n]).backward()
-        samples = [p.grad_sample for p in ref.parameters()]
-        norms = torch.stack([g.reshape(n, -1).double().pow(2).sum(1) for g in samples]).sum(0).sqrt()
+    got, _, _, losses = step(params, {}, {}, {"dp": {}}, x, y, mask, ([], {}), torch.ones(2), torch.ones(2))
+    factors = []
+    for i, (samples, norms, full, loss) in enumerate(refs):
         factor = (clip / (norms + 1e-6)).clamp(max=1.0)
-        assert (factor < 1).any()  # the clipping acts
-        for k, g in zip(names, samples):
+        factors.append(factor)
+        for k, g, whole in zip(names, samples, full):
             close(got["sum"][k][i], torch.einsum("i,i...->...", factor.float(), g), atol=1e-6, rtol=1e-5)
             close(got["mean"][k][i], g.mean(0), atol=1e-6, rtol=1e-5)
-            close(got["grads"][k][i], dict(ref.named_parameters())[k].grad, atol=1e-6, rtol=1e-5)
-        assert float(loss[i]) == pytest.approx(float(nn.functional.cross_entropy(out, y[i, :n])), rel=1e-5)
-        gsm._close()
+            close(got["grads"][k][i], whole, atol=1e-6, rtol=1e-5)
+        assert float(losses[i]) == pytest.approx(loss, rel=1e-5)
+    factors = torch.cat(factors)
+    assert (factors < 1).any() and (factors == 1).any()  # the clipping acts on some examples, not on all
 
 
 # -- the noise: each client's own secret stream, N(0, (z C)^2) ------------------------------------------------
