@@ -43,11 +43,12 @@ from .vector_batches import NormState
 
 
 def private_step(model: nn.Module, objective, update, norms: NormState, rest_dims: dict[str, Any], name: str,
-                 clip: float):
+                 clip: float, direct: bool = True):
     """The clients' step, ``vectorized._vmapped_step``'s signature and results, with per-example clipping for the
     component ``name`` (norm ``clip``). ``objective``: the unmasked local objective (``_step_functions``), applied
     to each example alone; ``noise``: (the dropout noise tensors of the batch, the component's ``step_draw``
-    tensors), both stacked over the clients."""
+    tensors), both stacked over the clients. ``direct``: whether a component's term uses the parameters directly
+    (a ``VectorStep.loss_term``); without one that gradient is zero and is not computed."""
 
     def example_loss(fwd, direct, rest, own, x, y, noise, sums):
         norms.updates.clear()
@@ -58,23 +59,24 @@ def private_step(model: nn.Module, objective, update, norms: NormState, rest_dim
         loss = objective(direct, own, out, tree_map(one, y), None, sums=sums)
         return loss, loss.detach()
 
-    per_example = vmap(grad(example_loss, argnums=(0, 1), has_aux=True),
+    per_example = vmap(grad(example_loss, argnums=(0, 1) if direct else 0, has_aux=True),
                        in_dims=(None, None, None, None, 0, 0, 0, None), randomness="error")
 
     def step(params, rest, opt, own, x, y, mask, noise, lr, bias):
         dropout, drawn = noise
         count = mask.sum()
-        (g_fwd, g_direct), losses = per_example(params, params, rest, own, x, y, dropout, count)
+        g, losses = per_example(params, params, rest, own, x, y, dropout, count)
+        g_fwd, g_direct = g if direct else (g, None)
         weights = mask / count.clamp(min=1)
-        sq = sum(g.flatten(1).to(torch.float64).pow(2).sum(1) for g in g_fwd.values())
+        # (each example's norm over all the parameters; ``vector_norm`` in float64 without a float64 copy)
+        sq = sum(torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float64).square() for g in g_fwd.values())
         factor = (clip / (sq.sqrt() + 1e-6)).clamp(max=1.0) * mask.to(torch.float64)
-
-        def total(w, g):
-            return torch.einsum("i,i...->...", w.to(g.dtype), g)
-
-        clipped = {k: total(factor, g) for k, g in g_fwd.items()}
-        mean_fwd = {k: total(weights, g) for k, g in g_fwd.items()}
-        grads = {k: mean_fwd[k] + total(weights, g_direct[k]) for k in params}
+        both = torch.stack([factor, weights.to(torch.float64)])  # (the clipped sum and the mean: one product)
+        sums = {k: torch.einsum("ji,i...->j...", both.to(g.dtype), g) for k, g in g_fwd.items()}
+        clipped = {k: v[0] for k, v in sums.items()}
+        mean_fwd = {k: v[1] for k, v in sums.items()}
+        grads = dict(mean_fwd) if g_direct is None else {
+            k: mean_fwd[k] + torch.einsum("i,i...->...", weights.to(g.dtype), g_direct[k]) for k, g in g_fwd.items()}
         mine = {**own[name], "clipped_sum": clipped, "example_mean": mean_fwd, "examples": count, "drawn": drawn}
         new_params, new_opt = update(params, grads, opt, {**own, name: mine}, lr, bias)
         return new_params, {}, new_opt, (losses * weights).sum()

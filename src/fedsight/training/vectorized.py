@@ -541,7 +541,7 @@ def train_together(
             objective, update = _step_functions(ctx0, hooks, adam, at, m)
             if clipper:  # (each example's objective alone: unmasked; the clipped sum masks the padding)
                 vsteps[m] = private_step(model, _step_functions(ctx0, hooks, adam, at, False)[0], update, norms,
-                                         rest_dims, *clipper)
+                                         rest_dims, *clipper, any(vs.loss_term is not None for _, vs in hooks))
                 continue
             vsteps[m] = (_vmapped_step(model, objective, update, norms, m, rest_dims) if plan is None
                          else _fused_step(plan, objective, update, m, rest_dims,
