@@ -38,8 +38,11 @@ CASES = {
     # shuffled fixed-size batches (E[B] = the batch's size), FedProx's data-independent term (no noise on it), momentum
     "shuffle_fedprox": {"train.momentum": 0.9, "recipe.components": [{**DP, "sampling": "shuffle"},
                                                                      {"name": "fedprox", "mu": 0.5}]},
-    # each example's dropout masks: its rows of the batch's masks, from the client's stream; Adam after the DP hook
-    "dropout_adam": {"model.dropout": 0.5, "train.optimizer": "adam", "train.lr": 0.01, "recipe.components": [DP]},
+    # each example's dropout masks: its rows of the batch's masks, from the client's stream; Adam after the DP hook;
+    # two convolutions, the second's input channels-last where Opacus's per-sample gradients went wrong
+    # (``dp_sgd._standard_layout``)
+    "two_convs_dropout_adam": {"model.channels": [8, 16], "model.dropout": 0.5, "train.optimizer": "adam",
+                               "train.lr": 0.01, "recipe.components": [DP]},
 }
 
 

@@ -39,6 +39,11 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
   shapes once per batch shape), the masks of sequential training on a CPU bit for bit; a component's mechanism on
   a module's output (``VectorStep.output_noise``: ``dct_dp``) draws from the client's own generator likewise.
 
+A component that clips each example's gradient (``VectorStep.clip_examples``: DP-SGD) makes the step
+``fedsight.training.private_step``'s: a vmap over each client's batch of each example's gradient, inside the vmap
+over the clients; its batches are the component's (``Component.batch_positions``: Poisson, an empty batch one
+masked padding example) and its noise is drawn per step outside the call (``VectorStep.step_draw``).
+
 One difference from ``torch.optim.SGD`` and ``AdamDirection``: a trainable parameter the loss does not reach gets a
 zero gradient here (so weight decay, momentum and Adam's moments still move it), where they skip a parameter
 without ``.grad``.
@@ -49,7 +54,8 @@ Fed3R's statistics pass, ...), a component that changes the step without a ``Vec
 says why it cannot as configured (``Component.vector_blocker``), a component that runs the model again within the
 step (``Component.reruns_the_model``: RAF) with a model drawing dropout noise or a noised layer, a model that draws
 random numbers in training other than through ``nn.Dropout`` or stochastic depth (``Dropout2d``, ...), a norm layer
-with running statistics other than BatchNorm.
+with running statistics other than BatchNorm, per-example clipping on a task whose loss is not a mean of
+per-example losses or beside a component that reruns the model or noises a layer (``_clipping_blockers``).
 """
 
 from __future__ import annotations
