@@ -143,7 +143,7 @@ class ClientRuntime:
         """Why ``stage``'s clients cannot be trained together (``fedsight.training.vectorized.blockers``); with
         ``vectorize = True`` a stage that cannot is a ``ConfigError``."""
         recipe = stage.recipe
-        reasons = blockers(self.work_model, recipe.components, recipe.trainer, stage.local)
+        reasons = blockers(self.work_model, recipe.components, recipe.trainer, stage.local, self.task)
         if reasons and self.vectorize is True:
             raise ConfigError(f"engine.vectorize = true: stage {stage.name!r} cannot train its clients together: "
                              + "; ".join(reasons) + ' (use "auto" to train such a stage sequentially)')

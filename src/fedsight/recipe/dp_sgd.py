@@ -56,6 +56,18 @@ secure mode, a CSPRNG generator (``torchcsprng``, which ``PrivacyEngine(secure_m
 available for torch 2 (its last release, 0.2.1, targets torch 1.8): the draws come from the secret-seeded
 Mersenne-Twister stream above, which is not a CSPRNG. It costs four normal draws per parameter per step.
 
+Trained together (``engine.vectorize``: ``vector_step``, ``fedsight.training.private_step``): Opacus's hooks are
+removed and the trainer takes each example's gradient under a vmap over the client's batch (torch.func's
+per-sample-gradient pattern; through the model's forward only, as the hooks see it, so data-independent terms
+stay the unclipped, un-noised ``g_reg``), clips it with the same factor and hands the clipped sum and the unclipped
+mean to ``vector_step``'s ``grads``, which applies the formula above. The batches are this component's
+``batch_positions`` (an empty Poisson batch is one masked padding example: a noise-only step), the noise is drawn
+outside the vectorised call from the same generator, parameter by parameter in the same order (so equal streams
+give equal noise), and the accountant gets the same (z, q, steps): the same epsilon. It needs the task's loss to be
+a mean of per-example losses (``Task.loss_is_example_mean``: each example's gradient alone is then Opacus's
+per-sample gradient) and no component that reruns the model or noises a layer; otherwise the stage trains one
+client at a time (``fedsight.training.vectorized.blockers``).
+
 Models with BatchNorm mix examples in a batch and have no per-example gradient: refused at config time
 (Opacus's ``ModuleValidator``; use ``norm = "group"``). Loss terms must be batch means (every FedSight task
 and component's are) so that Opacus's ``loss_reduction = "mean"`` recovers per-example gradients.
@@ -68,12 +80,15 @@ from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..metrics import MetricSpec
 from ..records import ClientResult
 from ..registry import COMPONENTS, Params
 from ..secret import noise_generator
-from ..training import ClientContext, Component, ServerContext
+from ..device import model_device
+from ..errors import ConfigError
+from ..training import ClientContext, Component, ServerContext, VectorStep
 
 _HISTORY = "dp_sgd"
 # Opacus's backward hooks fire on module outputs when the inputs need no gradient (always, for data): benign
@@ -128,17 +143,32 @@ def epsilon(history: list[tuple[float, float, int]], delta: float, accountant: s
     return float(acc.get_epsilon(delta, **_orders(accountant)))
 
 
+def _standard_layout(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The model's inputs copied into the standard (row-major) strides. Opacus 1.5's per-sample gradients of a
+    convolution are wrong when its input activation is laid out channels-last: a one-channel image batch of strides
+    (64, 1, 8, 1), as the digits task serves it, is ambiguous, torch propagates channels-last from it, and the
+    second convolution of the digits CNN got per-sample gradients whose mean was 0.08 off the batch's gradient (each
+    example's own, computed alone, agreed to 1e-7 with the batch's). ``tests/test_dp_vectorized.py``'s
+    ``two_convs_dropout_adam`` case compares with the vectorised step, which takes each example's gradient alone."""
+    def standard(t: Any) -> Any:
+        return t.clone(memory_format=torch.contiguous_format) if isinstance(t, torch.Tensor) and t.dim() >= 4 else t
+    return tuple(tree_map(standard, list(args)))
+
+
 class DPSGD(Component):
     """Per-example clipping and noise on every local step (Opacus), with per-client accounting."""
 
     name = "dp_sgd"
     #: its noise protects the client's data: secret under ``[privacy] noise = "secret"``
     uses_secrets = True
+    #: trained together, the trainer computes each example's clipped gradient (``fedsight.training.private_step``)
+    clips_examples = True
 
     def __init__(self, params: DPSGDParams):
         self.p = params
         self.spent: dict[int, float] = {}  # server side: the latest epsilon each client reported
         self._gsm: Any = None  # the hooks on the work model during one client's training
+        self._relayout: Any = None  # ... and the input's re-layout (``_standard_layout``)
         self._inplace: list[Any] = []  # in-place activations switched off meanwhile
 
     # -- client ----------------------------------------------------------------------------------
@@ -166,6 +196,7 @@ class DPSGD(Component):
         for m in self._inplace:
             m.inplace = False
         self._gsm = GradSampleModule(ctx.model, batch_first=True, loss_reduction="mean", strict=True)
+        self._relayout = ctx.model.register_forward_pre_hook(_standard_layout)
         ctx.scratch[self.name] = {"q": q, "z": self._multiplier(ctx, q),
                                   "gen": noise_generator(ctx, "dp_sgd"), "steps": 0}
 
@@ -185,6 +216,8 @@ class DPSGD(Component):
         samples = [getattr(p, "grad_sample", None) for p in params]
         first = next((g for g in samples if g is not None), None)
         n = 0 if first is None else first.shape[0]
+        if n:
+            self._check_rows(n, ctx.inputs)
         expected = s["q"] * ctx.num_examples if self.p.sampling == "poisson" else float(max(n, 1))
         c = self.p.max_grad_norm
         if n:
@@ -203,6 +236,45 @@ class DPSGD(Component):
             noise = self._noise(s["z"] * c, p, s["gen"])
             p.grad = (clipped + noise) / expected + reg
             p.grad_sample = None
+
+    def _check_rows(self, rows: int, inputs: Any) -> None:
+        """A ``ConfigError`` unless Opacus's per-sample gradients have one row per example of the batch: a model that
+        folds another dimension into the batch (a video model's frames, ``sliding_vsr``: ``[B T, ...]``) gives one
+        per frame, so each frame would be clipped to C (a clip moving the update by up to T C against noise for C)
+        and scaled by T. Vectorised training takes each example's gradient alone and has no such rows."""
+        leaves = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        examples = leaves[0].shape[0] if leaves and leaves[0].dim() else None
+        if examples is not None and rows != examples:
+            raise ConfigError(f"dp_sgd: the model's layers compute on {rows} rows for a batch of {examples} examples "
+                              f"(it folds another dimension, such as a clip's frames, into the batch), so Opacus's "
+                              f"per-sample gradients would not be per example; train this stage vectorised "
+                              f"(engine.vectorize = true), which takes each example's gradient alone")
+
+    def vector_step(self, ctx: ClientContext) -> VectorStep:
+        """``after_backward`` for the vectorised step (``fedsight.training.private_step``): the trainer hands the
+        clipped sum, the unclipped mean and the number of real examples; this client's noise is drawn outside the
+        step (``step_draw``) from its own generator, parameter by parameter in the model's order, as
+        ``after_backward`` draws it (the same draws: equal noise on equal streams). Opacus's hooks are removed (the
+        trainer's per-example vmap replaces them)."""
+        self._release()
+        s, p = ctx.scratch[self.name], self.p
+        std, c = s["z"] * p.max_grad_norm, p.max_grad_norm
+        params = [(k, q) for k, q in ctx.model.named_parameters() if q.requires_grad]
+        poisson = p.sampling == "poisson"
+
+        def step_draw() -> dict[str, torch.Tensor]:
+            s["steps"] += 1
+            return {k: self._noise(std, q, s["gen"]) for k, q in params}
+
+        def grads(own: Any, _params: Any, grads: Any) -> dict[str, torch.Tensor]:
+            # the sequential ``(clipped + noise) / E[B] + (p.grad - mean_i g_i)``, E[B] = q n_k (Poisson) or the
+            # batch's size (shuffle)
+            expected = own["expected"] if poisson else own["examples"].clamp(min=1)
+            return {k: (own["clipped_sum"][k] + own["drawn"][k]) / expected + (g - own["example_mean"][k])
+                    for k, g in grads.items()}
+
+        expected = torch.tensor(s["q"] * ctx.num_examples, dtype=torch.float64, device=model_device(ctx.model))
+        return VectorStep(tensors={"expected": expected}, grads=grads, clip_examples=c, step_draw=step_draw)
 
     def _noise(self, std: float, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """N(0, std^2) of ``p``'s shape and dtype on ``p``'s device, drawn from ``gen`` (CPU): plainly, or by Opacus's
@@ -230,6 +302,9 @@ class DPSGD(Component):
         if self._gsm is not None:
             self._gsm._close()
             self._gsm = None
+        if self._relayout is not None:
+            self._relayout.remove()
+            self._relayout = None
         for m in self._inplace:
             m.inplace = True
         self._inplace = []

@@ -99,7 +99,17 @@ class VectorStep:
     then runs under vmap; a component with one declares ``Component.reruns_the_model`` (a model drawing dropout
     noise is then trained one client at a time). ``count(n)``: called once per local step of this client with its
     number of real examples, before the step's own FLOPs are counted: what the component's sequential hooks add to
-    ``ctx.flops`` in that step (the extra forwards)."""
+    ``ctx.flops`` in that step (the extra forwards).
+
+    ``clip_examples``: a clipping norm C where the component needs each example's gradient (DP-SGD): the trainer then
+    computes, per client and step, the gradient of the objective of each real example alone through the model's
+    forward (``fedsight.training.private_step``; what Opacus's per-sample hooks give), clips each to C over all the
+    trainable parameters, and hands the component's ``grads`` in its ``own`` values, besides ``tensors``:
+    ``clipped_sum`` (name -> the sum of the clipped gradients), ``example_mean`` (name -> the mean of the unclipped
+    ones over the real examples, zero for an empty batch), ``examples`` (the number of real examples) and ``drawn``
+    (what ``step_draw`` returned for this step). ``step_draw()``: called once per local step of this client, in step
+    order, outside the vectorised call: the step's random tensors (name -> tensor), drawn from the client's own
+    generator as its sequential ``after_backward`` draws them."""
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     loss_term: Callable[..., torch.Tensor | None] | None = None
@@ -111,6 +121,8 @@ class VectorStep:
     outputs: Callable[[Any, Any], Any] | None = None
     prepare: Callable[[Any, Any], Any] | None = None
     count: Callable[[int], None] | None = None
+    clip_examples: float | None = None
+    step_draw: Callable[[], Mapping[str, torch.Tensor]] | None = None
 
 
 class Component:
@@ -141,6 +153,8 @@ class Component:
     #: from the client's own model: ``fedsight.recipe.ppfl_accept``): the round's row then counts the refusals
     #: (``clients/refused``)
     refuses_models: bool = False
+    #: whether its ``vector_step`` asks for clipped per-example gradients (``VectorStep.clip_examples``: ``dp_sgd``)
+    clips_examples: bool = False
 
     # -- client side ---------------------------------------------------------------------------
     def client_start(self, ctx: ClientContext) -> None:

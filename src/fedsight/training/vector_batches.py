@@ -28,7 +28,10 @@ from ..device import to_device
 from ..rng import torch_gen
 from .component import Component, OutputNoise
 from .context import ClientContext
-from .local import batch_positions
+from .local import batch_positions, chosen_positions
+
+#: the positions of the padding batch of an empty (Poisson) batch: the client's first example, masked out
+PAD = torch.zeros(1, dtype=torch.long)
 
 
 @dataclass
@@ -157,12 +160,14 @@ class StepBatches:
             type(c).transform_batch is Component.transform_batch for c in components)
         self.positions: list[list[Any]] = []
         self.iters: list[Iterator[Any]] = []
-        for ctx in ctxs:
+        for ctx in ctxs:  # (the batches a component chooses, DP-SGD's Poisson ones, as ``sgd_steps`` takes them)
             gen = torch_gen(ctx.seed, "shuffle", ctx.round, ctx.client_id)
-            self.positions.append(list(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)))
-            if not self.gather:
-                self.iters.append(iter(task.train_batches(ctx.client_id, self.positions[-1], seed=ctx.seed,
-                                                          round=ctx.round)))
+            chosen = chosen_positions(ctx, components, ctx.num_steps, gen)
+            self.positions.append(list(batch_positions(ctx.num_examples, local.batch_size, ctx.num_steps, gen)
+                                       if chosen is None else chosen))
+            if not self.gather:  # (an empty batch loads nothing: ``_client``)
+                self.iters.append(iter(task.train_batches(ctx.client_id, [p for p in self.positions[-1] if len(p)],
+                                                          seed=ctx.seed, round=ctx.round)))
         self.rng = list(rng_states) if rng_states is not None else None
         self.drops = bool(dropout_modules(model))
         self.outputs = outputs  # each client's mechanisms on module outputs
@@ -174,16 +179,23 @@ class StepBatches:
                 ) -> tuple[Any, list[torch.Tensor]]:
         """Client i's batch of step s (after the components' transforms; None when ``gathered``: the stacked inputs
         of its group, row j its own) and its dropout noise, drawn from the client's own random state where its
-        sequential training would draw them."""
+        sequential training would draw them. An empty batch (Poisson sampling) is one padding example, the client's
+        first, untransformed, with noise drawn for its forward: sequential training loads and draws nothing for it,
+        so the client's random state is left as it was."""
         ctx, rng = self.ctxs[i], self.rng
         ctx.step = s
         batch = None
+        n = len(self.positions[i][s])
         if rng is not None and (gathered is None or self.drops):
             torch.set_rng_state(rng[i])
         if gathered is None:
-            x, y = to_device(next(self.iters[i]), self.device)
-            for c in self.components:
-                x, y = c.transform_batch(ctx, x, y)
+            if n:
+                x, y = to_device(next(self.iters[i]), self.device)
+                for c in self.components:
+                    x, y = c.transform_batch(ctx, x, y)
+            else:
+                x, y = to_device(next(iter(self.task.train_batches(ctx.client_id, [PAD], seed=ctx.seed,
+                                                                   round=ctx.round))), self.device)
             if self.prepares[i]:  # (a frozen teacher's pseudo-labels: the batch's targets go with them)
                 with torch.no_grad():
                     y = (y, tuple(prepare(x, y) for prepare in self.prepares[i]))
@@ -191,15 +203,13 @@ class StepBatches:
         noise = []
         if self.noisy:
             if gathered is not None:  # (its row of the group's stack, without the padding: its own batch)
-                n = len(self.positions[i][s])
-                x = tree_map(lambda t: t[gathered[1]][:n], gathered[0])
+                x = tree_map(lambda t: t[gathered[1]][:max(n, 1)], gathered[0])
             sig = _signature(*tree_flatten(x), False)
             if sig not in self.probed:
                 self.probed[sig] = noise_calls(self.model, x, norms)
             noise = draw_noise(self.probed[sig], self.device, self.outputs[i])
-        if rng is not None and (batch is not None or self.drops):
+        if rng is not None and (batch is not None or self.drops) and n:
             rng[i] = torch.get_rng_state()
-        n = len(self.positions[i][s])
         for count in self.counts[i]:  # (what the components' sequential hooks count during the step, first)
             count(n)
         if ctx.cost is not None:
@@ -208,7 +218,8 @@ class StepBatches:
 
     def groups(self, s: int, live: int, norms: NormState) -> Iterator[tuple[list[int], list[int], Any, dict[int, Any]]]:
         """The groups of step s of the first ``live`` clients (those still training): (clients, their batch sizes,
-        their batches stacked and padded to the largest, each client's dropout noise)."""
+        their batches stacked and padded to the largest, each client's dropout noise). A client's size is its number
+        of real examples: 0 for an empty batch, which is stacked as one padding example."""
         groups: dict[tuple, list[int]] = {}
         noise: dict[int, Any] = {}
         positions = self.positions
@@ -218,7 +229,8 @@ class StepBatches:
             for idx in groups.values():
                 sizes = [len(positions[i][s]) for i in idx]
                 # a short batch padded with its first example's index: the padding stack_padded gives
-                where = stack_padded([positions[i][s] for i in idx], sizes, max(sizes))
+                where = stack_padded([positions[i][s] if len(positions[i][s]) else PAD for i in idx],
+                                     [max(n, 1) for n in sizes], max(max(sizes), 1))
                 xy = to_device(self.task.train_batch_stack([self.ctxs[i].client_id for i in idx], where), self.device)
                 for j, i in enumerate(idx):
                     noise[i] = self._client(i, s, norms, (xy[0], j))[1]
@@ -230,7 +242,7 @@ class StepBatches:
             flat[i] = tree_flatten(batch)
             groups.setdefault(_signature(*flat[i], self.pad), []).append(i)
         for idx in groups.values():
-            sizes = [len(flat[i][0][0]) for i in idx]
+            rows = [len(flat[i][0][0]) for i in idx]
             columns = zip(*(flat[i][0] for i in idx))
-            xy = tree_unflatten([stack_padded(c, sizes, max(sizes)) for c in columns], flat[idx[0]][1])
-            yield idx, sizes, xy, noise
+            xy = tree_unflatten([stack_padded(c, rows, max(rows)) for c in columns], flat[idx[0]][1])
+            yield idx, [n if len(positions[i][s]) else 0 for i, n in zip(idx, rows)], xy, noise

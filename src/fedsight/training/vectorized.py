@@ -39,6 +39,11 @@ What each client computes is what ``fedsight.training.local.sgd_steps`` computes
   shapes once per batch shape), the masks of sequential training on a CPU bit for bit; a component's mechanism on
   a module's output (``VectorStep.output_noise``: ``dct_dp``) draws from the client's own generator likewise.
 
+A component that clips each example's gradient (``VectorStep.clip_examples``: DP-SGD) makes the step
+``fedsight.training.private_step``'s: a vmap over each client's batch of each example's gradient, inside the vmap
+over the clients; its batches are the component's (``Component.batch_positions``: Poisson, an empty batch one
+masked padding example) and its noise is drawn per step outside the call (``VectorStep.step_draw``).
+
 One difference from ``torch.optim.SGD`` and ``AdamDirection``: a trainable parameter the loss does not reach gets a
 zero gradient here (so weight decay, momentum and Adam's moments still move it), where they skip a parameter
 without ``.grad``.
@@ -49,7 +54,8 @@ Fed3R's statistics pass, ...), a component that changes the step without a ``Vec
 says why it cannot as configured (``Component.vector_blocker``), a component that runs the model again within the
 step (``Component.reruns_the_model``: RAF) with a model drawing dropout noise or a noised layer, a model that draws
 random numbers in training other than through ``nn.Dropout`` or stochastic depth (``Dropout2d``, ...), a norm layer
-with running statistics other than BatchNorm.
+with running statistics other than BatchNorm, per-example clipping on a task whose loss is not a mean of
+per-example losses or beside a component that reruns the model or noises a layer (``_clipping_blockers``).
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from .context import ClientContext
 from .fused import FusedPlan, clients_batch_norm
 from .fused_trace import fused_plan
 from .local import SGD_TRAINER, LocalTraining, backward_scope, direction_position, tempered
+from .private_step import private_step
 from .vector_batches import (
     NormState,
     StepBatches,
@@ -84,9 +91,11 @@ from .vector_batches import (
 STEP_HOOKS = ("outputs", "batch_positions", "loss_term", "after_backward")
 
 
-def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, local: LocalTraining) -> list[str]:
-    """Why the stage's clients cannot be trained together (empty: they can)."""
-    out = []
+def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, local: LocalTraining,
+             task: Any = None) -> list[str]:
+    """Why the stage's clients cannot be trained together (empty: they can); ``task``: the run's task, whose loss
+    per-example clipping (``Component.clips_examples``) needs to be a mean of per-example losses."""
+    out = _clipping_blockers(model, components, task)
     if trainer is not SGD_TRAINER:
         proc = getattr(trainer, 'name', type(trainer).__name__)
         out.append(f"the local procedure {proc!r} trains one client at a time")
@@ -112,6 +121,24 @@ def blockers(model: nn.Module, components: Sequence[Component], trainer: Any, lo
         elif (isinstance(m, nn.modules.batchnorm._NormBase) and not isinstance(m, nn.modules.batchnorm._BatchNorm)
               and m.track_running_stats):
             out.append(f"{name}: {type(m).__name__} with running statistics (only BatchNorm is vectorised)")
+    return out
+
+
+def _clipping_blockers(model: nn.Module, components: Sequence[Component], task: Any) -> list[str]:
+    """Why a component's per-example clipping (DP-SGD) cannot run in the vectorised step (``private_step``)."""
+    clippers = [c.name for c in components if c.clips_examples]
+    if not clippers:
+        return []
+    out = [f"components {clippers} both clip per-example gradients"] if len(clippers) > 1 else []
+    for c in components:
+        if c.reruns_the_model or c.noises_a_layer:
+            out.append(f"component {c.name!r} {'runs the model again' if c.reruns_the_model else 'noises a layer'} "
+                       f"within a step, which {clippers[0]!r}'s per-example gradients do not take apart")
+    if task is not None and not getattr(task, "loss_is_example_mean", False):
+        out.append(f"{clippers[0]!r} needs each example's gradient alone, and the task's loss is not a mean of "
+                   f"per-example losses")
+    out += [f"{clippers[0]!r}: {name} is a BatchNorm, which mixes a batch's examples" for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     return out
 
 
@@ -175,7 +202,8 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     function, for ``VectorStep.forward_term``; where a component prepares values of the batch
     (``VectorStep.prepare``), ``y`` is (targets, the prepared values in hook order). ``masked``: the batch is
     padded and ``mask`` marks its real examples: the task loss is the mean of the real examples' losses (``loss`` of
-    each example alone, ``Task.loss_is_example_mean``). The
+    each example alone, ``Task.loss_is_example_mean``); ``sums``: unmasked, the number of examples a term reduced by
+    a sum is multiplied by (one example's objective standing for its batch's: ``private_step``). The
     optimizer state is SGD's momentum buffer (``"mom"``, starting at zero, which torch's first step equals) or
     Adam's moments (``"m"``, ``"v"``: ``fedsight.training.optim.AdamDirection``'s arithmetic, t = the step
     number); ``bias``: Adam's bias corrections."""
@@ -184,7 +212,7 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
     example_loss = functools.partial(_one_example, task.loss)
     prepared = [name for name, vs in hooks if vs.prepare is not None]  # (their order in the batch: StepBatches)
 
-    def objective(params, own, out, y, mask, x=None, forward=None):
+    def objective(params, own, out, y, mask, x=None, forward=None, sums=None):
         extra = {}
         if prepared:  # the batch's targets and what the components prepared of it
             y, values = y
@@ -204,8 +232,8 @@ def _step_functions(ctx: ClientContext, hooks: Sequence[tuple[str, VectorStep]],
                 if each is not None:
                     loss = loss + (real_mean(each, mask) if masked else each.mean())
             for fn, reduction in vs.example_terms:
-                if not masked:
-                    loss = loss + fn(out, y)
+                if not masked:  # (``sums``: one example's objective stands for n in a sum: ``private_step``)
+                    loss = loss + (fn(out, y) * sums if sums is not None and reduction == "sum" else fn(out, y))
                 else:
                     term = masked_mean(functools.partial(_one_example, fn), out, y, mask)
                     loss = loss + (term if reduction == "mean" else term * mask.sum())
@@ -436,8 +464,10 @@ def train_together(
     hooks = [(c.name, vs) for c, vs in zip(components, steps[0]) if vs is not None]
     # each client's mechanisms on module outputs (the first client's apply serves all): the step runs under vmap
     outputs = [[vs.output_noise for vs in client if vs is not None and vs.output_noise is not None] for client in steps]
-    # ... or where a component's term runs the model again (``VectorStep.forward_term``)
-    plan = None if outputs[0] or any(vs.forward_term is not None for _, vs in hooks) else fused_plan(model)
+    # ... or where a component's term runs the model again (``VectorStep.forward_term``), or clips each example's
+    # gradient (``VectorStep.clip_examples``: ``private_step``)
+    clipper = next(((name, vs.clip_examples) for name, vs in hooks if vs.clip_examples is not None), None)
+    plan = None if outputs[0] or clipper or any(vs.forward_term is not None for _, vs in hooks) else fused_plan(model)
     if plan is None:  # (stacks laid out for the fused forward, by a caller that did not know: vmap's layout)
         starts = {k: vmap_layout(v) for k, v in starts.items()}
     P = {k: starts[k] for k in trainable}
@@ -460,6 +490,8 @@ def train_together(
     scope = backward_scope(ctx0, [p for p in model.parameters() if p.requires_grad])
 
     counts = [[vs.count for vs in client if vs is not None and vs.count is not None] for client in steps]
+    draws = [next(vs.step_draw for vs in client if vs is not None and vs.step_draw is not None) for client in steps
+             ] if clipper else []
     prepares = [[vs.prepare for vs in client if vs is not None and vs.prepare is not None] for client in steps]
     batches = StepBatches(ctxs, components, model, device, rng_states, pad, scope, outputs, counts, prepares)
 
@@ -513,6 +545,10 @@ def train_together(
         vsteps = {}
         for m in (False, True):
             objective, update = _step_functions(ctx0, hooks, adam, at, m)
+            if clipper:  # (each example's objective alone: unmasked; the clipped sum masks the padding)
+                vsteps[m] = private_step(model, _step_functions(ctx0, hooks, adam, at, False)[0], update, norms,
+                                         rest_dims, *clipper, any(vs.loss_term is not None for _, vs in hooks))
+                continue
             vsteps[m] = (_vmapped_step(model, objective, update, norms, m, rest_dims) if plan is None
                          else _fused_step(plan, objective, update, m, rest_dims,
                                           all(vs.grads is None for _, vs in hooks), _stacked_losses(ctx0, hooks, m)))
@@ -520,9 +556,12 @@ def train_together(
         for s in range(max((c.num_steps for c in ctxs), default=0)):
             retire(sum(1 for c in ctxs if s < c.num_steps))
             for idx, sizes, xy, noise in batches.groups(s, live, norms):
-                size = max(sizes)
+                size = max(max(sizes), 1)  # (an empty batch is one padding example: ``StepBatches``)
                 mask = (torch.arange(size, device=device) < torch.tensor(sizes, device=device)[:, None]).to(dtype)
-                eps = [stack_padded(c, sizes, size, 1.0) for c in zip(*(noise[i] for i in idx))]
+                eps = [stack_padded(c, [max(n, 1) for n in sizes], size, 1.0) for c in zip(*(noise[i] for i in idx))]
+                if clipper:  # (each client's draws of this step, in step order)
+                    drawn = [draws[i]() for i in idx]
+                    eps = (eps, {k: torch.stack([d[k] for d in drawn]) for k in drawn[0]})
                 lr = torch.tensor([_rate(local, s, ctxs[i].num_steps) for i in idx], device=device, dtype=dtype)
                 # Adam's bias corrections: t = s + 1 for every client at step s
                 bias = torch.tensor([1.0 - b1 ** (s + 1), (1.0 - b2 ** (s + 1)) ** 0.5], device=device, dtype=dtype)
