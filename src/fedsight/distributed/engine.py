@@ -201,8 +201,8 @@ class DistributedBackend(InProcessBackend):
             by_client.update((rep.client, rep) for rep in _sealed(their_replies, finite))
             # (the one-process backend reports a stage's sequential training once: rank 0 did)
             events += [e for e in their_events if e.get("event") != "sequential_training"]
-            for key, cid, rnd, tensors in outbox:  # (own copies: the message's tensors share its buffer)
-                store.put(key, cid, rnd, {k: v.clone() for k, v in tensors.items()})
+            for key, cid, rnd, tensors in outbox:  # (the store copies: views of the message's buffer are fine)
+                store.put(key, cid, rnd, tensors)
         return [by_client[cid] for cid in plan.sampled], events
 
     def client_evaluation(self, r: int, *, local: bool, personal: bool) -> ClientEvaluation:

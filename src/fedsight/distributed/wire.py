@@ -11,9 +11,9 @@ each section starting at a multiple of 16 bytes, so that every tensor's view of 
 
 On the receiving side every tensor is a view of the received buffer (no copy), contiguous and on the CPU, holding
 the very bits that were sent: what a pickled CPU copy held, so the numbers are unchanged. Views share their buffer
-(as the vectorised engine's uploads share the stacks they leave): a receiver clones a tensor that outlives the
-message in a place that refuses shared memory (client state written to the store: safetensors). Tensors that are
-not plain dense ones (sparse, quantized, a subclass such as ``nn.Parameter``) are pickled as before, inside the
+(as the vectorised engine's uploads share the stacks they leave), which lives as long as any of them: the client
+state rank 0 writes into its store is copied there (a file's bytes, or the in-memory store's clone). Tensors that
+are not plain dense ones (sparse, quantized, a subclass such as ``nn.Parameter``) are pickled as before, inside the
 header.
 
 ``finite_sections`` checks every floating-point tensor of a buffer for non-finite values in one pass per dtype, so
@@ -95,7 +95,7 @@ def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
     buf = torch.empty(offset, dtype=torch.uint8)
     for dtype, group in by_dtype.items():
         start, end = sections[dtype]
-        flat = [tensors[i].detach().resolve_conj().resolve_neg().reshape(-1) for i in group if tensors[i].numel()]
+        flat = [tensors[i].detach().reshape(-1) for i in group if tensors[i].numel()]
         if not flat:
             continue
         devices = {t.device for t in flat}
