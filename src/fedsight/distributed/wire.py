@@ -6,8 +6,9 @@ back on rank 0), so a rank's 25 uploads cost tens of milliseconds a round, about
 in docs/performance.md, "Distributed backend"). Here a message is pickled with every dense tensor replaced by a
 reference (its dtype, shape and place in one buffer: ``pickle``'s persistent ids), and the tensors' bytes are
 copied once into one contiguous ``uint8`` tensor: each dtype's tensors back to back (a section, one ``torch.cat``),
-each section starting at a multiple of 16 bytes, so that every tensor's view of the buffer is aligned. The header travels as a pickled object (a few KB); the buffer by
-``torch.distributed``'s tensor collectives (``broadcast``, ``send``/``recv``), with no serialisation at all.
+each section starting at a multiple of 16 bytes, so that every tensor's view of the buffer is aligned. A message
+(``send``/``recv``: the headers of its parts, a few KB, and their buffers) crosses as two point-to-point tensor
+transfers of ``torch.distributed``, with no serialisation of the tensors at all.
 
 On the receiving side every tensor is a view of the received buffer (no copy), contiguous and on the CPU, holding
 the very bits that were sent: what a pickled CPU copy held, so the numbers are unchanged. Views share their buffer
@@ -135,10 +136,10 @@ STOP = -1
 
 def send(parts: list[tuple[bytes, torch.Tensor]], dst: int, group: Any = None) -> None:
     """Send rank ``dst`` a message of packed parts as two transfers: the lengths (two numbers), then one payload,
-    the parts' headers (pickled together) followed by each part's buffer (each at a multiple of ``ALIGN``). Both sends start at once (``isend``), so
-    that the payload follows the lengths without a round trip between them; the payload costs one more copy of the
-    buffers (a memcpy: microseconds a MB, against a transfer's milliseconds and a round trip's wait on a busy
-    machine)."""
+    the parts' headers (pickled together) followed by each part's buffer (each at a multiple of ``ALIGN``). Both
+    sends start at once (``isend``), so that the payload follows the lengths without a round trip between them;
+    the payload costs one more copy of the buffers (a memcpy: tens of microseconds a MB, against a transfer's
+    milliseconds and a round trip's wait on a busy machine)."""
     offsets, end = [], 0
     for _, b in parts:  # (after the headers; each part at a multiple of ALIGN, so that its views stay aligned)
         offsets.append(end)
