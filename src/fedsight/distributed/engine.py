@@ -7,14 +7,20 @@ alone writes the run directory, exactly as one process does. Only the client hal
 1. rank 0 splits the round's sampled clients over the ranks by estimated cost (``split_clients``: a client's
    local steps x examples a step x the model's training FLOPs an example; greedy, largest first, onto the least
    loaded rank);
-2. it scatters each rank its order: the round, the global model state, and per client what it receives besides
-   the model (``RoundPlan.broadcast_for``) and its stored state (SCAFFOLD's control variate, FedBN's personal
-   entries: every key the store holds for it), read from the run directory's store;
+2. it sends each rank its order: the round and the global model state (packed once, the same bytes to every
+   rank), and per client what it receives besides the model (``RoundPlan.broadcast_for``) and its stored state
+   (SCAFFOLD's control variate, FedBN's personal entries: every key the store holds for it), read from the run
+   directory's store;
 3. every rank trains its share with ``InProcessBackend.train``, the one-process engine's own client half
    (vectorised or one client at a time, simulated dropout and deadline, ``keep``), rank 0 included;
-4. rank 0 gathers the replies (tensors on the CPU, pickled: ``torch.distributed.gather_object``) and the state
-   the clients saved, writes that state into the same store, and hands the server every reply in the sampled
-   order: aggregation, robust rules and server optimizers see what one process would.
+4. rank 0 receives each rank's replies and the state its clients saved as one message, writes that state into
+   the same store, and hands the server every reply in the sampled order: aggregation, robust rules and server
+   optimizers see what one process would. Rank 0 checks a rank's uploads for non-finite values in one pass over
+   the message's buffer and seals them (``contract.FiniteSeal``), so the server's contract check does not read
+   them again, as for rank 0's own clients.
+
+Every message is a small pickled header and one flat tensor of its tensors' bytes (``wire``: pickling each tensor
+took as long as the bench's small CNN took to train), sent point to point on the CPU.
 
 Clients train from the same streams (seed, "client", round, client) wherever they run, so with clients trained
 one at a time the run equals the one-process run bit for bit, whatever the number of ranks; vectorised, a
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..engine.contract import FiniteSeal
 from ..engine.loop import ClientEvaluation, InProcessBackend
 from ..engine.plan import Reply, RoundPlan
 from ..errors import ConfigError
@@ -43,7 +50,8 @@ from ..metrics import MetricState
 from ..records import ClientResult
 from ..rng import np_rng
 from ..state import ClientStateStore
-from .world import LAUNCH_ENV, RankFailed, World, one_line
+from . import wire
+from .world import LAUNCH_ENV, RankFailed, World, one_line, wire_group
 
 
 def client_costs(server: Any, runtime: Any, r: int, clients: Sequence[int]) -> list[float]:
@@ -113,21 +121,20 @@ def check_secrets(cfg: Any, stages: Any, world: World) -> None:
                           'privacy.noise = "simulated"')
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns exactly its elements (a vectorised client's delta is a row of a larger stack:
-    pickling the view would send the whole stack)."""
-    return t.detach().to("cpu", copy=True).contiguous()
-
-
 def _portable(rep: Reply) -> Reply:
-    """A reply fit to cross to rank 0: its tensors compact CPU copies, no finite seal (rank 0 checks it again)."""
-    res = rep.result
-    if isinstance(res, ClientResult):
-        res = dataclasses.replace(
-            res, delta={k: _compact(v) for k, v in res.delta.items()},
-            buffers={k: _compact(v) for k, v in res.buffers.items()},
-            extras={n: {k: _compact(v) for k, v in e.items()} for n, e in res.extras.items()})
-    return dataclasses.replace(rep, result=res, finite_seal=None)
+    """A reply fit to cross to rank 0: no finite seal (a seal holds only in its process: rank 0 checks the message
+    and seals the replies it received, ``_sealed``). ``wire.pack`` copies each tensor's own elements (a vectorised
+    client's delta is a row of a larger stack) to the CPU."""
+    return dataclasses.replace(rep, finite_seal=None)
+
+
+def _sealed(replies: list[Reply], finite: bool) -> list[Reply]:
+    """A rank's replies, each accepted one sealed when every floating-point tensor of its message was found finite
+    here (``wire.finite_sections``); otherwise as received (the server checks each)."""
+    if not finite:
+        return replies
+    return [dataclasses.replace(rep, finite_seal=FiniteSeal.of(rep.result))
+            if rep.accepted and isinstance(rep.result, ClientResult) else rep for rep in replies]
 
 
 def lost(exc: BaseException, who: str) -> RankFailed:
@@ -146,10 +153,6 @@ def _local_states(runtime: Any, clients: Sequence[int], gstate: dict[str, torch.
                   gmodel: Any = None) -> dict[int, tuple[MetricState, int]]:
     """Each client's local-test metric state and test-set size (``InProcessBackend.client_evaluation``'s)."""
     return {cid: (runtime.local_state(cid, gstate, gmodel), runtime.task.num_test_examples(cid)) for cid in clients}
-
-
-def _portable_state(state: MetricState) -> MetricState:
-    return MetricState(state.reductions, {k: _compact(v) for k, v in state.tensors().items()})
 
 
 class _ServerView:
@@ -188,20 +191,17 @@ class DistributedBackend(InProcessBackend):
     def train(self, plan: RoundPlan) -> tuple[list[Reply], list[dict[str, Any]]]:
         costs = client_costs(self.server, self.runtime, plan.round, plan.sampled)
         shares = split_clients(plan.sampled, costs, self.world.size)
-        gstate = {k: v.detach().cpu() for k, v in self.server.global_state().items()}
-        orders = [("train", plan.round, gstate, [(cid, plan.broadcast_for(cid), self._shipped(cid)) for cid in share])
-                  for share in shares[1:]]
-        answers = self._exchange(plan.round, orders, lambda: InProcessBackend.train(
-            self, dataclasses.replace(plan, sampled=shares[0])))
-        del orders
-        replies, events = answers[0]
+        works = [[(cid, plan.broadcast_for(cid), self._shipped(cid)) for cid in share] for share in shares[1:]]
+        (replies, events), theirs = self._exchange(
+            plan.round, ("train", plan.round, self.server.global_state()), works,
+            lambda: InProcessBackend.train(self, dataclasses.replace(plan, sampled=shares[0])))
         by_client = {rep.client: rep for rep in replies}
         store = self.runtime.store
-        for theirs, their_events, outbox in answers[1:]:
-            by_client.update((rep.client, rep) for rep in theirs)
+        for (their_replies, their_events, outbox), finite in theirs:
+            by_client.update((rep.client, rep) for rep in _sealed(their_replies, finite))
             # (the one-process backend reports a stage's sequential training once: rank 0 did)
             events += [e for e in their_events if e.get("event") != "sequential_training"]
-            for key, cid, rnd, tensors in outbox:
+            for key, cid, rnd, tensors in outbox:  # (the store copies: views of the message's buffer are fine)
                 store.put(key, cid, rnd, tensors)
         return [by_client[cid] for cid in plan.sampled], events
 
@@ -214,52 +214,64 @@ class DistributedBackend(InProcessBackend):
         task, runtime = self.server.task, self.runtime
         clients = [cid for cid in range(task.num_clients) if task.num_test_examples(cid) > 0]
         shares = split_clients(clients, [float(task.num_test_examples(cid)) for cid in clients], self.world.size)
-        gstate = {k: v.detach().cpu() for k, v in self.server.global_state().items()}
-        answers = self._exchange(r, [("eval", r, gstate, [(cid, self._shipped(cid)) for cid in share])
-                                     for share in shares[1:]],
-                                 lambda: _local_states(runtime, shares[0], self.server.global_state(),
-                                                       self.server.global_model))
+        mine, theirs = self._exchange(r, ("eval", r, self.server.global_state()),
+                                      [[(cid, self._shipped(cid)) for cid in share] for share in shares[1:]],
+                                      lambda: _local_states(runtime, shares[0], self.server.global_state(),
+                                                            self.server.global_model))
         device = self.server.device
-        states = {cid: (MetricState(st.reductions, {k: v.to(device) for k, v in st.tensors().items()}), n)
-                  for got in answers for cid, (st, n) in got.items()}
+        states = dict(mine)
+        for got, _ in theirs:
+            states.update((cid, (MetricState(st.reductions, {k: v.to(device, copy=True) for k, v in
+                                                             st.tensors().items()}), n))
+                          for cid, (st, n) in got.items())
         out = ClientEvaluation(store=runtime.store)
         out.states = {cid: states[cid] for cid in clients}
         return out
 
-    def _exchange(self, r: int, orders: list[Any], own: Any) -> list[Any]:
-        """Scatter ``orders`` (one a worker), run ``own()`` here, gather the workers' answers: [own result, then
-        each worker's]; a worker's error is a ``RankFailed`` naming it."""
+    def _exchange(self, r: int, common: Any, works: list[Any], own: Any) -> tuple[Any, list[tuple[Any, bool]]]:
+        """Send rank k (1, 2, ...) the message (``common``, ``works[k - 1]``): ``common`` packed once, the same
+        bytes to every rank; run ``own()`` here; receive each rank's answer. Returns (own result, [(rank k's
+        answer, whether every floating-point tensor in it is finite)]); a rank's error is a ``RankFailed`` naming
+        it."""
+        group = wire_group()
         try:
-            dist.scatter_object_list([None], [None, *orders], src=0)
+            shared = wire.pack(common)
+            for rank, work in enumerate(works, start=1):
+                wire.send([shared, wire.pack(work)], rank, group)
         except RuntimeError as exc:
             raise lost(exc, f"the other ranks in round {r}") from None
-        del orders
+        del works, shared
         own_error, mine = None, None
         try:
             mine = own()
-        except Exception as exc:  # noqa: BLE001 - gather first, so that no worker is left waiting; raised below
+        except Exception as exc:  # noqa: BLE001 - receive first, so that no rank is left waiting; raised below
             own_error = exc
-        answers: list[Any] = [None] * self.world.size
+        got = []
         try:
-            dist.gather_object(("ok", None), answers, dst=0)
+            for rank in range(1, self.world.size):
+                got.append(wire.recv(rank, group))
         except RuntimeError as exc:
             raise lost(exc, f"the other ranks in round {r}") from None
         if own_error is not None:
             raise own_error
-        for rank, answer in enumerate(answers[1:], start=1):
-            if answer[0] == "error":
-                raise RankFailed(f"rank {rank}: {answer[1]}")
-        return [mine, *(answer[1] for answer in answers[1:])]
+        theirs = []
+        for rank, [(header, buf)] in enumerate(got, start=1):
+            status, answer = wire.unpack(header, buf)
+            if status == "error":
+                raise RankFailed(f"rank {rank}: {answer}")
+            theirs.append((answer, wire.finite_sections(header, buf)))
+        return mine, theirs
 
     def close(self) -> None:
         """Tell every worker that this run is over (it goes on to the next run of a sweep, or exits). Errors are
-        not raised: a worker that died already made rank 0's last collective fail, and that error is the one
+        not raised: a worker that died already made rank 0's last exchange fail, and that error is the one
         reported."""
         if self.closed:
             return
         self.closed = True
         try:
-            dist.scatter_object_list([None], [None] + [("stop",)] * (self.world.size - 1), src=0)
+            for rank in range(1, self.world.size):
+                wire.send_stop(rank, wire_group())
         except Exception:  # noqa: BLE001
             pass
 
@@ -270,32 +282,33 @@ def serve(runtime: Any, schedule: Any, seed: int, world: World) -> None:
     for the stop."""
     store = runtime.store
     backend = InProcessBackend(_ServerView(schedule, seed), runtime)  # type: ignore[arg-type]
+    group = wire_group()
     while True:
-        got: list[Any] = [None]
         try:
-            dist.scatter_object_list(got, None, src=0)
+            message = wire.recv(0, group)
         except RuntimeError as exc:
             raise lost(exc, "rank 0") from None
-        order = got[0]
-        if order[0] == "stop":
+        if message is None:
             return
-        kind, r, gstate, work = order
         try:
+            (kind, r, gstate), work = (wire.unpack(header, buf) for header, buf in message)
+            del message
             store.receive({cid: item[-1] for cid, *item in work})
             backend.server.state = {k: v.to(runtime.device) for k, v in gstate.items()}
             backend.enter_round(r)
             if kind == "eval":
-                answer: Any = ("ok", {cid: (_portable_state(st), n) for cid, (st, n) in
+                answer: Any = ("ok", {cid: (MetricState(st.reductions, st.tensors()), n) for cid, (st, n) in
                                       _local_states(runtime, [cid for cid, _ in work], backend.server.state).items()})
             else:
                 plan = RoundPlan(r, None, [cid for cid, _, _ in work], {}, {},
                                  client_broadcast={cid: sent for cid, sent, _ in work})
                 replies, events = backend.train(plan)
                 answer = ("ok", ([_portable(rep) for rep in replies], events, store.outbox))
+            packed = wire.pack(answer)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the run naming this rank
-            answer = ("error", one_line(exc))
-        del order, work, gstate
+            packed = wire.pack(("error", one_line(exc)))
+        answer = work = gstate = None
         try:
-            dist.gather_object(answer, None, dst=0)
+            wire.send([packed], 0, group)
         except RuntimeError as exc:
             raise lost(exc, "rank 0") from None

@@ -5,10 +5,12 @@ A process is a rank of a distributed run when ``torchrun`` (or ``fedsight run --
 through torchrun's own elastic API) set ``WORLD_SIZE`` above 1 in its environment, with ``RANK`` and
 ``LOCAL_RANK``; the process group's rendezvous is torchrun's (``MASTER_ADDR``/``MASTER_PORT``, ``env://``).
 
-Every message between ranks is a pickled Python object on the CPU (``torch.distributed``'s object
-collectives): the round's order scattered from rank 0, the replies gathered to it. The group's backend is
-``gloo`` unless ``FEDSIGHT_DIST_BACKEND`` (``fedsight run --dist-backend``) says ``nccl``; either way a rank's
-training runs on its own device (``rank_device``). The collectives' timeout is ``FEDSIGHT_DIST_TIMEOUT`` seconds
+A round's messages (the order rank 0 sends each rank, the answers it gets back) travel on the CPU as a small
+pickled header and one flat tensor of every tensor's bytes (``wire``), point to point; the checks before a run
+are pickled objects (``torch.distributed``'s object collectives). The group's backend is ``gloo`` unless
+``FEDSIGHT_DIST_BACKEND`` (``fedsight run --dist-backend``) says ``nccl``, under which the round's messages take a
+gloo group of the same ranks (``wire_group``); either way a rank's training runs on its own device
+(``rank_device``). The collectives' timeout is ``FEDSIGHT_DIST_TIMEOUT`` seconds
 (default 6 hours): a worker waits for the next round while rank 0 evaluates and writes checkpoints.
 """
 
@@ -89,8 +91,12 @@ def check_backend(name: str) -> str:
             os.environ[BACKEND_ENV] = old
 
 
+_WIRE: list[Any] = []
+
+
 def join(world: World) -> None:
-    """Join torchrun's process group (once per process; later runs of a sweep reuse it)."""
+    """Join torchrun's process group (once per process; later runs of a sweep reuse it), and under NCCL a gloo group
+    of the same ranks for the round's messages (``wire_group``)."""
     if dist.is_initialized():
         return
     name = backend_name()
@@ -98,6 +104,14 @@ def join(world: World) -> None:
         torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
     seconds = float(os.environ.get(TIMEOUT_ENV, str(6 * 3600)))
     dist.init_process_group(name, timeout=datetime.timedelta(seconds=seconds))
+    if name == "nccl":  # (a collective call: every rank joins, at the same point)
+        _WIRE.append(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds)))
+
+
+def wire_group() -> Any:
+    """The group a round's messages travel in: the default group under gloo (None), a gloo group of every rank
+    under NCCL (its point-to-point operations take CUDA tensors only; the messages are on the CPU)."""
+    return _WIRE[-1] if _WIRE else None
 
 
 def finish(code: int) -> None:
