@@ -144,3 +144,31 @@ def test_ppfl_table_iv_sets_dct_dp_against_fedavg_paired_by_seed(tmp_path, capsy
     assert (f"| x2 | FedAvg + DCT-DP | 26.58 ± 0.10 | 0.800 ± 0.000 | 2.75 ± 0.00 | 1e-05 | 35.2 ± 0.0 | 10 | "
             f"2.5 ± 0.0 | {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] better (n=3) | 3 |") in out
     assert not ppfl_table.table_iv(tmp_path / "fedavg", ["2"])  # no DCT-DP variant: no table
+
+
+def test_fed3r_table_prints_both_sweeps_and_the_paired_comparisons(tmp_path, capsys):
+    import fed3r_table
+
+    def run(root, variant, seed, acc, wma):
+        d = root / variant / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "status.json").write_text(json.dumps({"state": "complete"}))
+        (d / "config.json").write_text(json.dumps({"seed": seed}))
+        row = {"round": 30, "test/acc": acc, "local/wma": wma, "local/worst10": wma / 2, "cost/total_up_bytes": 1e6,
+               "cost/total_down_bytes": 2e6, "cost/total_flops": 3e9}
+        (d / "metrics.jsonl").write_text(json.dumps({"round": 1, "test/acc": 0.0}) + "\n" + json.dumps(row) + "\n")
+
+    for seed, (a, b) in enumerate([(0.60, 0.90), (0.70, 0.93), (0.65, 0.95)]):
+        run(tmp_path / "fed3r", "fedavg", seed, a, a)
+        run(tmp_path / "fed3r", "fed3r", seed, b, b)
+        run(tmp_path / "personalized", "fedavg+fedsim_psi", seed, a, b)
+    assert fed3r_table.main([str(tmp_path / "fed3r"), str(tmp_path / "personalized")]) == 0
+    out = capsys.readouterr().out
+    assert "| fedavg | 30 | 65.0 ± 5.0 | 65.0 ± 5.0 | 32.5 ± 2.5 | 3.00 | 3.00 | 3 |" in out
+    assert "| fedavg+fedsim_psi | 30 | 65.0 ± 5.0 | 92.7 ± 2.5 |" in out
+    from fedsight.reporting import paired_difference
+
+    d = paired_difference({0: 90.0, 1: 93.0, 2: 95.0}, {0: 60.0, 1: 70.0, 2: 65.0}, True)
+    assert f"| test/acc | fed3r | fedavg | {d.mean:+.1f} [{d.ci[0]:+.1f}, {d.ci[1]:+.1f}] better (n=3) |" in out
+    assert "## Provenance" in out
+    assert fed3r_table.main([str(tmp_path / "nope"), str(tmp_path / "personalized")]) == 2
