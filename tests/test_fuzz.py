@@ -420,7 +420,8 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
     """(argv, what is wrong) with exactly one wrong thing, for every verb."""
     verb = draw(st.sampled_from(sorted(VERBS)))
     good = {"run": ["c.toml"], "partition": ["c.toml"], "pretrain": ["c.toml"], "resume": [str(S)],
-            "evaluate": [str(F)], "report": [str(F)], "list": [], "init": ["classification"], "schema": []}[verb]
+            "evaluate": [str(F)], "report": [str(F)], "calibrate": [str(F)], "list": [], "init": ["classification"],
+            "schema": []}[verb]
     # options that take a value (a flag alone, --overwrite, --force, --smoke, is a valid command line)
     valued = sorted({o for p in VERBS[verb].params if not getattr(p, "is_flag", False)
                      for o in (*p.opts, *p.secondary_opts) if o.startswith("--")})

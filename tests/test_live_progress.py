@@ -77,14 +77,14 @@ def test_a_sweep_says_run_k_of_n_and_its_phases_off_a_terminal(tmp_path, monkeyp
 
 
 def test_a_run_on_a_terminal_shows_the_bar_and_the_last_round(tmp_path, monkeypatch):
-    from fedsight import cli
+    from fedsight import cli_common
 
     monkeypatch.chdir(tmp_path)
     raw = tiny(**{"server.rounds": 2, "eval.every": 1})
     raw["sweep"] = {"seeds": [0, 1]}
     (tmp_path / "c.toml").write_text(tomli_w.dumps(raw))
     con = Console(width=80, force_terminal=True, record=True, file=io.StringIO())
-    monkeypatch.setattr(cli, "console", con)
+    monkeypatch.setattr(cli_common, "console", con)
     res = CliRunner().invoke(app, ["run", "c.toml"])
     assert res.exit_code == 0, res.output
     text = con.export_text()
