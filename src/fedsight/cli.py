@@ -389,7 +389,7 @@ def _shared_point(wheres: list[Path], distinct: int) -> tuple[str, str]:
 def _show_partition(cfg: Any, task: Any, path: Path, point: str = "") -> None:
     """``fedsight partition`` of one config: the clients' table, the summary line, the heat map(s) at ``path``
     (``point``: the sweep points it shows, for the plots' titles)."""
-    from .data.partition import partition_summary
+    from .data.partition_stats import partition_summary
     from .reporting import plot_partition_heatmap
 
     describe = getattr(task, "data_description", None)

@@ -6,12 +6,8 @@ from typing import Any
 
 from fedsight.data import classification, federated_csv, partition  # noqa: F401  (registers loaders and partitioners)
 from fedsight.data.base import ArrayDataset, DatasetSplits
-from fedsight.data.partition import (
-    ClientSplit,
-    make_client_splits,
-    partition_counts,
-    partition_summary,
-)
+from fedsight.data.partition import ClientSplit, make_client_splits
+from fedsight.data.partition_stats import partition_counts, partition_summary
 from fedsight.registry import DATASETS, Params, build
 
 __all__ = [

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import RunFileError
 from ..safe_write import atomic_write_bytes
 
-from ..data.partition import partition_summary
+from ..data.partition_stats import partition_summary
 from .runs_view import StrPath
 
 PARTITION_FILE = "partition.json"
