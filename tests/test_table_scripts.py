@@ -172,3 +172,23 @@ def test_fed3r_table_prints_both_sweeps_and_the_paired_comparisons(tmp_path, cap
     assert f"| test/acc | fed3r | fedavg | {d.mean:+.1f} [{d.ci[0]:+.1f}, {d.ci[1]:+.1f}] better (n=3) |" in out
     assert "## Provenance" in out
     assert fed3r_table.main([str(tmp_path / "nope"), str(tmp_path / "personalized")]) == 2
+
+
+def test_baselines_table_compares_every_method_with_fedavg_paired_by_seed(tmp_path, capsys):
+    import baselines_table
+
+    for variant, accs in (("fedavg", [0.80, 0.82, 0.78]), ("fedavgm", [0.90, 0.95, 0.91]), ("krum", [0.3, 0.2, 0.25])):
+        for seed, acc in enumerate(accs):
+            d = tmp_path / variant / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "status.json").write_text(json.dumps({"state": "complete"}))
+            (d / "config.json").write_text(json.dumps({"seed": seed}))
+            row = {"round": 40, "test/acc": acc, "local/wma": acc, "local/worst10": acc / 2,
+                   "cost/total_up_bytes": 1e6, "cost/total_down_bytes": 1e6, "cost/total_flops": 1e9}
+            (d / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert baselines_table.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| fedavgm | 40 | 92.0 ± 2.6 |" in out and "| krum | 40 | 25.0 ± 5.0 |" in out
+    assert out.index("| fedavgm | +") < out.index("| krum | -")  # the config's order, FedAvg itself left out
+    assert "| fedavg | +" not in out and "better (n=3)" in out and "worse (n=3)" in out
+    assert baselines_table.main([str(tmp_path / "none")]) == 2
