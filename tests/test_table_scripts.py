@@ -189,6 +189,6 @@ def test_baselines_table_compares_every_method_with_fedavg_paired_by_seed(tmp_pa
     assert baselines_table.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| fedavgm | 40 | 92.0 ± 2.6 |" in out and "| krum | 40 | 25.0 ± 5.0 |" in out
-    assert out.index("| fedavgm | +") < out.index("| krum | -")  # the config's order, FedAvg itself left out
-    assert "| fedavg | +" not in out and "better (n=3)" in out and "worse (n=3)" in out
+    assert out.index("| fedavgm | fedavg | +") < out.index("| krum | fedavg | -")  # the config's order
+    assert "| fedavg | fedavg |" not in out and "better (n=3)" in out and "worse (n=3)" in out
     assert baselines_table.main([str(tmp_path / "none")]) == 2
