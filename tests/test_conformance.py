@@ -303,7 +303,7 @@ def test_every_part_trains_vectorised_as_sequentially_or_says_why(task, slot, na
     together (``engine.vectorize = "auto"``, forced on this CPU): the global model, the run's facts and every
     client's kept state are what sequential training leaves, or the stage says why it trained one client at a time
     (a local procedure of its own, a component without a vectorised step)."""
-    import fedsight.api as A
+    import fedsight.build as A
 
     try:
         cfg = training_config(task, slot, name)

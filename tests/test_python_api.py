@@ -74,6 +74,7 @@ def test_load_run_builds_the_model_without_the_data(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = fedsight.run(tiny(**{"server.rounds": 1}))
     monkeypatch.setattr("fedsight.api.build_task", lambda cfg: pytest.fail("load_run loaded the data"))
+    monkeypatch.setattr("fedsight.build.build_task", lambda cfg: pytest.fail("load_run loaded the data"))
     loaded = fedsight.load_run(result.run_dir)
     from safetensors.torch import load_file
 

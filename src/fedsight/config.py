@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_m
 from . import registry as R
 from .errors import ConfigError
 from .config_messages import format_validation_error
+from .config_sections import PARTITION_KEYS  # noqa: F401  (re-exported)
 from .config_sections import (  # noqa: F401  (re-exported: fedsight.config is where callers import sections from)
     STAGE_OVERRIDABLE, _SPEC_CACHE, EngineSection, EvalSection, InitSection, PrivacySection,
     RunSection, StageSection, TrainSection, _finite_speeds, _unique_stage_names, spec_type,
@@ -29,8 +30,6 @@ from .config_sections import (  # noqa: F401  (re-exported: fedsight.config is w
 from .registry import Params
 from .rng import check_seed
 
-#: the partition section's keys that are not the partitioner's parameters (kept when partition.name changes)
-PARTITION_KEYS = ("num_clients", "local_test_fraction", "rgb_shift", "global_imbalance")
 
 __all__ = ["ConfigError", "parse_override", "read_toml", "set_path", "validate"]  # sweeps and loading: fedsight.sweep
 

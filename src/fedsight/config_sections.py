@@ -13,6 +13,9 @@ from . import registry as R
 from .central_dp import CentralDPSection
 from .registry import Params
 
+#: the partition section's keys that are not the partitioner's parameters (kept when partition.name changes)
+PARTITION_KEYS = ("num_clients", "local_test_fraction", "rgb_shift", "global_imbalance")
+
 
 # -- component specs -------------------------------------------------------------------------------
 

@@ -135,7 +135,7 @@ def site_config(raw: dict[str, Any], changes: Sequence[tuple[list[str], Any, boo
     sampling settings of training (``clients_per_round``, ``fraction``, ``min_clients``, also in stages), which
     an evaluation does not use and which a site with fewer clients could not satisfy, are dropped."""
     raw = json.loads(json.dumps(raw))  # a deep copy of JSON values
-    from .config import PARTITION_KEYS
+    from .config_sections import PARTITION_KEYS
 
     for section, keep in (("data", ()), ("partition", PARTITION_KEYS)):
         new = [v for p, v, _ in changes if p == [section, "name"]]

@@ -290,7 +290,7 @@ def test_the_adaptation_stage_trains_vectorised_as_sequentially(monkeypatch, com
     """Self-training under vectorised training: the frozen teacher and theta^0 run per client before the step
     (``VectorStep.prepare``), the pseudo-label loss inside it; two adaptation rounds give each cluster's model, teacher
     and the global model as sequential training does (BiSeNetV2 with dropout: each client's masks from its stream)."""
-    import fedsight.api as A
+    import fedsight.build as A
 
     def final(vectorised: bool):
         # (GroupNorm: with BatchNorm over batches of two 24x40 crops, two sequential runs at one and at two threads

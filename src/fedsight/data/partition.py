@@ -440,7 +440,7 @@ def _local_test_counts(local_labels: np.ndarray, fraction: float) -> tuple[list[
 def partition_from_config(labels: np.ndarray, cfg: Any, attributes: Mapping[str, np.ndarray] | None = None) -> "ClientSplits":
     """``make_client_splits`` for a validated config's ``partition`` section and seed."""
     part = cfg.partition
-    from ..config import PARTITION_KEYS
+    from ..config_sections import PARTITION_KEYS
 
     params = {k: v for k, v in part.model_dump().items() if k != "name" and k not in PARTITION_KEYS}
     if part.num_clients > len(labels):  # one line naming both keys and the data, not the partitioner's own check

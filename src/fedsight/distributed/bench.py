@@ -25,7 +25,7 @@ from typing import Any
 
 def _rounds(raw: dict[str, Any], rounds: int, out: Path) -> None:
     """This process's part: rank 0 (or the only process) times ``rounds`` rounds after a warm-up one."""
-    from ..api import build_simulation
+    from ..build import build_simulation
     from ..config import validate
     from .engine import DistributedBackend, serve
     from .run import build_worker

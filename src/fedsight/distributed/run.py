@@ -47,13 +47,14 @@ def check_ranks(cfg: Any, ranks: int) -> None:
             raise too_many_ranks(ranks, m, name if len(stages) > 1 else None)
 
 
-def execute(cfg: Any, run_dir: str | Path, **kwargs: Any) -> Any:
+def execute(cfg: Any, run_dir: str | Path, execute_one: Any, **kwargs: Any) -> Any:
     """``api.execute`` on a rank of a distributed run (``kwargs``: its keywords): rank 0 runs it with the
     distributed backend; any other rank serves it (``serve_run``) and returns an ``Outcome`` whose status is
     "served" (the run ran, to its end or to the failure rank 0 raises) or "refused" (rank 0 did not start it), so
-    that a script calling ``fedsight.api.execute`` runs unchanged on every rank under torchrun."""
-    from ..api import Outcome, build_simulation
-    from ..api import execute as execute_one
+    that a script calling ``fedsight.api.execute`` runs unchanged on every rank under torchrun. ``execute_one``:
+    ``api.execute`` itself, which rank 0 calls with the distributed simulation (passed in, so that this package
+    never imports ``api``)."""
+    from ..build import Outcome, build_simulation
     from ..safe_write import check_run_dir
 
     world = current()
@@ -82,7 +83,7 @@ def execute(cfg: Any, run_dir: str | Path, **kwargs: Any) -> Any:
 
 def build_worker(cfg: Any) -> tuple[Any, Any]:
     """A worker's client half: the task's data, the stages, one work model on its device; (runtime, schedule)."""
-    from ..api import build_schedule, build_stages, build_task, engine_device, vectorize_mode
+    from ..build import build_schedule, build_stages, build_task, engine_device, vectorize_mode
     from ..engine.client_runtime import ClientRuntime
 
     device = engine_device(cfg)

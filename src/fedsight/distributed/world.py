@@ -147,7 +147,7 @@ def config_digest(cfg: Any) -> str:
     """What every rank must agree on: the experiment (``api.experiment``: the config without where the run
     lies) and the engine settings that change numbers (threads, vectorising), not the device (each rank has its
     own). 12 hex digits of SHA-256 over the sorted JSON."""
-    from ..api import experiment, resolved
+    from ..build import experiment, resolved
 
     res = resolved(cfg)
     engine = {k: v for k, v in res.get("engine", {}).items() if k != "device"}
