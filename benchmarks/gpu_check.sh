@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go (CI has none): the tests marked `cuda`, then `fedsight bench` on the
 # GPU (the issue's workloads, and the CNN at 200 clients a round, also on 1 and 2 ranks sharing the GPU), then the
-# papers' recipes sequential against vectorised (benchmarks/vectorised_recipes.py). Run from the repository root
+# papers' recipes sequential against vectorised (benchmarks/vectorised_recipes.py) and DP-SGD sequential against
+# vectorised at 20 clients (benchmarks/dp_vectorized.py). Run from the repository root
 # with FedSight importable (installed, or PYTHONPATH=src) and the test extras (pytest, hypothesis); Flower is not needed.
 #   bash benchmarks/gpu_check.sh [OUT_DIR]      (default: gpu_check; logs and bench JSON files go there)
 # Exit status: non-zero when no GPU is visible or a CUDA test fails; the bench figures are printed and saved.
@@ -21,4 +22,5 @@ tests=${PIPESTATUS[0]}
 "$py" -m fedsight.cli bench --device cuda -w cnn --clients 200 --nproc 2 --no-flower --no-memory --json "$out/bench_cnn200.json" \
     2>&1 | tee "$out/bench_cnn200.log"
 "$py" benchmarks/vectorised_recipes.py --device cuda --clients 12 --rounds 4 2>&1 | tee "$out/recipes.log"
+"$py" benchmarks/dp_vectorized.py --device cuda --clients 20 --rounds 2 2>&1 | tee "$out/dp_vectorized.log"
 exit "$tests"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import typing
 from typing import Any
 
@@ -233,12 +234,6 @@ def part_config(task: str, slot: str, name: str, initial: bool = False) -> dict[
 CASES = [(t, s, n) for t in TASKS for s, reg in SLOTS.items() for n in builtin(reg)]
 
 
-#: pairs refused at their first local step, sequentially, with what the error says: Opacus's per-sample gradients of
-#: a video model, which folds a clip's frames into the batch, are per frame (``DPSGD._check_rows``); trained
-#: vectorised (the comparison below), each clip's gradient is its own
-REFUSED_SEQUENTIALLY = {("video_sr", "component", "dp_sgd"): "compute on 4 rows for a batch of 2 examples"}
-
-
 @pytest.mark.parametrize("task,slot,name", CASES, ids=[f"{t}-{s}-{n}" for t, s, n in CASES])
 def test_every_part_runs_a_round_or_is_refused_at_config_time(task, slot, name):
     raw = part_config(task, slot, name, initial=True)
@@ -252,10 +247,6 @@ def test_every_part_runs_a_round_or_is_refused_at_config_time(task, slot, name):
         return
     rows = []
     sim = build_simulation(cfg)
-    if (task, slot, name) in REFUSED_SEQUENTIALLY:
-        with pytest.raises(ConfigError, match=REFUSED_SEQUENTIALLY[task, slot, name]):
-            sim.run()
-        return
     sim.run(on_round=lambda r, row, events: rows.append((row, events)))
     row, events = rows[-1]  # the part's round (after a preparing stage, if any)
     assert len(rows) == cfg.server.rounds + 1 and rows[0][0]["round"] == 0  # round 0: the initial model
@@ -283,10 +274,18 @@ TRAINING_CASES = [c for c in CASES if c[1] in ("component", "sharing", "aggregat
 #: (``tests/test_vectorized.py::test_group_norm_trains_under_vmap_from_stacks_laid_out_for_the_fused_forward``).
 
 
-def training_config(task: str, slot: str, name: str) -> Any:
+#: pairs that train only vectorised, with what the config-time refusal of sequential training says: Opacus's
+#: per-sample gradients of a video model, which folds a clip's frames into the batch, would be per frame
+#: (``FedModel.folds_batch``); trained vectorised, each clip's gradient is its own
+VECTORISED_ONLY = {("video_sr", "component", "dp_sgd"): "folds a clip's frames into the batch"}
+
+
+def training_config(task: str, slot: str, name: str, **engine: Any) -> Any:
     """The validated config of the vectorised comparison (``part_config``; segmentation on GroupNorm where the
     part takes it)."""
     raw = part_config(task, slot, name)
+    for k, v in engine.items():
+        set_path(raw, ["engine", k], v)
     if task == "segmentation":
         grouped = copy.deepcopy(raw)
         set_path(grouped, ["model", "norm"], "group")
@@ -305,6 +304,13 @@ def test_every_part_trains_vectorised_as_sequentially_or_says_why(task, slot, na
     (a local procedure of its own, a component without a vectorised step)."""
     import fedsight.build as A
 
+    if (task, slot, name) in VECTORISED_ONLY:  # (refused one at a time before anything runs; trains together)
+        with pytest.raises(ConfigError, match=re.escape(VECTORISED_ONLY[task, slot, name])):
+            training_config(task, slot, name)
+        vec, rows = build_simulation(training_config(task, slot, name, vectorize=True)), []
+        vec.run(on_round=lambda r, row, events: rows.append(row))
+        assert vec.runtime.vectorizes(5) and math.isfinite(rows[-1]["test/" + vec.task.primary_metric])
+        return
     try:
         cfg = training_config(task, slot, name)
     except ConfigError:
@@ -313,13 +319,6 @@ def test_every_part_trains_vectorised_as_sequentially_or_says_why(task, slot, na
     monkeypatch.setattr(A, "vectorize_mode", lambda setting, device: "auto")
     vec = build_simulation(cfg)
     monkeypatch.undo()
-    if (task, slot, name) in REFUSED_SEQUENTIALLY:  # (refused one at a time; trains together)
-        with pytest.raises(ConfigError, match=REFUSED_SEQUENTIALLY[task, slot, name]):
-            seq.run()
-        rows = []
-        vec.run(on_round=lambda r, row, events: rows.append(row))
-        assert vec.runtime.vectorizes(5) and math.isfinite(rows[-1]["test/" + vec.task.primary_metric])
-        return
     seq.run()
     vec.run()
     if vec.runtime.sequential_reasons:

@@ -243,6 +243,30 @@ def test_batchnorm_model_refused_at_config_time():
     validate(tiny(**{"model.norm": "group", "recipe.components": [{"name": "dp_sgd", "noise_multiplier": 1.0}]}))
 
 
+def test_a_model_folding_frames_into_the_batch_is_refused_unless_vectorised():
+    """A declared video model (``folds_batch``) at config time, naming what to set; one that folds without declaring
+    it (a plugin) at its first step, from the rows Opacus saw: 4 rows for a batch of 2 clips of 2 frames."""
+    from fedsight.recipe.dp_sgd import DPSGD, DPSGDParams
+
+    def cfg(vectorize):
+        return {"task": "video_sr", "seed": 0,
+                "data": {"name": "synthetic_video", "sources": ["astronaut"], "clips_per_source": 2, "clip_length": 3,
+                         "frame_size": 24, "scale": 2, "num_frames": 2, "patch_size": 6},
+                "partition": {"name": "iid", "num_clients": 2}, "model": {"name": "sliding_vsr", "channels": 4, "blocks": 1},
+                "train": {"steps": 1, "batch_size": 2, "lr": 0.05}, "server": {"rounds": 1, "clients_per_round": 2},
+                "engine": {"vectorize": vectorize}, "recipe": {"components": [{"name": "dp_sgd", "noise_multiplier": 1.0}]}}
+
+    for vectorize in ("auto", False):
+        with pytest.raises(ConfigError, match=r"'dp_sgd' needs per-example gradients.*folds a clip's frames.*"
+                                              r"engine.vectorize = true"):
+            validate(cfg(vectorize))
+    validate(cfg(True))
+    dp = DPSGD(DPSGDParams(noise_multiplier=1.0))
+    with pytest.raises(ConfigError, match="compute on 4 rows for a batch of 2 examples"):
+        dp._check_rows(4, (torch.zeros(2, 2, 3, 8, 8),))
+    dp._check_rows(2, (torch.zeros(2, 2, 3, 8, 8),))
+
+
 @pytest.mark.parametrize("bad,match", [({}, "exactly one"), ({"noise_multiplier": 1.0, "target_epsilon": 2.0}, "exactly one"),
                                        ({"target_epsilon": 2.0}, "planned_rounds")])
 def test_params_are_checked(bad, match):

@@ -63,6 +63,10 @@ class FedModel(nn.Module):
     split_head: bool = True
     #: whether ``feature_maps`` is implemented
     multi_scale: bool = False
+    #: whether ``forward`` folds another dimension into the batch (a video model's frames: its layers see ``B T``
+    #: rows), so a layer's per-sample gradients are per frame, not per example (``dp_sgd`` refuses such a model
+    #: unless it trains vectorised, which takes each example's gradient alone)
+    folds_batch: bool = False
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone(x)

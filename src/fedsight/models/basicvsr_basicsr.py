@@ -108,6 +108,7 @@ class BasicVSRBasicSR(FedModel):
     """BasicSR's BasicVSR (see the module docstring)."""
 
     split_head = False
+    folds_batch = True  # [B, T, ...] clips run as B T frames
 
     def __init__(self, scale: int = 4, num_feat: int = 64, num_block: int = 30, hr_feat: int = 64,
                  spynet_init: Literal["zero_flow", "pytorch"] = "zero_flow",

@@ -185,6 +185,7 @@ class BasicVSR(FedModel):
     """Bidirectional recurrent VSR (BasicVSR family); see the module docstring."""
 
     split_head = False
+    folds_batch = True  # [B, T, ...] clips run as B T frames
 
     def __init__(
         self,
@@ -250,6 +251,7 @@ class SlidingWindowVSR(FedModel):
     """Early-fusion sliding-window VSR over 2k+1 frames; see the module docstring."""
 
     split_head = False
+    folds_batch = True  # [B, T, ...] clips run as B T frames
 
     def __init__(
         self,

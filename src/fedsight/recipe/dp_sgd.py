@@ -335,7 +335,10 @@ class DPSGD(Component):
 
 
 def _check(spec: DPSGDParams, cfg: Any) -> str | None:
-    """Models whose layers mix the examples of a batch (BatchNorm) have no per-example gradients."""
+    """Models whose layers mix the examples of a batch (BatchNorm) have no per-example gradients, and a model that
+    folds a clip's frames into the batch (``FedModel.folds_batch``) has per-frame rows under Opacus: refused before
+    anything is written unless the stage trains vectorised (a model that folds without declaring it, a plugin, is
+    refused at its first step by ``DPSGD._check_rows``)."""
     import torch as _torch
     from opacus.validators import ModuleValidator
 
@@ -347,6 +350,10 @@ def _check(spec: DPSGDParams, cfg: Any) -> str | None:
             model = build_model(cfg.model.name, component_params(cfg.model), in_channels=3, num_outputs=3, image_size=32, scale=2)
     except Exception:  # noqa: BLE001 - placeholder shapes; the real build reports its own errors
         return None
+    if getattr(model, "folds_batch", False) and cfg.engine.vectorize is not True:
+        return (f"'dp_sgd' needs per-example gradients, but model {cfg.model.name!r} folds a clip's frames into the "
+                f"batch, so Opacus's per-sample gradients would be per frame; set engine.vectorize = true (vectorised "
+                f"DP-SGD takes each example's gradient alone)")
     errors = ModuleValidator.validate(model, strict=False)
     if errors:
         first = str(errors[0]).splitlines()[0]
