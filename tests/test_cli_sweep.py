@@ -108,7 +108,7 @@ def test_run_json_records_versions_the_command_line_and_the_git_commit(tmp_path,
     subprocess.run(["git", "add", "c.toml"], check=True)
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "exp"], check=True)
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    monkeypatch.setattr("sys.argv", ["fedsight", "run", "c.toml"])
+    monkeypatch.setattr("sys.argv", ["/venv/lib/fedsight/__main__.py", "run", "c.toml"])  # python -m fedsight
     assert runner.invoke(app, ["run", "c.toml"]).exit_code == 0
     session = json.loads((tmp_path / "runs/tiny/seed0/run.json").read_text())["sessions"][0]
     assert session["command"] == ["fedsight", "run", "c.toml"]

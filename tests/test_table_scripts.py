@@ -192,3 +192,32 @@ def test_baselines_table_compares_every_method_with_fedavg_paired_by_seed(tmp_pa
     assert out.index("| fedavgm | fedavg | +") < out.index("| krum | fedavg | -")  # the config's order
     assert "| fedavg | fedavg |" not in out and "better (n=3)" in out and "worse (n=3)" in out
     assert baselines_table.main([str(tmp_path / "none")]) == 2
+
+
+def test_fedvsr_table_pairs_each_method_with_fedavg_on_its_own_partition(tmp_path, capsys):
+    import fedvsr_table
+
+    def run(variant, part, seed, psnr):
+        d = tmp_path / variant / part / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "status.json").write_text(json.dumps({"state": "complete"}))
+        (d / "config.json").write_text(json.dumps({"seed": seed}))
+        row = {"round": 20, "test/psnr_y": psnr, "test/ssim_y": psnr / 40, "test/psnr_rgb": psnr - 1,
+               "test/ssim_rgb": psnr / 50}
+        (d / "metrics.jsonl").write_text(json.dumps({"round": 0, "test/psnr_y": 1.0}) + "\n" + json.dumps(row) + "\n")
+
+    for seed, (a, b, c) in enumerate([(24.0, 24.5, 23.0), (24.2, 24.6, 23.1), (24.1, 24.8, 23.3)]):
+        run("fedavg", "name=iid", seed, a)
+        run("fedavg_gla", "name=iid", seed, b)
+        run("fedavg", "name=classes", seed, c)  # another partition: never FedAvg's iid baseline
+        run("fedavg_gla", "name=classes", seed, c)
+    assert fedvsr_table.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| FedAvg | iid | 24.10 ± 0.10 |" in out and "| FedAvg | one photo per client | 23.13 ± 0.15 |" in out
+    from fedsight.reporting import paired_difference
+
+    d = paired_difference({0: 24.5, 1: 24.6, 2: 24.8}, {0: 24.0, 1: 24.2, 2: 24.1}, True)
+    assert f"| fedavg_gla | fedavg | iid | {d.mean:+.2f} [{d.ci[0]:+.2f}, {d.ci[1]:+.2f}] better (n=3) |" in out
+    assert "| fedavg_gla | fedavg | one photo per client | +0.00" in out
+    assert "| fedavg, one photo per client | fedavg, iid | (paired by seed) | -0.97" in out
+    assert fedvsr_table.main([str(tmp_path / "none")]) == 2

@@ -252,7 +252,16 @@ def session_info(device: torch.device) -> dict[str, Any]:
 
     return {"started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **describe(device),
             "fedsight": __version__, "python": platform.python_version(),
-            "command": [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv else [], **provenance()}
+            "command": command_line(), **provenance()}
+
+
+def command_line() -> list[str]:
+    """This process's command line as a user would retype it: the program's name, not its path (``python -m
+    fedsight`` runs ``__main__.py``: recorded as ``fedsight``)."""
+    if not sys.argv:
+        return []
+    name = Path(sys.argv[0]).name
+    return ["fedsight" if name == "__main__.py" else name, *sys.argv[1:]]
 
 
 def resolved(cfg: Any) -> dict[str, Any]:

@@ -55,30 +55,40 @@ def _rounds(raw: dict[str, Any], rounds: int, out: Path) -> None:
     out.write_text(json.dumps({"seconds": statistics.median(times), "clients": sim.schedule.clients_per_round}))
 
 
+def bench_config(raw: dict[str, Any], rounds: int, device: str = "cpu") -> dict[str, Any]:
+    """The config every configuration of ``time_ranks`` runs: ``rounds`` timed rounds after a warm-up one, no
+    evaluation, vectorised on ``device``."""
+    total = rounds + 1
+    return {**raw, "server": {**raw["server"], "rounds": total}, "eval": {"every": total, "local": False},
+            "engine": {"device": device, "vectorize": True}}
+
+
+def time_one(raw: dict[str, Any], rounds: int, ranks: int, threads: int, tmp: Path) -> dict[str, Any]:
+    """One configuration in fresh processes (``ranks`` ranks of ``threads`` threads; torchrun's launcher for more
+    than one rank) on ``bench_config``'s config: its median seconds a round and updates/s."""
+    src = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    cfg = json.dumps({**raw, "engine": {**raw["engine"], "threads": threads}})
+    out = Path(tmp) / f"r{ranks}t{threads}.json"
+    out.unlink(missing_ok=True)
+    launcher = ([sys.executable] if ranks == 1 else
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)])
+    proc = subprocess.run([*launcher, "-m", "fedsight.distributed.bench", cfg, str(rounds), str(out)],
+                          capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0 or not out.is_file():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the {ranks}-rank benchmark run failed: {last}")
+    got = json.loads(out.read_text())
+    return {"ranks": ranks, "threads": threads, "seconds": got["seconds"], "updates_per_s": got["clients"] / got["seconds"]}
+
+
 def time_ranks(raw: dict[str, Any], rounds: int, nproc: int, device: str = "cpu") -> list[dict[str, Any]]:
     """One row per configuration (ranks, threads a rank, seconds a round, updates/s, efficiency). ``device``:
     ``engine.device`` of every rank ("cuda": rank k on GPU k mod the GPUs, so ranks share one GPU)."""
-    total = rounds + 1
-    raw = {**raw, "server": {**raw["server"], "rounds": total}, "eval": {"every": total, "local": False},
-           "engine": {"device": device, "vectorize": True}}
+    raw = bench_config(raw, rounds, device)
     runs = [(1, 1), (1, nproc)] + [(k, 1) for k in range(2, nproc + 1)]
-    rows = []
-    src = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="fedsight-bench-ranks-") as tmp:
-        for ranks, threads in runs:
-            cfg = json.dumps({**raw, "engine": {**raw["engine"], "threads": threads}})
-            out = Path(tmp) / f"r{ranks}t{threads}.json"
-            launcher = ([sys.executable] if ranks == 1 else
-                        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)])
-            proc = subprocess.run([*launcher, "-m", "fedsight.distributed.bench", cfg, str(rounds), str(out)],
-                                  capture_output=True, text=True, env=env, check=False)
-            if proc.returncode != 0 or not out.is_file():
-                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise RuntimeError(f"the {ranks}-rank benchmark run failed: {last}")
-            got = json.loads(out.read_text())
-            rows.append({"ranks": ranks, "threads": threads, "seconds": got["seconds"],
-                         "updates_per_s": got["clients"] / got["seconds"]})
+        rows = [time_one(raw, rounds, ranks, threads, Path(tmp)) for ranks, threads in runs]
     base = rows[0]["updates_per_s"]
     for r in rows:
         r["efficiency"] = r["updates_per_s"] / (r["ranks"] * base) if r["threads"] == 1 else None

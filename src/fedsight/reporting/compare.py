@@ -495,10 +495,18 @@ def plot_comparison(run_dirs: Iterable[StrPath], path: StrPath, metrics: list[st
     return _plot_table(table, members, Path(path), chosen=metrics is not None)
 
 
+def _command(command: Any) -> str | None:
+    """A session's command line; ``python -m fedsight``, recorded as ``__main__.py`` before the command was recorded
+    as ``fedsight`` (``build.command_line``), reads ``fedsight``."""
+    if not isinstance(command, list) or not command:
+        return None
+    return shlex.join(["fedsight" if command[0] == "__main__.py" else command[0], *command[1:]])
+
+
 #: what a report's provenance lists of each run's sessions (``run.json``), in this order
 PROVENANCE = (
     ("FedSight commit", lambda s: _commit(s.get("git", {}).get("fedsight"))),
-    ("command", lambda s: shlex.join(s["command"]) if isinstance(s.get("command"), list) else None),
+    ("command", lambda s: _command(s.get("command"))),
     ("torch / Python", lambda s: f"torch {s.get('torch')}, Python {s.get('python')}" if s.get("torch") else None),
     ("device, threads", lambda s: f"{s.get('device')}, {s.get('threads')} thread{'s' if s.get('threads') != 1 else ''}"
      if s.get("device") else None),
