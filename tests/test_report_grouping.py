@@ -336,7 +336,7 @@ def test_best_is_bold_within_each_grid_point(tmp_path: Path) -> None:
     assert bold("test/acc ↑") == {"fedavg[alpha=1.0]", "fedprox[alpha=0.1]", "y"}
     assert bold("test/loss ↓") == {"fedavg[alpha=1.0]", "fedprox[alpha=0.1]", "y"}  # loss = 1 - acc
     rich = table.to_rich()
-    run_col, final_col = rich.columns[1], rich.columns[4]
+    run_col, final_col = rich.columns[0], rich.columns[3]  # (each metric heads its rows in the run column)
     bold_rich = {g for g, f in zip(run_col._cells, final_col._cells) if "[bold]" in f}
     assert bold_rich == {"fedavg\\[alpha=1.0]", "fedprox\\[alpha=0.1]", "y"}
     assert {r.grid_point for r in table.rows} == {"alpha=1.0", "alpha=0.1", None}

@@ -220,17 +220,17 @@ class ComparisonTable:
         lead = self._leaders()
         caption = "\n".join([self._seeds_line(), self.grouping_note(), *(f"  {ln}" for ln in self.group_lines())])
         table = Table(title="FedSight run comparison", caption=escape(caption), caption_justify="left")
-        table.add_column("metric", style="cyan", overflow="fold")
-        table.add_column("run", overflow="fold")
+        table.add_column("metric / run", overflow="fold")  # (the metric heads its rows: the run names get its width)
         table.add_column("n", justify="right")
         table.add_column("rounds", justify="right")
-        for head in self._headers():
+        heads = self._headers()
+        for head in heads:
             table.add_column(head, justify="right", no_wrap=True)
         for i, r in enumerate(self.rows):
-            first_of_metric = i == 0 or self.rows[i - 1].metric != r.metric
+            if i == 0 or self.rows[i - 1].metric != r.metric:
+                table.add_row(_metric_heading(r.metric, r.higher_is_better), "", "", *[""] * len(heads))
             last_of_metric = i + 1 == len(self.rows) or self.rows[i + 1].metric != r.metric
-            label = _metric_label(r.metric, r.higher_is_better) if first_of_metric else ""
-            table.add_row(label, escape(r.group), str(r.n_runs), self._rounds_text(r.rounds),
+            table.add_row(escape(r.group), str(r.n_runs), self._rounds_text(r.rounds),
                           *self._cells(r, lead, ("[bold]", "[/bold]")), end_section=last_of_metric)
         return table
 
@@ -319,8 +319,7 @@ class ComparisonTable:
         title = f"Compared with the baseline {bases[0]}" if len(bases) == 1 else "Compared with the baselines"
         table = Table(title=escape(title), caption=escape(self.comparison_note(selection_column=False)),
                       caption_justify="left")
-        table.add_column("metric", style="cyan", overflow="fold")
-        table.add_column("run", overflow="fold")
+        table.add_column("metric / run", overflow="fold")  # (the metric heads its rows: the run names get its width)
         if len(bases) > 1:
             table.add_column("baseline", overflow="fold")
         table.add_column("n", justify="right")
@@ -328,14 +327,21 @@ class ComparisonTable:
         table.add_column(f"{CONFIDENCE:.0%} CI", justify="right", no_wrap=True)
         table.add_column("verdict\nWilcoxon p", no_wrap=True)  # (one column: the table fits 80 columns)
         for i, c in enumerate(rows):
-            first = i == 0 or rows[i - 1].metric != c.metric
+            if i == 0 or rows[i - 1].metric != c.metric:
+                table.add_row(_metric_heading(c.metric, c.higher_is_better), *[""] * (len(table.columns) - 1))
             last = i + 1 == len(rows) or rows[i + 1].metric != c.metric
-            cells = [_metric_label(c.metric, c.higher_is_better) if first else "", escape(c.group)]
-            cells += [escape(c.baseline)] if len(bases) > 1 else []
+            cells = [escape(c.group)] + ([escape(c.baseline)] if len(bases) > 1 else [])
             delta, ci, verdict = self._comparison_cells(c)
             p = self._wilcoxon_cell(c)
             table.add_row(*cells, str(c.stats.n), delta, ci, verdict + (f"\np={p}" if p != "—" else ""), end_section=last)
         return table
+
+
+def _metric_heading(metric: str, higher: bool | None) -> str:
+    """A metric's label as the row heading its runs in a terminal table (rich markup)."""
+    from rich.markup import escape
+
+    return f"[bold cyan]{escape(_metric_label(metric, higher))}[/bold cyan]"
 
 
 def _noise_of(runs: Sequence[_Run]) -> str | None:
