@@ -444,3 +444,17 @@ def test_flower_central_dp_runs_are_not_replicates_of_plain_runs(tmp_path: Path)
     assert sorted(len(g.run_dirs) for g in groups) == [2, 2]
     assert {frozenset(g.run_dirs) for g in groups} == {frozenset(plain), frozenset(dp)}
     assert len({g.label for g in groups}) == 2
+
+
+def test_a_group_names_its_runs_that_have_not_reached_their_last_round(tmp_path: Path) -> None:
+    """A run still running (or stopped) compares its last logged round as "final": the group's line says which
+    seed stopped where, in the terminal caption and in report.md alike; finished groups say nothing of it."""
+    dirs = [write_run(tmp_path, f"a/seed{s}", config("a", s), acc_rows([0.3, 0.4, 0.5, 0.6])) for s in (0, 1)]
+    dirs.append(write_run(tmp_path, "a/seed2", config("a", 2), acc_rows([0.3, 0.45])))  # 2 of 4 rounds
+    dirs += [write_run(tmp_path, f"b/seed{s}", config("b", s, lr=0.2), acc_rows([0.3, 0.4, 0.5, 0.7])) for s in (0, 1)]
+    table = compare(dirs)
+    lines = dict(zip([g.label for g in table.groups], table.group_lines()))
+    assert lines["a"].endswith("; not finished: seed 2 at round 2 of 4 (final = that round's value)"), lines
+    assert "not finished" not in lines["b"]
+    report(dirs, tmp_path / "out")
+    assert "not finished: seed 2 at round 2 of 4" in (tmp_path / "out" / "report.md").read_text()

@@ -153,14 +153,17 @@ class ComparisonTable:
     def group_lines(self) -> list[str]:
         """One line per group: its label, seeds and backends (``run.json``), and the rule that formed
         it (replicates are runs of one config with distinct seeds; a config's runs that share a seed
-        are rows of their own, told apart by backend or directory)."""
+        are rows of their own, told apart by backend or directory); then its runs that have not reached their
+        last round (``RunGroup.unfinished``)."""
         lines = []
         for g in self.groups:
             seeds = ", ".join("?" if s is None else str(s) for s in g.seeds)
             backends = ", ".join(dict.fromkeys(b or "not recorded" for b in g.backends))
             unit = "seed" if len(g.seeds) == 1 else "seeds"
+            unfinished = (f"; not finished: {', '.join(g.unfinished)} (final = that round's value)"
+                          if g.unfinished else "")
             lines.append(f"{g.label}: {len(g.run_dirs)} run{'s' if len(g.run_dirs) != 1 else ''}, {unit} {seeds}"
-                         f"{f'; backend {backends}' if backends else ''}")
+                         f"{f'; backend {backends}' if backends else ''}{unfinished}")
         return lines
 
     def grouping_note(self) -> str:

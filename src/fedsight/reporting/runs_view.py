@@ -292,6 +292,20 @@ class RunGroup:
     backends: tuple[str | None, ...] = ()
     grid_point: str | None = None
     split_note: str = ""
+    #: its runs whose last logged round is before the config's ``server.rounds`` (still running, stopped or
+    #: interrupted), as "seed 4 at round 15 of 20": their final value is that round's
+    unfinished: tuple[str, ...] = ()
+
+
+def _unfinished(run: _Run) -> str | None:
+    """"seed S at round r of R" for a run whose metric lines end before its config's ``server.rounds``."""
+    server = run.config.get("server")
+    planned = server.get("rounds") if isinstance(server, dict) else None
+    rounds = [r["round"] for r in run.records if "event" not in r and isinstance(r.get("round"), int)]
+    done = max(rounds, default=0)
+    if not isinstance(planned, int) or done >= planned:
+        return None
+    return f"{'seed ' + str(run.seed) if run.seed is not None else run.path.name} at round {done} of {planned}"
 
 
 def _repeats_a_seed(runs: Sequence[_Run]) -> bool:
@@ -399,7 +413,7 @@ def _group(runs: Sequence[_Run]) -> list[tuple[RunGroup, list[_Run]]]:
         for note, sub in _replicate_sets(members):
             group = RunGroup(f"{base} ({note})" if note else base, tuple(r.path for r in sub),
                              tuple(r.seed for r in sub), config, tuple(r.backend for r in sub),
-                             grid_point(sub[0].name), note)
+                             grid_point(sub[0].name), note, tuple(u for r in sub if (u := _unfinished(r))))
             out.append((group, sub))
     labels = [g.label for g, _ in out]
     if len(set(labels)) < len(labels):  # a run named like another's label with its suffix: number them
