@@ -39,6 +39,9 @@ def main() -> None:
         ap.error("--pairs, --rounds and --clients must be at least 2")
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip() or "unknown"
+    if subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                      text=True, check=False).stdout.strip():
+        commit += " (with uncommitted changes)"
     print(f"commit {commit}; python benchmarks/ranks_vs_threads.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"cpu count {os.cpu_count()}; load average at start {os.getloadavg()[0]:.2f}")
     raw = bench_config(cnn_workload(args.clients, args.rounds + 1), args.rounds, "cpu")

@@ -135,8 +135,9 @@ def test_a_failing_rank_fails_the_run_in_one_line_naming_it_and_the_run_resumes(
 
 def test_two_ranks_record_themselves_in_run_json(session: dict[str, Any]) -> None:
     meta = json.loads((session["out"] / "fedavg" / "run.json").read_text())
-    assert {k: meta["sessions"][-1][k] for k in ("backend", "ranks", "dist_backend")} == {
-        "backend": "distributed", "ranks": 2, "dist_backend": "gloo"}
+    assert {k: meta["sessions"][-1][k] for k in ("backend", "ranks", "dist_backend", "messages")} == {
+        "backend": "distributed", "ranks": 2, "dist_backend": "gloo", "messages": "shared memory"}  # (one machine)
+    assert not list(Path("/dev/shm").glob("fedsight-*")), "a shared-memory segment was left behind"
     one = json.loads((session["ref"] / "fedavg" / "run.json").read_text())["sessions"][-1]
     assert one["backend"] == "in-process" and "ranks" not in one
 
@@ -216,7 +217,8 @@ def test_fedsight_run_nproc_launches_the_ranks_and_rank_0_says_why_a_run_cannot_
     raw["variants"] = [{"name": "two", "server": {"clients_per_round": 2}}, {"name": "few", "server": {"fraction": 0.1}}]
     cfg = tmp_path / "c.toml"
     cfg.write_text(tomli_w.dumps(raw))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), "COLUMNS": "200",
+           "FEDSIGHT_DIST_SHM": "0"}  # gloo's TCP transfer, as between machines (the session above: shared memory)
     proc = subprocess.run([sys.executable, "-m", "fedsight", "run", str(cfg), "--nproc", "2"], capture_output=True,
                           text=True, env=env, timeout=600)
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
@@ -229,6 +231,13 @@ def test_fedsight_run_nproc_launches_the_ranks_and_rank_0_says_why_a_run_cannot_
     assert json.loads(done.read_text())["state"] == "complete"
     session = json.loads((done.parent / "run.json").read_text())["sessions"][-1]
     assert session["ranks"] == 2 and session["launched_by"] == ["fedsight", "run", str(cfg), "--nproc", "2"]
+    assert session["messages"] == "gloo"
+    from fedsight.api import execute
+    from fedsight.sweep import load
+
+    (spec,) = load(cfg, only=["two"])
+    execute(spec.config, tmp_path / "one")  # the same run in one process: the same numbers over TCP
+    assert _rows(done.parent) == _rows(tmp_path / "one")
 
 
 def test_the_launcher_blames_the_rank_that_stopped_first_not_those_it_stopped() -> None:

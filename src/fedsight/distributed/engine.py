@@ -50,7 +50,7 @@ from ..metrics import MetricState
 from ..records import ClientResult
 from ..rng import np_rng
 from ..state import ClientStateStore
-from . import wire
+from . import shm, wire
 from .world import LAUNCH_ENV, RankFailed, World, one_line, wire_group
 
 
@@ -177,7 +177,8 @@ class DistributedBackend(InProcessBackend):
         super().__init__(server, runtime)
         self.world = world
         #: what run.json records besides the backend (``api.start_run_dir``)
-        self.session: dict[str, Any] = {"ranks": world.size, "dist_backend": dist.get_backend()}
+        self.session: dict[str, Any] = {"ranks": world.size, "dist_backend": dist.get_backend(),
+                                        "messages": "shared memory" if shm.enabled() else "gloo"}
         launched = os.environ.get(LAUNCH_ENV)
         if launched:  # `fedsight run ... --nproc N`: the ranks' own command (run.json's "command") lacks --nproc
             self.session["launched_by"] = json.loads(launched)

@@ -8,7 +8,8 @@ reference (its dtype, shape and place in one buffer: ``pickle``'s persistent ids
 copied once into one contiguous ``uint8`` tensor: each dtype's tensors back to back (a section, one ``torch.cat``),
 each section starting at a multiple of 16 bytes, so that every tensor's view of the buffer is aligned. A message
 (``send``/``recv``: the headers of its parts, a few KB, and their buffers) crosses as two point-to-point tensor
-transfers of ``torch.distributed``, with no serialisation of the tensors at all.
+transfers of ``torch.distributed``, with no serialisation of the tensors at all; between ranks of one machine the
+payload goes through shared memory instead and only its lengths cross (``shm``).
 
 On the receiving side every tensor is a view of the received buffer (no copy), contiguous and on the CPU, holding
 the very bits that were sent: what a pickled CPU copy held, so the numbers are unchanged. Views share their buffer
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import shm
 
 #: every tensor starts at a multiple of this many bytes of the buffer (the largest element size: complex128)
 ALIGN = 16
@@ -129,47 +132,59 @@ def finite_sections(header: bytes, buf: torch.Tensor) -> bool:
     return all_finite({str(dtype): buf[start:end].view(dtype) for dtype, (start, end) in sections.items()})
 
 
-#: the first of a message's two transfers: (length of its pickled headers, of its payload); a length of STOP: no
+#: the first of a message's two transfers: (length of its pickled headers, of its payload, the generation of the
+#: shared-memory segment holding the payload or 0 when the payload follows over gloo); a length of STOP: no
 #: message follows
 STOP = -1
 
 
 def send(parts: list[tuple[bytes, torch.Tensor]], dst: int, group: Any = None) -> None:
-    """Send rank ``dst`` a message of packed parts as two transfers: the lengths (two numbers), then one payload,
-    the parts' headers (pickled together) followed by each part's buffer (each at a multiple of ``ALIGN``). Both
-    sends start at once (``isend``), so that the payload follows the lengths without a round trip between them;
-    the payload costs one more copy of the buffers (a memcpy: tens of microseconds a MB, against a transfer's
-    milliseconds and a round trip's wait on a busy machine)."""
+    """Send rank ``dst`` a message of packed parts: the lengths and the payload's place (three numbers), then
+    the payload, the parts' headers (pickled together) followed by each part's buffer (each at a multiple of
+    ``ALIGN``). Between ranks of one machine the payload is written into this direction's shared-memory segment
+    (``shm``: the lengths carry its generation) and only the numbers cross gloo; otherwise both sends start at
+    once (``isend``), so that the payload follows the lengths without a round trip between them. Either way the
+    payload costs one more copy of the buffers (a memcpy: tens of microseconds a MB)."""
     offsets, end = [], 0
     for _, b in parts:  # (after the headers; each part at a multiple of ALIGN, so that its views stay aligned)
         offsets.append(end)
         end = _padded(end + b.numel())
     headers = pickle.dumps([(h, b.numel(), at) for (h, b), at in zip(parts, offsets)])
     start = _padded(len(headers))
-    payload = torch.empty(start + end, dtype=torch.uint8)
+    place = shm.writer(dist.get_rank(), dst).buffer(start + end) if shm.enabled() else None
+    gen, payload = place or (0, torch.empty(start + end, dtype=torch.uint8))
     payload[:len(headers)] = torch.frombuffer(bytearray(headers), dtype=torch.uint8)
     for (_, b), at in zip(parts, offsets):
         payload[start + at:start + at + b.numel()] = b
-    sizes = torch.tensor([len(headers), payload.numel()], dtype=torch.int64)
+    sizes = torch.tensor([len(headers), payload.numel(), gen], dtype=torch.int64)
+    if gen:
+        dist.send(sizes, dst, group)
+        return
     for work in [dist.isend(sizes, dst, group), dist.isend(payload, dst, group)]:
         work.wait()
 
 
 def send_stop(dst: int, group: Any = None) -> None:
     """Tell rank ``dst`` that no message follows (``recv`` returns None)."""
-    dist.send(torch.tensor([STOP, 0], dtype=torch.int64), dst, group)
+    dist.send(torch.tensor([STOP, 0, 0], dtype=torch.int64), dst, group)
 
 
 def recv(src: int, group: Any = None) -> list[tuple[bytes, torch.Tensor]] | None:
     """The next message from rank ``src``, as its packed parts (``unpack`` each; the buffers are views of the
     payload), or None after ``send_stop``."""
-    sizes = torch.empty(2, dtype=torch.int64)
+    sizes = torch.empty(3, dtype=torch.int64)
     dist.recv(sizes, src, group)
-    n_headers, n_payload = sizes.tolist()
+    n_headers, n_payload, gen = sizes.tolist()
     if n_headers == STOP:
         return None
-    payload = torch.empty(n_payload, dtype=torch.uint8)
-    dist.recv(payload, src, group)
+    if gen:  # in the sender's shared-memory segment (``shm``), copied out: the segment takes the next message
+        try:
+            payload = shm.reader(src, dist.get_rank()).read(gen, n_payload)
+        except OSError as exc:  # (as a failed transfer: the rank is reported lost)
+            raise RuntimeError(f"reading rank {src}'s message from shared memory: {exc}") from None
+    else:
+        payload = torch.empty(n_payload, dtype=torch.uint8)
+        dist.recv(payload, src, group)
     start = _padded(n_headers)
     return [(header, payload[start + at:start + at + n])
             for header, n, at in pickle.loads(payload[:n_headers].numpy().tobytes())]
