@@ -178,7 +178,7 @@ def test_jobs_runs_the_sweep_in_processes_with_the_serial_numbers(tmp_path, monk
 
 @pytest.mark.parametrize("section, key, allowed", [
     ("run", "tensorboardx", "(allowed: checkpoint_keep, mlflow, mlflow_experiment, mlflow_uri, name, output_dir, plots, tensorboard)"),
-    ("sweep", "seedz", "(allowed: grid, seeds)"),
+    ("sweep", "seedz", "(allowed: grid, seeds, share_stages)"),
 ])
 def test_unknown_keys_of_run_and_sweep_list_their_own_allowed_keys(section, key, allowed):
     raw = tiny()

@@ -142,7 +142,15 @@ def run(
 
 def _run_specs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
                stop_after: int | None, smoke: bool) -> list[Path]:
-    """``fedsight run``'s runs, one after the other with a progress bar each, or ``--jobs`` at once."""
+    """``fedsight run``'s runs, one after the other with a progress bar each, or ``--jobs`` at once; first, with
+    ``[sweep] share_stages``, the stages runs share (``fedsight.shared_stages``), one run at a time."""
+    from .shared_stages import share
+
+    def shared(i: int, r: int) -> Any:
+        label = f"{_spec_label(specs[i], i, len(specs))} (stages shared up to round {r})"
+        return _execute_with_progress(specs[i].config, specs[i].run_dir, label, stop_after=r)
+
+    share(specs, shared, say, overwrite=overwrite, stop_after=stop_after)
     if jobs > 1 and len(specs) > 1:
         return _run_jobs(config, sets, variants, specs, jobs, overwrite, stop_after, smoke)
     dirs = []

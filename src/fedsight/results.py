@@ -93,6 +93,7 @@ def run(config: ConfigLike, *, variants: list[str] | tuple[str, ...] = (), overw
     complete, is read back); one of a different config is an error unless ``overwrite``. Errors in the config
     are ``fedsight.ConfigError`` with the CLI's one-line messages; nothing is written before it is checked."""
     from .api import execute
+    from .shared_stages import share
     from .sweep import expand
 
     if smoke and stop_after is not None:
@@ -100,6 +101,8 @@ def run(config: ConfigLike, *, variants: list[str] | tuple[str, ...] = (), overw
     raw, source = _raw_config(config)
     sets = [(key.replace("__", ".").split("."), value) for key, value in overrides.items()]
     specs = expand(raw, source, only=tuple(variants), typed=sets, smoke=smoke)
+    share(specs, lambda i, r: execute(specs[i].config, specs[i].run_dir, stop_after=r), lambda line: None,
+          overwrite=overwrite, stop_after=stop_after)  # ([sweep] share_stages; off: nothing)
     results = []
     for spec in specs:
         out = execute(spec.config, spec.run_dir, overwrite=overwrite, stop_after=stop_after)

@@ -29,6 +29,8 @@ class RunSpec:
     raw: dict[str, Any]
     #: ``run.output_dir / run.name [/ variant] / seed<N>``
     run_dir: Path
+    #: ``[sweep] share_stages``: runs that begin with the same stages train them once (``fedsight.shared_stages``)
+    share_stages: bool = False
 
 
 class SweepSection(Params):
@@ -37,6 +39,10 @@ class SweepSection(Params):
 
     seeds: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] = Field(default_factory=list)
     grid: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(default_factory=dict)
+    share_stages: bool = Field(
+        False, description="runs of the sweep that begin with the same stages (same seed, same config up to the end "
+                           "of those stages) train them once: the later ones start from a copy of the first, stopped "
+                           "at the stages' last round, and end bit for bit as they would alone (docs/configuration.md)")
 
     @field_validator("seeds")
     @classmethod
@@ -363,7 +369,7 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
                     cfg = validate(r, f"{source} ({what})" if what else source)
                 run_dir = Path(cfg.run.output_dir).joinpath(*parts, f"seed{seed}")
                 _check_run_dir(run_dir, cfg.run.output_dir, f"{source} ({what})" if what else source)
-                specs.append(RunSpec(v["name"] if v else None, seed, cfg, r, run_dir))
+                specs.append(RunSpec(v["name"] if v else None, seed, cfg, r, run_dir, sweep.share_stages))
     missing = sorted({p[1] for p, _ in stage_sets} - found)
     if missing:
         have = sorted({_stage_name(st) for s in specs for st in s.raw.get("stages") or []})
