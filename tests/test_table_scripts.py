@@ -144,6 +144,18 @@ def test_ppfl_table_iv_sets_dct_dp_against_fedavg_paired_by_seed(tmp_path, capsy
     assert (f"| x2 | FedAvg + DCT-DP | 26.58 ± 0.10 | 0.800 ± 0.000 | 2.75 ± 0.00 | 1e-05 | 35.2 ± 0.0 | 10 | "
             f"2.5 ± 0.0 | {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] better (n=3) | 3 |") in out
     assert not ppfl_table.table_iv(tmp_path / "fedavg", ["2"])  # no DCT-DP variant: no table
+    for seed, psnr in {0: 27.50, 1: 27.40, 2: 27.60}.items():  # Table I: the centralised model's gap to FedAvg
+        d = tmp_path / "centralised" / "scale=2" / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "status.json").write_text(json.dumps({"state": "complete"}))
+        (d / "config.json").write_text(json.dumps({"seed": seed, "data": {"test_sets": {"photos": ["a"]}}}))
+        (d / "metrics.jsonl").write_text(json.dumps({"round": 2, "test/psnr_y": psnr, "test/ssim_y": 0.9}) + "\n")
+    capsys.readouterr()
+    assert ppfl_table.table_i(tmp_path, ["2"])
+    out = capsys.readouterr().out
+    lo, hi = stats.ttest_rel([27.50, 27.40, 27.60], list(base.values())).confidence_interval()
+    assert f"| x2 | FedAvg (FL-RDSN) | 27.15 ± 0.05 | 0.800 ± 0.000 | +0.35 [{lo:+.2f}, {hi:+.2f}] better (n=3) | 3 |" in out
+    assert "| x2 | centralised (RDSN) | 27.50 ± 0.10 | 0.900 ± 0.000 | - | 3 |" in out
 
 
 def test_fed3r_table_prints_both_sweeps_and_the_paired_comparisons(tmp_path, capsys):
