@@ -40,8 +40,9 @@ from .runs import RunDir, read_status
 
 #: top-level sections that each stage's effective config carries (compared stage by stage instead)
 _PER_STAGE = ("run", "stages", "recipe", "train")
-#: what a copy leaves out: its own lock, and what the run draws again at its end
-_NOT_COPIED = (".lock", ".*.lock", "*.tmp", "plots", "tensorboard", "mlflow", "mlflow.json", "summary.md")
+#: what a copy leaves out: half-written files, and what the run draws again at its end (a run's lock is a sibling
+#: file, ``run_lock``, never inside it)
+_NOT_COPIED = ("*.tmp", "plots", "tensorboard", "mlflow", "mlflow.json", "summary.md")
 
 
 def prefix_key(cfg: Any, stages: int) -> str:
@@ -119,11 +120,10 @@ def prepare(configs: Sequence[Any], run_dirs: Sequence[Path], execute: Callable[
         for r in sorted({s.round for s in shares if s.donor == donor}):
             followers = [s.follower for s in shares if s.donor == donor and s.round == r
                          and not os.path.lexists(run_dirs[s.follower])]
-            done = read_status(run_dirs[donor]).get("round", 0) if RunDir(run_dirs[donor]).exists() else 0
-            if done < r:
+            run = RunDir(run_dirs[donor])
+            if (read_status(run.path).get("round", 0) if run.exists() else 0) < r:
                 execute(donor, r)
-                done = read_status(run_dirs[donor]).get("round", 0)
-            if done != r or RunDir(run_dirs[donor]).checkpoints()[-1:] == []:
+            if read_status(run.path).get("round", 0) != r or not run.checkpoints():
                 say(f"share_stages: {run_dirs[donor]} is past round {r} already; "
                     f"{len(followers)} run(s) train their first {r} rounds themselves")
                 continue
