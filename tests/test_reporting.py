@@ -379,6 +379,20 @@ def test_final_uses_each_runs_last_evaluated_round(tmp_path: Path) -> None:
     assert std.tolist() == pytest.approx([np.std([a0[2], a1[2]], ddof=1), np.std([a0[5], a1[5]], ddof=1)])
 
 
+def test_the_std_band_never_shows_a_negative_value_of_a_metric_that_is_never_negative() -> None:
+    """mean ± std of two runs' seconds a round (0.1 and 1.9: std 1.27 > mean 1.0) is clipped at 0 below; a metric
+    with a negative value keeps its whole band."""
+    from fedsight.reporting.plots import _mean_curve_runs, std_band
+
+    runs = [_Run(Path(f"r{i}"), {}, [{"round": 1, "time/round_s": t, "delta": t - 1.5}]) for i, t in enumerate((0.1, 1.9))]
+    _, mean, std = _mean_curve_runs(runs, "time/round_s")
+    lo, hi = std_band(runs, "time/round_s", mean, std)
+    assert lo.tolist() == [0.0] and hi.tolist() == pytest.approx([1.0 + np.std([0.1, 1.9], ddof=1)])
+    _, mean, std = _mean_curve_runs(runs, "delta")
+    lo, _ = std_band(runs, "delta", mean, std)
+    assert lo.tolist() == pytest.approx([-0.5 - np.std([0.1, 1.9], ddof=1)])
+
+
 def test_event_lines_are_ignored(tmp_path: Path) -> None:
     acc = acc_curve(10, 0.8, 0.7)
     events = [

@@ -515,6 +515,21 @@ def test_colour_operations_match_pil_image_enhance(seed, factor) -> None:
         assert np.abs(got - want).max() <= 1, (ours.__name__, factor)
 
 
+def test_luma_is_pils_l_conversion_exactly() -> None:
+    """Every colour of a 32-level RGB grid (and 190.5's tie, (131, 211, 241), on which a float luma rounded half to
+    even was one level below PIL's and saturation 1.9375 then two levels off): equal to PIL's "L"."""
+    from PIL import Image
+
+    from fedsight.functional.style import luma
+
+    levels = np.r_[np.arange(0, 256, 8), 255]
+    grid = np.stack(np.meshgrid(levels, levels, levels, indexing="ij"), -1).reshape(-1, 1, 3)
+    img = np.concatenate([grid, [[[131, 211, 241]]]]).astype(np.uint8)
+    want = np.asarray(Image.fromarray(img).convert("L")).astype(np.int64)
+    got = luma(torch.from_numpy(img).permute(2, 0, 1).float())[0].numpy().astype(np.int64)
+    assert (got == want).all()
+
+
 def test_colour_jitter_properties_and_stream() -> None:
     """Factor 1 is the identity; saturation 0 leaves grey (equal channels); contrast 0 one grey level; the draws
     (order, then factors in [1 - j, 1 + j]) come from the sample's stream after the geometry's, so geometry and

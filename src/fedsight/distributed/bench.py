@@ -63,11 +63,14 @@ def bench_config(raw: dict[str, Any], rounds: int, device: str = "cpu") -> dict[
             "engine": {"device": device, "vectorize": True}}
 
 
-def time_one(raw: dict[str, Any], rounds: int, ranks: int, threads: int, tmp: Path) -> dict[str, Any]:
+def time_one(raw: dict[str, Any], rounds: int, ranks: int, threads: int, tmp: Path,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
     """One configuration in fresh processes (``ranks`` ranks of ``threads`` threads; torchrun's launcher for more
-    than one rank) on ``bench_config``'s config: its median seconds a round and updates/s."""
+    than one rank) on ``bench_config``'s config: its median seconds a round and updates/s. ``env``: variables set
+    for those processes on top of this one's (e.g. ``FEDSIGHT_DIST_SHM``)."""
     src = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
+           **(env or {})}
     cfg = json.dumps({**raw, "engine": {**raw["engine"], "threads": threads}})
     out = Path(tmp) / f"r{ranks}t{threads}.json"
     out.unlink(missing_ok=True)

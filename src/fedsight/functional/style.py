@@ -129,8 +129,13 @@ def lab_transfer(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def luma(x: torch.Tensor) -> torch.Tensor:
-    """ITU-R 601 luma ``[..., 1, H, W]`` of RGB ``[..., 3, H, W]`` (PIL's "L" conversion, unrounded)."""
-    return (0.299 * x[..., 0:1, :, :] + 0.587 * x[..., 1:2, :, :] + 0.114 * x[..., 2:3, :, :])
+    """ITU-R 601 luma ``[..., 1, H, W]`` of RGB 0..255 ``[..., 3, H, W]`` exactly as PIL's "L" conversion computes
+    it (``ImagingConvert``'s fixed point: (19595 R + 38470 G + 7471 B + 2^15) >> 16, the inputs rounded to integers
+    first), in ``x``'s dtype. A float 0.299/0.587/0.114 luma rounded half to even differs from it at ties (190.5:
+    PIL 191), which a saturation factor near 2 doubles."""
+    q = x.round().to(torch.int64)
+    fixed = 19595 * q[..., 0:1, :, :] + 38470 * q[..., 1:2, :, :] + 7471 * q[..., 2:3, :, :]
+    return ((fixed + 32768) >> 16).to(x.dtype)
 
 
 def _blend(x: torch.Tensor, degenerate: torch.Tensor, factor: float) -> torch.Tensor:
@@ -145,14 +150,14 @@ def adjust_brightness(x: torch.Tensor, factor: float) -> torch.Tensor:
 def adjust_contrast(x: torch.Tensor, factor: float) -> torch.Tensor:
     """RGB 0..255 blended with the constant grey of its mean luma (rounded, as PIL's histogram mean)."""
     x = x.to(torch.float32)
-    mean = luma(x).round().mean(dim=(-3, -2, -1), keepdim=True)
+    mean = luma(x).mean(dim=(-3, -2, -1), keepdim=True)
     return _blend(x, torch.floor(mean + 0.5).expand_as(x), factor)
 
 
 def adjust_saturation(x: torch.Tensor, factor: float) -> torch.Tensor:
     """RGB 0..255 blended with its own luma (0: grey, 1: unchanged)."""
     x = x.to(torch.float32)
-    return _blend(x, luma(x).round().expand_as(x), factor)
+    return _blend(x, luma(x).expand_as(x), factor)
 
 
 def color_jitter(x: torch.Tensor, factors: dict[str, float], order: list[str]) -> torch.Tensor:

@@ -320,7 +320,7 @@ def plot_cost_curves(groups: Sequence[RunGroup], members: Sequence[Sequence[_Run
                      path: Path) -> Path:
     """The cost figure (see the module's docstring) at ``path``: a row of three panels per metric."""
     from .fmt import _direction_text
-    from .plots import _legend_layout, _markevery, _new_figure, _save, integer_rounds, line_style
+    from .plots import _legend_layout, _markevery, _new_figure, _save, integer_rounds, line_style, std_band
 
     axes_names = ("round", "bytes", "flops")
     n_seeds = sorted({len(g.run_dirs) for g in groups})
@@ -341,7 +341,8 @@ def plot_cost_curves(groups: Sequence[RunGroup], members: Sequence[Sequence[_Run
                 (line,) = ax.plot(x / factor, mean, linewidth=1.6, markersize=3, markevery=_markevery(len(x)),
                                   label=g.label, **style)
                 if np.any(std > 0):
-                    ax.fill_between(x / factor, mean - std, mean + std, color=style["color"], alpha=0.2, linewidth=0)
+                    ax.fill_between(x / factor, *std_band(members[gi], m, mean, std), color=style["color"], alpha=0.2,
+                                    linewidth=0)
                 handles.setdefault(g.label, line)
             for v in targets.get(m, ()):
                 ax.axhline(v, color="0.35", linestyle=":", linewidth=1.0)

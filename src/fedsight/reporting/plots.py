@@ -264,6 +264,15 @@ def _mean_curve_runs(runs: Sequence[_Run], metric: str) -> tuple[np.ndarray, np.
     return common, stacked.mean(axis=0), std
 
 
+def std_band(runs: Sequence[_Run], metric: str, mean: np.ndarray, std: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The band drawn around a mean curve: mean ± std, its lower edge clipped at 0 for a metric no run ever logged
+    below 0 (seconds, bytes, epsilon, accuracies), so that the figure shows no value the metric cannot take."""
+    lo = mean - std
+    if all(float(np.min(r.series[metric].values, initial=0.0)) >= 0 for r in runs if metric in r.series):
+        lo = np.maximum(lo, 0.0)
+    return lo, mean + std
+
+
 def mean_curve(run_dirs: Iterable[StrPath], metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(rounds, mean, std)`` of ``metric`` over the given runs (typically one group's seeds).
 
@@ -277,7 +286,7 @@ def mean_curve(run_dirs: Iterable[StrPath], metric: str) -> tuple[np.ndarray, np
 def _plot_groups(groups: Sequence[RunGroup], metrics: Sequence[str], members: Sequence[Sequence[_Run]],
                  directions: Mapping[str, bool | None], path: Path) -> Path:
     """One subplot per metric, one mean ± std line per group (``line_style`` of the group's index, the same
-    in every subplot); titles say each metric's direction."""
+    in every subplot; the band as ``std_band``); titles say each metric's direction."""
     if not metrics:
         raise ValueError("no metrics to plot")
     n_seeds = sorted({len(g.run_dirs) for g in groups})
@@ -296,7 +305,7 @@ def _plot_groups(groups: Sequence[RunGroup], metrics: Sequence[str], members: Se
             (line,) = ax.plot(rounds, mean, linewidth=1.6, label=group.label, markersize=3,
                               markevery=_markevery(len(rounds)), **style)
             if len(runs) >= 2:
-                ax.fill_between(rounds, mean - std, mean + std, color=style["color"], alpha=0.2, linewidth=0)
+                ax.fill_between(rounds, *std_band(runs, m, mean, std), color=style["color"], alpha=0.2, linewidth=0)
             handles.setdefault(group.label, line)
         ylabel = "seconds" if m.startswith("time") else m.rsplit("/", 1)[-1]
         better = _direction_text(directions.get(m))
