@@ -18,7 +18,8 @@ scale=<s>/seed<k>``); PSNR (dB) and SSIM on BT.601 Y with a scale-sized border c
   how many runs accept (S > threshold): the marked models should be accepted, the vanilla ones (never marked)
   rejected (their acceptances are false positives).
 * Table IV: FedAvg vs FedAvg + the paper's DCT-domain local DP (Algorithm 1, ``dct_dp``) at each epsilon the sweep
-  has (variants ``fedavg_dct_e<epsilon>``), with the mechanism's single-release epsilon, delta, sigma and C_max,
+  and band threshold the sweep has (variants ``fedavg_dct_e<epsilon>``, ``fedavg_dct_e<epsilon>_tau<tau>``), with
+  the mechanism's single-release epsilon, delta, sigma, C_max and tau (noise on the DCT band u + v >= tau),
   the noised releases per example over the run, and the PSNR drop vs FedAvg paired by seed with its 95% CI.
 
     python examples/ppfl_table.py runs/ppfl_rdsn                 # Tables I-IV (III runs the attacks)
@@ -212,20 +213,23 @@ def table_ii(root: Path, scale_list: list[str]) -> bool:
 # ---------------------------------------------------------------------------------------- Table IV
 
 
-DCT_PREFIX = "fedavg_dct_e"
+DCT_VARIANT = re.compile(r"fedavg_dct_e(?P<eps>[0-9.]+)(?:_tau(?P<tau>[0-9]+))?")
 
 
 def dct_variants(root: Path) -> list[str]:
-    """The sweep's DCT-DP variants (``fedavg_dct_e<epsilon>``), by increasing epsilon."""
-    found = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith(DCT_PREFIX)]
+    """The sweep's DCT-DP variants (``fedavg_dct_e<epsilon>``, ``fedavg_dct_e<epsilon>_tau<tau>``), by increasing
+    epsilon, then tau (no ``_tau``: the example's 8, first)."""
+    found = [(m, p.name) for p in root.iterdir() if p.is_dir() and (m := DCT_VARIANT.fullmatch(p.name))]
 
-    def eps(name: str) -> float:
+    def key(item: tuple[re.Match, str]) -> tuple[float, int, str]:
+        m, name = item
         try:
-            return float(name[len(DCT_PREFIX):])
+            eps = float(m["eps"])
         except ValueError:
-            return float("inf")
+            eps = float("inf")
+        return eps, int(m["tau"] or -1), name
 
-    return sorted(found, key=lambda n: (eps(n), n))
+    return [name for _, name in sorted(found, key=key)]
 
 
 def total(run: Path, key: str) -> float | None:
@@ -245,7 +249,7 @@ def table_iv(root: Path, scale_list: list[str]) -> bool:
           "rounds); PSNR drop = FedAvg - variant, paired by seed: mean [95% CI] and whether the interval excludes 0 "
           "('better': FedAvg higher).")
     print()
-    cols = [*[f"{n} {m}" for _, n in splits for m in ("PSNR", "SSIM")], "ε", "δ", "σ", "C_max", "releases",
+    cols = [*[f"{n} {m}" for _, n in splits for m in ("PSNR", "SSIM")], "ε", "δ", "σ", "C_max", "τ", "releases",
             *[f"{n} PSNR drop" for _, n in splits], "seeds"]
     header(["scale", "method", *cols], len(cols))
     for s in scale_list:
@@ -255,7 +259,7 @@ def table_iv(root: Path, scale_list: list[str]) -> bool:
             if not runs:
                 continue
             if variant == "fedavg":
-                label, privacy, drop = "FedAvg (no DP)", ["-"] * 5, ["-"] * len(splits)
+                label, privacy, drop = "FedAvg (no DP)", ["-"] * 6, ["-"] * len(splits)
             else:
                 label = "FedAvg + DCT-DP"
                 last_rows = [last(r, "privacy/dct_epsilon") for r in runs]
@@ -264,7 +268,7 @@ def table_iv(root: Path, scale_list: list[str]) -> bool:
                 privacy = [fmt([x["privacy/dct_epsilon"] for x in last_rows if x], 2),
                            ", ".join(sorted({f"{x['privacy/dct_delta']:g}" for x in last_rows if x})) or "-",
                            fmt([x["privacy/dct_sigma"] for x in last_rows if x], 1),
-                           f"{dct.get('c_max', 1.0):g}", fmt(releases, 1)]
+                           f"{dct.get('c_max', 1.0):g}", f"{dct.get('tau', 8):g}", fmt(releases, 1)]
                 drop = [drops(base, runs, split) if base else "-" for split, _ in splits]
             print(f"| x{s} | {label} | {' | '.join(metric_cells(runs, splits))} | {' | '.join(privacy)} | "
                   f"{' | '.join(drop)} | {len(runs)} |")

@@ -140,9 +140,13 @@ def test_ppfl_table_iv_sets_dct_dp_against_fedavg_paired_by_seed(tmp_path, capsy
     lo, hi = stats.ttest_rel(list(base.values()), list(dct.values())).confidence_interval()
     mean = sum(base[s] - dct[s] for s in base) / 3
     assert "**Table IV**" in out
-    assert "| x2 | FedAvg (no DP) | 27.15 ± 0.05 | 0.800 ± 0.000 | - | - | - | - | - | - | 3 |" in out
-    assert (f"| x2 | FedAvg + DCT-DP | 26.58 ± 0.10 | 0.800 ± 0.000 | 2.75 ± 0.00 | 1e-05 | 35.2 ± 0.0 | 10 | "
+    assert "| x2 | FedAvg (no DP) | 27.15 ± 0.05 | 0.800 ± 0.000 | - | - | - | - | - | - | - | 3 |" in out
+    assert (f"| x2 | FedAvg + DCT-DP | 26.58 ± 0.10 | 0.800 ± 0.000 | 2.75 ± 0.00 | 1e-05 | 35.2 ± 0.0 | 10 | 8 | "
             f"2.5 ± 0.0 | {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] better (n=3) | 3 |") in out
+    for name in ("fedavg_dct_e8_tau22", "fedavg_dct_e1_tau22", "fedavg_dct_e8", "fedavg_dct_e8_tau16", "other"):
+        (tmp_path / "order" / name).mkdir(parents=True)
+    assert ppfl_table.dct_variants(tmp_path / "order") == ["fedavg_dct_e1_tau22", "fedavg_dct_e8", "fedavg_dct_e8_tau16",
+                                                          "fedavg_dct_e8_tau22"]
     assert not ppfl_table.table_iv(tmp_path / "fedavg", ["2"])  # no DCT-DP variant: no table
     for seed, psnr in {0: 27.50, 1: 27.40, 2: 27.60}.items():  # Table I: the centralised model's gap to FedAvg
         d = tmp_path / "centralised" / "scale=2" / f"seed{seed}"
