@@ -119,6 +119,31 @@ def test_raf_ablations_table_prints_each_experiment_with_paired_cis(tmp_path, ca
     assert raf_ablations_table.main([str(tmp_path / "raf")]) == 1  # a folder without this sweep's runs
 
 
+def test_raf_table_compares_rows_and_unseen_sizes_paired_by_seed(tmp_path, capsys):
+    """raf_table.py's comparisons across rows: FedProx - FedAvg and one-high - 3-client at every size, and each run
+    at an unseen size minus itself at the top rung (the ladder's sizes get "-")."""
+    import raf_table
+
+    fedavg = {0: 30.0, 1: 32.0, 2: 31.0}
+    fedprox = {0: 20.0, 1: 23.0, 2: 21.0}
+    for seed in fedavg:
+        _pose_run(tmp_path, "fedavg", seed, {"64x48": 25, "96x72": 28, "128x96": fedavg[seed], "160x120": fedavg[seed] + 1})
+        _pose_run(tmp_path, "fedprox", seed, {"64x48": 20, "96x72": 22, "128x96": fedprox[seed],
+                                              "160x120": fedprox[seed] - seed})
+    assert raf_table.table_ii_comparisons(tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    assert "| comparison | 64x48 | 96x72 | 128x96 | 160x120 * |" in lines
+    lo, hi = stats.ttest_rel(list(fedprox.values()), list(fedavg.values())).confidence_interval()
+    row = next(line for line in lines if line.startswith("| FedProx - FedAvg |")).split(" | ")
+    assert row[1].startswith("-5.0 [") and row[2].startswith("-6.0 [")  # constant differences at 64x48 and 96x72
+    assert row[3] == f"-9.7 [{lo:+.1f}, {hi:+.1f}] worse (n=3)"
+    assert "| FedAvg: unseen - 128x96 | - | - | - | +1.0 [+1.0, +1.0] better (n=3) |" in lines
+    lo, hi = stats.ttest_rel([20, 22, 19], [20, 23, 21]).confidence_interval()
+    assert f"| FedProx: unseen - 128x96 | - | - | - | -1.0 [{lo:+.1f}, {hi:+.1f}] within noise (n=3) |" in lines
+    assert not any(line.startswith("| 1 high + n low") for line in lines)  # no one-high runs: no such rows
+    assert not raf_table.table_ii_comparisons(tmp_path / "fedavg")
+
+
 def test_ppfl_table_iv_sets_dct_dp_against_fedavg_paired_by_seed(tmp_path, capsys):
     import ppfl_table
 
