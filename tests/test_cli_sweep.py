@@ -56,6 +56,14 @@ def test_variant_picks_a_subset_and_an_unknown_name_lists_the_variants():
     assert [s.variant for s in expand(_sweep(), "c.toml", only=["plain"])] == ["plain"]
     with pytest.raises(ConfigError, match=r"--variant lng: c.toml has no such variant \(it has: long, plain\)"):
         expand(_sweep(), "c.toml", only=["lng"])
+    # a shell-style pattern picks every variant it matches, in the config's order; one that matches none is an error
+    raw = _sweep()
+    raw["variants"] += [{"name": "dct_e1"}, {"name": "dct_e8_tau22"}, {"name": "odd[1]"}]
+    assert [s.variant for s in expand(raw, "c.toml", only=["dct_*", "plain"])] == ["plain", "dct_e1", "dct_e8_tau22"]
+    assert [s.variant for s in expand(raw, "c.toml", only=["*_tau??"])] == ["dct_e8_tau22"]
+    assert [s.variant for s in expand(raw, "c.toml", only=["odd[1]"])] == ["odd[1]"]  # a name is always itself
+    with pytest.raises(ConfigError, match=r"--variant dp_\*: c.toml has no such variant"):
+        expand(raw, "c.toml", only=["dp_*"])
 
 
 def test_stop_after_prints_a_command_that_continues_exactly_what_was_stopped(tmp_path, monkeypatch):

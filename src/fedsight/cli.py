@@ -89,8 +89,9 @@ def run(
     set_: SetOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing run directories of a different config.")] = False,
     stop_after: Annotated[Optional[int], typer.Option(min=1, help="Stop after this round (resume later).")] = None,
-    variant: Annotated[Optional[list[str]], typer.Option(help="Run only this variant of the config (repeatable).",
-                                                         autocompletion=complete_variants)] = None,
+    variant: Annotated[Optional[list[str]], typer.Option(
+        help="Run only this variant of the config (repeatable; a shell-style pattern such as 'fedavg_dct_*' picks "
+             "every variant it matches).", autocompletion=complete_variants)] = None,
     jobs: Annotated[int, typer.Option(min=1, help="Run this many of the sweep's runs at once, each in its own process "
                                                "with its engine.threads (auto: 1).")] = 1,
     smoke: Annotated[bool, typer.Option(help="A smoke test of every variant: first seed, at most 2 rounds a stage, 2 local "
@@ -324,7 +325,8 @@ def partition(
     set_: SetOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Heatmap PNG path (default: the sweep's folder: partition.png, "
                                                      "or partition-POINT.png per distinct partition).")] = None,
-    variant: Annotated[Optional[list[str]], typer.Option(help="Only this variant of the config (repeatable).")] = None,
+    variant: Annotated[Optional[list[str]], typer.Option(
+        help="Only this variant of the config (repeatable; a shell-style pattern picks every variant it matches).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --out file.")] = False,
 ) -> None:
     """Show how a config partitions its data: per-client statistics and a clients x classes heatmap.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -291,7 +292,8 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
     ``server.rounds`` was its stages' sum follows). An override that cannot reach every run is an error naming
     the key and what to write instead: a key the sweep would shadow (a grid axis, or ``seed`` next to
     ``sweep.seeds``), a key a stage sets itself, ``server.rounds`` of a staged run, a stage no run has.
-    ``only``: run just these variants (``--variant``), by name. ``typed``: overrides already parsed, as (key
+    ``only``: run just these variants (``--variant``), by name or shell-style pattern (``fnmatch``: ``fedavg_dct_*``),
+    in the config's order. ``typed``: overrides already parsed, as (key
     path, value) (the Python API's keyword arguments). ``smoke``: every run shrunk to a smoke test (``_shrink``)
     at the first seed, under ``run.output_dir/smoke``."""
     raw = copy.deepcopy(raw)
@@ -320,12 +322,15 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
             raise ConfigError(f"{source}: variants[{i}].name = {name!r} is used twice")
         names.append(name)
     _check_overrides(sets, sweep, source)
-    unknown = [n for n in only if n not in names]
+    def picks(pattern: str, name: str) -> bool:  # a name, or a shell-style pattern of names
+        return name == pattern or fnmatch.fnmatchcase(name, pattern)
+
+    unknown = [n for n in only if not any(picks(n, name) for name in names)]
     if unknown:
         raise ConfigError(f"--variant {unknown[0]}: {source} has no such variant"
                           f" (it has: {', '.join(names) or 'none'})")
     if only:
-        variants_raw = [v for v in variants_raw if v["name"] in only]
+        variants_raw = [v for v in variants_raw if any(picks(n, v["name"]) for n in only)]
     if isinstance(seed := raw.get("seed", 0), bool) or not isinstance(seed, int):
         raise ConfigError(f"{source}: seed = {seed!r} is not an integer")
     seeds = (sweep.seeds or [seed])[:1 if smoke else None]
