@@ -327,7 +327,8 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
 
     unknown = [n for n in only if not any(picks(n, name) for name in names)]
     if unknown:
-        raise ConfigError(f"--variant {unknown[0]}: {source} has no such variant"
+        what = "matches no variant of" if any(c in unknown[0] for c in "*?[") else "is no variant of"
+        raise ConfigError(f"--variant {unknown[0]}: {what} {source}"
                           f" (it has: {', '.join(names) or 'none'})")
     if only:
         variants_raw = [v for v in variants_raw if any(picks(n, v["name"]) for n in only)]
