@@ -772,6 +772,9 @@ PROCESS_CASES: list[tuple[str, list[str]]] = [
     ("resume", ["notarun"]),
     ("evaluate", ["notarun"]),
     ("partition", ["bad.toml"]),
+    ("calibrate", ["notarun"]),
+    ("init", ["nosuchtask"]),
+    ("schema", ["--out", "bad.toml"]),  # an existing file, no --force
 ]
 FAST_PROCESS = ("run", "resume")
 
