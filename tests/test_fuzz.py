@@ -425,8 +425,9 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
     # options that take a value (a flag alone, --overwrite, --force, --smoke, is a valid command line)
     valued = sorted({o for p in VERBS[verb].params if not getattr(p, "is_flag", False)
                      for o in (*p.opts, *p.secondary_opts) if o.startswith("--")})
-    ints = sorted({o for p in VERBS[verb].params if getattr(p.type, "name", "") in ("integer", "integer range")
-                   for o in p.opts if o.startswith("--")})
+    int_params = [p for p in VERBS[verb].params if getattr(p.type, "name", "") in ("integer", "integer range")]
+    ints = sorted({o for p in int_params for o in p.opts if o.startswith("--")})
+    zero_ok = {o for p in int_params if p.default == 0 for o in p.opts}
     kinds = ["unknown option", "missing path", "dir for file" if verb in ("run", "partition", "pretrain") else "file for dir",
              "not a run", "markup path", "long name"]
     kinds += ["option without value"] if valued else []
@@ -445,7 +446,8 @@ def bad_command_lines(draw) -> tuple[list[str], str]:
         opt = draw(st.sampled_from(ints))
         # stopping after more rounds than exist just completes; more jobs than runs runs them all at once
         huge = [] if opt in ("--stop-after", "--jobs") else [str(2**70)]
-        args += [opt, draw(st.sampled_from(["0", "-1", "abc", "1.5", "", "1e3", *huge]))]
+        zero = [] if opt in zero_ok else ["0"]  # an option whose default is 0 takes 0 (calibrate --refine)
+        args += [opt, draw(st.sampled_from([*zero, "-1", "abc", "1.5", "", "1e3", *huge]))]
     elif kind == "missing argument":
         args = []
     elif kind == "extra argument":
@@ -931,6 +933,16 @@ def bug_summary_metrics_deleted(world) -> None:
     _clean_failure(world, lambda run: (run / "metrics.jsonl").unlink(), F, ["resume", str(F)])
 
 
+def bug_report_partition_overflow(world) -> None:
+    folder = new_case(world)
+    path = folder / F / "partition.json"
+    doc = json.loads(path.read_text())
+    doc["client_label_counts"][0][0] = 2**70
+    path.write_text(json.dumps(doc))
+    res = H.cli(["report", str(F), "--out", "cmp"], cwd=folder)
+    assert res.code == 0, res.show()
+    assert "not drawn: partition of" in (folder / "cmp" / "report.html").read_text()
+
 KNOWN: dict[str, tuple[Any, str]] = {
     "usage error is a box": (bug_usage_box, ("click/typer usage errors print a multi-line box (Usage:, Try, a framed "
                              "Error) instead of one 'error:' line. Repro: fedsight resume")),
@@ -970,6 +982,11 @@ KNOWN: dict[str, tuple[Any, str]] = {
                                          "verb's error handling; an empty partition.json alike: 'error: ValueError: "
                                          "...partition.json: invalid JSON'). Repro: rm metrics.jsonl; fedsight resume "
                                          "FINISHED_RUN"),
+    "report of a partition beyond int64": (bug_report_partition_overflow, "fedsight report of a run whose "
+                                           "partition.json holds 2**70 in client_label_counts printed 'error: "
+                                           "OverflowError: Python int too large to convert to C long' (the HTML "
+                                           "report's heat map caught ValueError and TypeError only). Repro: "
+                                           "client_label_counts[0][0] = 2**70; fedsight report FINISHED_RUN --out cmp"),
 }
 
 

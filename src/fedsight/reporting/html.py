@@ -205,7 +205,7 @@ def _heatmaps(section: Any) -> str:
             names = doc.get("class_names")
             png = partition_heatmap_png(counts, names if isinstance(names, list) else None,
                                         key=str(doc.get("partition_key", "class")))
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:  # a damaged partition.json: e.g. 2**70 in int64
             bad.append(f"partition of {', '.join(labels)}: {exc}")
             continue
         figures.append(_figure(png, f"Partition of {', '.join(labels)}", "heat"))
