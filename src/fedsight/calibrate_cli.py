@@ -15,7 +15,7 @@ def calibrate_(
     grid: Annotated[Optional[str], typer.Option(
         help="Candidate temperatures, ascending, comma-separated (default 0.01,0.02,0.05,...,5,10).")] = None,
     refine: Annotated[int, typer.Option(
-        min=0, help="Golden-section steps between the grid minimum's neighbours (one more pass each).")] = 0,
+        help="Golden-section steps between the grid minimum's neighbours (one more pass each).")] = 0,
 ) -> None:
     """The softmax temperature after Fed3R, by minimum training cross-entropy.
 
