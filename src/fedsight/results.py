@@ -88,8 +88,8 @@ def run(config: ConfigLike, *, variants: list[str] | tuple[str, ...] = (), overw
 
     ``overrides`` set config keys as ``--set`` does, the command line's precedence included: dots in a key are
     spelt ``__`` (``server__rounds=5``) or passed as ``**{"server.rounds": 5}``; values are Python values.
-    ``variants``: only these ``[[variants]]``, by name or shell-style pattern (``"fedavg_dct_*"``). ``smoke``: a smoke test of every variant, as ``fedsight run --smoke``
-    (``fedsight.sweep.expand``). An existing run directory of the same config resumes (or, when
+    ``variants``: only these ``[[variants]]``, by name or shell-style pattern (``"fedavg_dct_*"``). ``smoke``: a
+    smoke test of every variant, as ``fedsight run --smoke`` (``fedsight.sweep.expand``). An existing run directory of the same config resumes (or, when
     complete, is read back); one of a different config is an error unless ``overwrite``. Errors in the config
     are ``fedsight.ConfigError`` with the CLI's one-line messages; nothing is written before it is checked."""
     from .api import execute

@@ -10,7 +10,7 @@ have had on its own (``tests/test_shared_stages.py`` compares them bit for bit).
 says where its first R rounds came from (a ``stages_shared`` event naming the run directory), its ``run.json``
 keeps that run's sessions before its own.
 
-Two runs share their first j stages when these are equal (``prefix_key``): the seed; the resolved config without
+Two runs share their first j stages when these are equal (``prefix_keys``): the seed; the resolved config without
 ``run`` (names and paths), ``stages``, ``recipe`` and ``train``, which covers everything read for the whole run
 (task, data, partition, model, the schedule's ``server`` and ``eval`` settings, ``server.rounds``, engine,
 privacy, initial weights); and each of the first j stages' effective configs (the base deep-merged with the
@@ -45,14 +45,15 @@ _PER_STAGE = ("run", "stages", "recipe", "train")
 _NOT_COPIED = ("*.tmp", "plots", "tensorboard", "mlflow", "mlflow.json", "summary.md")
 
 
-def prefix_key(cfg: Any, stages: int) -> str:
-    """What the first ``stages`` stages of ``cfg``'s run depend on, as canonical JSON (see the module docstring)."""
+def prefix_keys(cfg: Any) -> list[str]:
+    """What the first j stages of ``cfg``'s run depend on, as canonical JSON, for j = 1 .. all but the last stage
+    (see the module docstring)."""
     top = {k: v for k, v in resolved(cfg).items() if k not in _PER_STAGE}
-    per_stage = []
-    for name, rounds, scfg in stage_configs(cfg)[:stages]:
-        per_stage.append({"name": name, "rounds": rounds,
-                          "config": {k: v for k, v in resolved(scfg).items() if k not in ("run", "stages")}})
-    return json.dumps({"top": top, "stages": per_stage}, sort_keys=True, default=str)
+    per_stage = [{"name": name, "rounds": rounds,
+                  "config": {k: v for k, v in resolved(scfg).items() if k not in ("run", "stages")}}
+                 for name, rounds, scfg in stage_configs(cfg)[:-1]]
+    return [json.dumps({"top": top, "stages": per_stage[:j]}, sort_keys=True, default=str)
+            for j in range(1, len(per_stage) + 1)]
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def plan(configs: Sequence[Any]) -> list[Share]:
     for i, cfg in enumerate(configs):
         stages = stage_configs(cfg)
         ends = [sum(r for _, r, _ in stages[:j]) for j in range(1, len(stages))]
-        keys = [prefix_key(cfg, j) for j in range(1, len(stages))]
+        keys = prefix_keys(cfg)
         for j in range(len(keys), 0, -1):
             if keys[j - 1] in first:
                 out.append(Share(i, first[keys[j - 1]], ends[j - 1], j))
@@ -118,8 +119,7 @@ def prepare(configs: Sequence[Any], run_dirs: Sequence[Path], execute: Callable[
     copied = []
     for donor in sorted({s.donor for s in shares}):
         for r in sorted({s.round for s in shares if s.donor == donor}):
-            followers = [s.follower for s in shares if s.donor == donor and s.round == r
-                         and not os.path.lexists(run_dirs[s.follower])]
+            followers = [s.follower for s in shares if s.donor == donor and s.round == r]
             run = RunDir(run_dirs[donor])
             if (read_status(run.path).get("round", 0) if run.exists() else 0) < r:
                 execute(donor, r)

@@ -282,6 +282,11 @@ def _blaming(source: str, blame: Sequence[tuple[str, str]]) -> Iterator[None]:
         raise ConfigError(attribute(str(exc), source, blame)) from None
 
 
+def _picks(pattern: str, name: str) -> bool:
+    """``--variant PATTERN`` picks the variant called ``name``: the name itself, or a shell-style pattern of it."""
+    return name == pattern or fnmatch.fnmatchcase(name, pattern)
+
+
 def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only: Sequence[str] = (),
            typed: Sequence[tuple[list[str], Any]] = (), smoke: bool = False) -> list[RunSpec]:
     """Apply ``--set`` overrides, then expand ``[sweep] seeds`` x ``[[variants]]`` x ``grid`` into validated runs.
@@ -322,16 +327,13 @@ def expand(raw: dict[str, Any], source: str, overrides: Sequence[str] = (), only
             raise ConfigError(f"{source}: variants[{i}].name = {name!r} is used twice")
         names.append(name)
     _check_overrides(sets, sweep, source)
-    def picks(pattern: str, name: str) -> bool:  # a name, or a shell-style pattern of names
-        return name == pattern or fnmatch.fnmatchcase(name, pattern)
-
-    unknown = [n for n in only if not any(picks(n, name) for name in names)]
+    unknown = [n for n in only if not any(_picks(n, name) for name in names)]
     if unknown:
         what = "matches no variant of" if any(c in unknown[0] for c in "*?[") else "is no variant of"
         raise ConfigError(f"--variant {unknown[0]}: {what} {source}"
                           f" (it has: {', '.join(names) or 'none'})")
     if only:
-        variants_raw = [v for v in variants_raw if any(picks(n, v["name"]) for n in only)]
+        variants_raw = [v for v in variants_raw if any(_picks(n, v["name"]) for n in only)]
     if isinstance(seed := raw.get("seed", 0), bool) or not isinstance(seed, int):
         raise ConfigError(f"{source}: seed = {seed!r} is not an integer")
     seeds = (sweep.seeds or [seed])[:1 if smoke else None]
