@@ -103,9 +103,10 @@ def test_vectorised_shares_equal_one_group_to_float_tolerance(session: dict[str,
 
 def test_the_same_execute_call_serves_on_the_other_rank(session: dict[str, Any]) -> None:
     """A script calling ``fedsight.api.execute`` on every rank: rank 1's call serves each run ("served"), one that
-    rank 0 refused before it started ("refused"), and returns without writing anything."""
+    rank 0 refused before it started ("refused") and one that rank 0 stopped with an error ("failed"), and returns
+    without writing anything."""
     assert session["worker"] == {**{name: {"status": "served"} for name in CASES}, "disagree": {"status": "refused"},
-                                 "secret": {"status": "refused"}, "failing": {"status": "served"}}
+                                 "secret": {"status": "refused"}, "failing": {"status": "failed"}}
 
 
 def test_clients_drawing_noise_from_their_own_secrets_are_refused_before_the_run_starts(session: dict[str, Any]) -> None:
@@ -185,6 +186,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
     (["--nproc", "2", "--jobs", "2"], "error: --jobs 2 with 2 ranks: a sweep's runs take turns on the ranks"),
     (["--dist-backend", "gloo"], "error: --dist-backend without --nproc N (N > 1) or torchrun"),
     (["--nproc", "0"], "error: Invalid value for '--nproc': 0 is not in the range x>=1."),
+    (["--nproc", "2", "--device", "cuda"], "error: engine.device = 'cuda' but CUDA is not available here"),
 ])
 def test_bad_launch_options_are_one_line_before_any_rank_starts(tmp_path: Path, args: list[str], says: str) -> None:
     import tomli_w
@@ -193,11 +195,11 @@ def test_bad_launch_options_are_one_line_before_any_rank_starts(tmp_path: Path, 
 
     cfg = tmp_path / "c.toml"
     cfg.write_text(tomli_w.dumps(tiny(**{"run.output_dir": str(tmp_path / "runs")})))
-    if "nccl" in args:
+    if "nccl" in args or "cuda" in args:
         import torch.distributed as dist
 
-        if dist.is_nccl_available() and __import__("torch").cuda.is_available():
-            pytest.skip("NCCL is available here")
+        if __import__("torch").cuda.is_available() and (dist.is_nccl_available() or "cuda" in args):
+            pytest.skip("CUDA (and NCCL) is available here")
     code, out, err = _cli("run", str(cfg), *args)
     lines = [x for x in err.splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith(says), err
@@ -207,14 +209,16 @@ def test_bad_launch_options_are_one_line_before_any_rank_starts(tmp_path: Path, 
 def test_fedsight_run_nproc_launches_the_ranks_and_rank_0_says_why_a_run_cannot_start(tmp_path: Path) -> None:
     """`fedsight run CONFIG --nproc 2` through the real launcher: a sweep's first run trains on 2 ranks; its second
     samples a fraction of one client a round, which only rank 0 can find out (the data decides): one line from
-    rank 0, its exit code from the launcher, and nothing written for that run."""
+    rank 0, its exit code from the launcher, and nothing written for that run or the third (the worker stops
+    serving there too, rather than wait for the third run's handshake and report rank 0 lost)."""
     import tomli_w
 
     from helpers import tiny
 
     raw = tiny(**{"run.output_dir": str(tmp_path / "runs"), "server.rounds": 2, "engine.threads": 1})
     del raw["server"]["clients_per_round"]
-    raw["variants"] = [{"name": "two", "server": {"clients_per_round": 2}}, {"name": "few", "server": {"fraction": 0.1}}]
+    raw["variants"] = [{"name": "two", "server": {"clients_per_round": 2}}, {"name": "few", "server": {"fraction": 0.1}},
+                       {"name": "after", "server": {"clients_per_round": 2}}]
     cfg = tmp_path / "c.toml"
     cfg.write_text(tomli_w.dumps(raw))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), "COLUMNS": "200",

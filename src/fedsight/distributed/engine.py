@@ -51,7 +51,7 @@ from ..records import ClientResult
 from ..rng import np_rng
 from ..state import ClientStateStore
 from . import shm, wire
-from .world import LAUNCH_ENV, RankFailed, World, one_line, wire_group
+from .world import LAUNCH_ENV, RankFailed, World, lost, one_line, wire_group
 
 
 def client_costs(server: Any, runtime: Any, r: int, clients: Sequence[int]) -> list[float]:
@@ -135,18 +135,6 @@ def _sealed(replies: list[Reply], finite: bool) -> list[Reply]:
         return replies
     return [dataclasses.replace(rep, finite_seal=FiniteSeal.of(rep.result))
             if rep.accepted and isinstance(rep.result, ClientResult) else rep for rep in replies]
-
-
-def lost(exc: BaseException, who: str) -> RankFailed:
-    """The error of a collective that failed because another rank went away (its process ended, the network
-    broke): one line instead of gloo's. From here on SIGTERM ends this process quietly: the launcher stops the
-    remaining ranks of a failed run that way, and its own line names the rank that stopped."""
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    reason = "the connection was reset" if "reset by peer" in first or "Connection closed" in first else first[:120]
-    return RankFailed(f"lost contact with {who} ({reason}); the run directory is resumable: run the same command again")
 
 
 def _local_states(runtime: Any, clients: Sequence[int], gstate: dict[str, torch.Tensor],
@@ -263,24 +251,24 @@ class DistributedBackend(InProcessBackend):
             theirs.append((answer, wire.finite_sections(header, buf)))
         return mine, theirs
 
-    def close(self) -> None:
-        """Tell every worker that this run is over (it goes on to the next run of a sweep, or exits). Errors are
-        not raised: a worker that died already made rank 0's last exchange fail, and that error is the one
-        reported."""
+    def close(self, failed: bool = False) -> None:
+        """Tell every worker that this run is over (it goes on to the next run of a sweep, or exits), and whether
+        it ended in an error (``failed``). Errors are not raised: a worker that died already made rank 0's last
+        exchange fail, and that error is the one reported."""
         if self.closed:
             return
         self.closed = True
         try:
             for rank in range(1, self.world.size):
-                wire.send_stop(rank, wire_group())
+                wire.send_stop(rank, wire_group(), failed)
         except Exception:  # noqa: BLE001
             pass
 
 
-def serve(runtime: Any, schedule: Any, seed: int, world: World) -> None:
-    """A worker's rounds: train each order's clients, answer rank 0, until it says stop. A failure of this rank's
-    training is answered as the error's one line (rank 0 fails the run naming this rank); the worker then waits
-    for the stop."""
+def serve(runtime: Any, schedule: Any, seed: int, world: World) -> bool:
+    """A worker's rounds: train each order's clients, answer rank 0, until it says stop; whether the run ended
+    without an error (rank 0's word with the stop). A failure of this rank's training is answered as the error's
+    one line (rank 0 fails the run naming this rank); the worker then waits for the stop."""
     store = runtime.store
     backend = InProcessBackend(_ServerView(schedule, seed), runtime)  # type: ignore[arg-type]
     group = wire_group()
@@ -289,8 +277,8 @@ def serve(runtime: Any, schedule: Any, seed: int, world: World) -> None:
             message = wire.recv(0, group)
         except RuntimeError as exc:
             raise lost(exc, "rank 0") from None
-        if message is None:
-            return
+        if isinstance(message, wire.Stop):
+            return not message.failed
         try:
             (kind, r, gstate), work = (wire.unpack(header, buf) for header, buf in message)
             del message

@@ -3,7 +3,7 @@ through torchrun's own elastic API (``torch.distributed.launcher``: a c10d rende
 restarts), the ranks' output passed through. It is ``torchrun --standalone --nproc-per-node N -m fedsight run
 CONFIG``; several machines use torchrun itself (docs/distributed.md).
 
-The parent checks what it can before starting anything (the config, ``--dist-backend``, ``--jobs``); the ranks
+The parent checks what it can before starting anything (the config, its device, ``--dist-backend``, ``--jobs``); the ranks
 check the rest together before the run starts (``run``). When the run fails, rank 0 has said why in one line and
 the launcher exits with its code; when a rank died without a word (killed, out of memory) the launcher says which
 rank and how, in one line.
@@ -89,6 +89,7 @@ def dispatch(nproc: int, backend: str | None, jobs: int, configs: Sequence[objec
     validated: None to go on in this process (one process, or rank 0 of a distributed run, whose ``api.execute``
     runs distributed), or the exit code of the launched ranks (``--nproc`` above 1), or 0 after serving every run
     as a worker rank. Bad options are a ``ConfigError`` before anything starts."""
+    from ..device import resolve_device
     from ..errors import ConfigError
     from .run import check_ranks, serve_runs
     from .world import check_backend, current
@@ -107,6 +108,7 @@ def dispatch(nproc: int, backend: str | None, jobs: int, configs: Sequence[objec
                           "turns on the ranks; drop --jobs")
     if world is None:
         for cfg in configs:
+            resolve_device(cfg.engine.device)  # a device this machine lacks: one line here, before any rank starts
             check_ranks(cfg, nproc)
         return launch(nproc, backend or "gloo", sys.argv[1:])
     if backend is not None:

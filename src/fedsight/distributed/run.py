@@ -51,7 +51,8 @@ def execute(cfg: Any, run_dir: str | Path, execute_one: Any, **kwargs: Any) -> A
     """``api.execute`` on a rank of a distributed run (``kwargs``: its keywords): rank 0 runs it with the
     distributed backend; any other rank serves it (``serve_run``) and returns an ``Outcome`` whose status is
     "served" (the run ran, to its end or to the failure rank 0 raises) or "refused" (rank 0 did not start it), so
-    that a script calling ``fedsight.api.execute`` runs unchanged on every rank under torchrun. ``execute_one``:
+    that a script calling ``fedsight.api.execute`` runs unchanged on every rank under torchrun (or "failed": the
+    run started and rank 0 stopped it with an error, which it raises). ``execute_one``:
     ``api.execute`` itself, which rank 0 calls with the distributed simulation (passed in, so that this package
     never imports ``api``)."""
     from ..build import Outcome, build_simulation
@@ -63,11 +64,11 @@ def execute(cfg: Any, run_dir: str | Path, execute_one: Any, **kwargs: Any) -> A
         return Outcome(Path(run_dir), serve_run(cfg), None)
     join(world)
     cfg = rank_device(cfg, world)
-    check_run_dir(run_dir)
     phase = kwargs.get("on_phase") or (lambda text: None)
     with PROCESS_STREAM:
         sim, error = None, None
         try:
+            check_run_dir(run_dir)
             sim = build_simulation(cfg, run_dir=Path(run_dir), on_phase=phase)
         except Exception as exc:  # noqa: BLE001 - every rank hears it at the handshake, then it is raised here
             error = exc
@@ -76,9 +77,12 @@ def execute(cfg: Any, run_dir: str | Path, execute_one: Any, **kwargs: Any) -> A
         backend.dp = sim.backend.dp  # central DP's admission (flower.dp.install_in_process)
         sim.backend = backend
         try:
-            return execute_one(cfg, run_dir, simulation=sim, **kwargs)
-        finally:
-            backend.close()
+            out = execute_one(cfg, run_dir, simulation=sim, **kwargs)
+        except BaseException:
+            backend.close(failed=True)  # the workers of `fedsight run` stop serving: this process ends here
+            raise
+        backend.close()
+        return out
 
 
 def build_worker(cfg: Any) -> tuple[Any, Any]:
@@ -97,8 +101,8 @@ def build_worker(cfg: Any) -> tuple[Any, Any]:
 
 
 def serve_run(cfg: Any) -> str:
-    """A worker's part in one run of ``cfg``: "served" when the run ran (to its end or to a failure rank 0
-    reports), "refused" when rank 0 did not start it."""
+    """A worker's part in one run of ``cfg``: "served" when the run ran to its end, "failed" when rank 0 stopped
+    it with an error, "refused" when rank 0 did not start it."""
     world = current()
     assert world is not None and not world.leader
     join(world)
@@ -113,11 +117,13 @@ def serve_run(cfg: Any) -> str:
             handshake(world, config_digest(cfg), error)
         except RunRefused:
             return "refused"
-        serve(runtime, schedule, cfg.seed, world)
-        return "served"
+        return "served" if serve(runtime, schedule, cfg.seed, world) else "failed"
 
 
 def serve_runs(configs: list[Any]) -> None:
-    """A worker's part in every run of a sweep, in the order rank 0 runs them."""
+    """A worker's part in every run of a sweep, in the order rank 0 runs them, until one that rank 0 refused or
+    that failed: there ``fedsight run`` stops on rank 0 with its one line, and the worker ends quietly (waiting
+    for the next run's handshake, it would report rank 0 as lost)."""
     for cfg in configs:
-        serve_run(cfg)
+        if serve_run(cfg) != "served":
+            return

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -164,19 +164,25 @@ def send(parts: list[tuple[bytes, torch.Tensor]], dst: int, group: Any = None) -
         work.wait()
 
 
-def send_stop(dst: int, group: Any = None) -> None:
-    """Tell rank ``dst`` that no message follows (``recv`` returns None)."""
-    dist.send(torch.tensor([STOP, 0, 0], dtype=torch.int64), dst, group)
+class Stop(NamedTuple):
+    """What ``recv`` returns after ``send_stop``: no message follows; ``failed``: the run ended in an error."""
+
+    failed: bool
 
 
-def recv(src: int, group: Any = None) -> list[tuple[bytes, torch.Tensor]] | None:
+def send_stop(dst: int, group: Any = None, failed: bool = False) -> None:
+    """Tell rank ``dst`` that no message follows (``recv`` returns ``Stop(failed)``)."""
+    dist.send(torch.tensor([STOP, int(failed), 0], dtype=torch.int64), dst, group)
+
+
+def recv(src: int, group: Any = None) -> list[tuple[bytes, torch.Tensor]] | Stop:
     """The next message from rank ``src``, as its packed parts (``unpack`` each; the buffers are views of the
-    payload), or None after ``send_stop``."""
+    payload), or a ``Stop`` after ``send_stop``."""
     sizes = torch.empty(3, dtype=torch.int64)
     dist.recv(sizes, src, group)
     n_headers, n_payload, gen = sizes.tolist()
     if n_headers == STOP:
-        return None
+        return Stop(bool(n_payload))
     if gen:  # in the sender's shared-memory segment (``shm``), copied out: the segment takes the next message
         try:
             payload = shm.reader(src, dist.get_rank()).read(gen, n_payload)

@@ -161,6 +161,18 @@ def one_line(exc: BaseException) -> str:
     return " ".join(describe_error(exc).split())
 
 
+def lost(exc: BaseException, who: str) -> RankFailed:
+    """The error of a collective that failed because another rank went away (its process ended, the network
+    broke): one line instead of gloo's. From here on SIGTERM ends this process quietly: the launcher stops the
+    remaining ranks of a failed run that way, and its own line names the rank that stopped."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    reason = "the connection was reset" if "reset by peer" in first or "Connection closed" in first else first[:120]
+    return RankFailed(f"lost contact with {who} ({reason}); the run directory is resumable: run the same command again")
+
+
 def handshake(world: World, digest: str, error: BaseException | None, checks: Any = None) -> None:
     """Every rank says it is ready (its config digest, or the error that stopped it building its part); rank 0
     decides whether the run starts and tells the others. Raises on rank 0: its own error, a ``RankFailed`` naming
@@ -168,7 +180,10 @@ def handshake(world: World, digest: str, error: BaseException | None, checks: An
     own checks, e.g. more ranks than clients a round) fails. A worker whose run does not start gets
     ``RunRefused`` (it exits quietly: rank 0 says why)."""
     said = [None] * world.size
-    dist.all_gather_object(said, (digest, None if error is None else one_line(error)))
+    try:
+        dist.all_gather_object(said, (digest, None if error is None else one_line(error)))
+    except RuntimeError as exc:
+        raise lost(exc, "the other ranks before the run") from None
     verdict: list[Any] = [None]
     if world.leader:
         try:
@@ -189,7 +204,10 @@ def handshake(world: World, digest: str, error: BaseException | None, checks: An
             raise
         dist.broadcast_object_list(verdict, src=0)
         return
-    dist.broadcast_object_list(verdict, src=0)
+    try:
+        dist.broadcast_object_list(verdict, src=0)
+    except RuntimeError as exc:
+        raise lost(exc, "rank 0 before the run") from None
     if verdict[0] is not None:
         raise RunRefused(verdict[0])
 
