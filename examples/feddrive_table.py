@@ -5,8 +5,9 @@ domain" (every seen-test image with the statistics of its domain's training clie
 re-evaluating each run's final checkpoint (``fedsight evaluate RUN --set recipe.sharing.test_stats=domain``;
 nothing is retrained, the result is appended to the run's ``evaluations.jsonl`` and reused on later calls).
 Values are the final round's, mean ± sample std over the variant's complete runs (seeds; n in the last column);
-then each heterogeneous method against heterogeneous FedAvg, paired by seed, with its 95% CI and verdict; then the
-commit, command and machine of the runs.
+then each heterogeneous method against heterogeneous FedAvg, and the other comparisons the docs make (``PAIRS``:
+the distributions against uniform FedAvg, statistics by domain, LAB on SiloBN, SiloBN under class imbalance),
+each paired by seed with its 95% CI and verdict; then the commit, command and machine of the runs.
 
     python examples/feddrive_table.py runs/feddrive
 """
@@ -32,6 +33,23 @@ ROWS = [  # (variant, distribution, method, style)
     ("ci_silobn", "Class imbalance", "SiloBN", ""),
 ]
 BY_DOMAIN = "recipe.sharing.test_stats=domain"
+#: the other comparisons docs/segmentation.md states: (label, (variant, column), (baseline, column)), paired by
+#: seed; columns: "unseen", "seen" (the run's own test-time rule) and "domain" (seen, statistics by domain)
+PAIRS = [
+    ("heterogeneous - uniform FedAvg, unseen", ("het_fedavg", "unseen"), ("uniform_fedavg", "unseen")),
+    ("heterogeneous - uniform FedAvg, seen", ("het_fedavg", "seen"), ("uniform_fedavg", "seen")),
+    ("class imbalance - uniform FedAvg, unseen", ("ci_fedavg", "unseen"), ("uniform_fedavg", "unseen")),
+    ("class imbalance - uniform FedAvg, seen", ("ci_fedavg", "seen"), ("uniform_fedavg", "seen")),
+    ("SiloBN by domain - heterogeneous FedAvg, seen", ("het_silobn", "domain"), ("het_fedavg", "seen")),
+    ("FedBN by domain - heterogeneous FedAvg, seen", ("het_fedbn", "domain"), ("het_fedavg", "seen")),
+    ("SiloBN: by domain - standard, seen", ("het_silobn", "domain"), ("het_silobn", "seen")),
+    ("FedBN: by domain - standard, seen", ("het_fedbn", "domain"), ("het_fedbn", "seen")),
+    ("SiloBN + LAB - SiloBN, unseen", ("het_silobn_lab", "unseen"), ("het_silobn", "unseen")),
+    ("SiloBN + LAB - SiloBN, seen (standard)", ("het_silobn_lab", "seen"), ("het_silobn", "seen")),
+    ("SiloBN + LAB - SiloBN, seen (by domain)", ("het_silobn_lab", "domain"), ("het_silobn", "domain")),
+    ("class imbalance: SiloBN - FedAvg, unseen", ("ci_silobn", "unseen"), ("ci_fedavg", "unseen")),
+    ("class imbalance: SiloBN - FedAvg, seen", ("ci_silobn", "seen"), ("ci_fedavg", "seen")),
+]
 
 
 def complete_runs(root: Path, variant: str) -> list[Path]:
@@ -116,7 +134,22 @@ def main(root: Path) -> None:
         cells = [ci_cell(seeds_of(runs, lambda r: 100 * final(r)[k]), seeds_of(base, lambda r: 100 * final(r)[k]))
                  for k in ("test_unseen/miou", "test/miou")]
         print(f"| {method} | {style or '-'} | {' | '.join(cells)} |")
+    print("\nThe other comparisons, paired by seed: mIoU points, 95% CI (Student t), verdict.\n")
+    print("| comparison | difference |")
+    print("|---|---:|")
+    for label, (variant, column), (other, other_column) in PAIRS:
+        runs, base_runs = complete_runs(root, variant), complete_runs(root, other)
+        if runs and base_runs:
+            diff = ci_cell(seeds_of(runs, lambda r: 100 * _value(r, column)),
+                           seeds_of(base_runs, lambda r: 100 * _value(r, other_column)))
+            print(f"| {label} | {diff} |")
     print_provenance([r for variant, *_ in ROWS for r in complete_runs(root, variant)])
+
+
+def _value(run: Path, column: str) -> float:
+    if column == "domain":
+        return by_domain(run)["test/miou"]
+    return final(run)["test_unseen/miou" if column == "unseen" else "test/miou"]
 
 
 if __name__ == "__main__":

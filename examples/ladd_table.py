@@ -4,7 +4,9 @@ teacher, cluster aggregation) and the test mIoU of the final round, mean ± samp
 The two source-only rows are the test mIoU at the end of the source stage (nothing adapted yet) of the runs
 without and with FDA pre-training; then which parameters are cluster-specific (Table 5.18); then FedAvg +
 self-training against LADD (cls) after 60 and after 300 adaptation rounds (the ``*_long`` variants); then every
-adapted row against FedAvg + self-training, paired by seed with its 95% CI and verdict, and the runs' provenance.
+adapted row against FedAvg + self-training, and the other comparisons the docs make (``PAIRS``: FDA against none,
+each adapted run against its own source-only model, the cluster-specific parts, the longer runs), each paired by
+seed with its 95% CI and verdict; and the runs' provenance.
 
     python examples/ladd_table.py runs/ladd
 """
@@ -31,11 +33,31 @@ ROWS = [  # (label flags FDA ST KD SWAt Cluster, variant, which round: "source" 
 ]
 PARTS = [("none (FedAvg)", "st_kd_swat"), ("head: LADD (cls)", "ladd_cls"), ("all: LADD (all)", "ladd_all")]
 LENGTHS = [(60, "fedavg_st", "ladd_cls"), (300, "fedavg_st_long", "ladd_cls_long")]
+#: the other comparisons docs/ladd.md states, each (label, (variant, round), (baseline variant, round)), paired by
+#: seed; a variant's "source" round is the end of its own source stage (the same seed's pre-trained model)
+PAIRS = [
+    ("FDA pre-training: source-only with FDA - without", ("fedavg_st", "source"), ("st_nofda", "source")),
+    ("self-training after FDA - its source-only model", ("fedavg_st", "final"), ("fedavg_st", "source")),
+    ("self-training without FDA - its source-only model", ("st_nofda", "final"), ("st_nofda", "source")),
+    ("LADD without FDA - its source-only model", ("ladd_nofda", "final"), ("ladd_nofda", "source")),
+    ("LADD (cls) - its source-only model", ("ladd_cls", "final"), ("ladd_cls", "source")),
+    ("LADD (cls) - the same parts without cluster heads", ("ladd_cls", "final"), ("st_kd_swat", "final")),
+    ("LADD (all) - the same parts without cluster-specific parameters", ("ladd_all", "final"), ("st_kd_swat", "final")),
+    ("LADD (all) - LADD (cls)", ("ladd_all", "final"), ("ladd_cls", "final")),
+    ("LADD (all) - FedAvg + self-training", ("ladd_all", "final"), ("fedavg_st", "final")),
+    ("300 rounds: LADD (cls) - FedAvg + self-training", ("ladd_cls_long", "final"), ("fedavg_st_long", "final")),
+    ("FedAvg + self-training: 300 - 60 rounds", ("fedavg_st_long", "final"), ("fedavg_st", "final")),
+    ("LADD (cls): 300 - 60 rounds", ("ladd_cls_long", "final"), ("ladd_cls", "final")),
+]
 
 
 def source_end(run: Path) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("stage") == "source" and "test/miou" in r][-1]
+
+
+def _pick(when: str):
+    return source_end if when == "source" else final
 
 
 def main(root: Path) -> None:
@@ -44,8 +66,7 @@ def main(root: Path) -> None:
     for flags, variant, when in ROWS:
         runs = complete_runs(root, variant)
         if runs:
-            pick = source_end if when == "source" else final
-            print(f"| {' | '.join(flags)} | {cell([pick(r)['test/miou'] for r in runs])} | {len(runs)} |")
+            print(f"| {' | '.join(flags)} | {cell([_pick(when)(r)['test/miou'] for r in runs])} | {len(runs)} |")
     print()
     print("| cluster-specific parameters | test mIoU (%) | seeds |")
     print("|---|---:|---:|")
@@ -72,6 +93,16 @@ def main(root: Path) -> None:
             diff = ci_cell(seeds_of(runs, lambda r: 100 * final(r)["test/miou"]),
                            seeds_of(base, lambda r: 100 * final(r)["test/miou"]))
             print(f"| {' | '.join(flags)} | {diff} |")
+    print("\nThe other comparisons, paired by seed (source-only: the end of that run's own source stage): mIoU "
+          "points, 95% CI (Student t), verdict.\n")
+    print("| comparison | difference |")
+    print("|---|---:|")
+    for label, (variant, when), (other, other_when) in PAIRS:
+        runs, base_runs = complete_runs(root, variant), complete_runs(root, other)
+        if runs and base_runs:
+            diff = ci_cell(seeds_of(runs, lambda r: 100 * _pick(when)(r)["test/miou"]),
+                           seeds_of(base_runs, lambda r: 100 * _pick(other_when)(r)["test/miou"]))
+            print(f"| {label} | {diff} |")
     print_provenance(sorted({r for _, v, _ in ROWS for r in complete_runs(root, v)}
                             | {r for _, v in PARTS for r in complete_runs(root, v)}
                             | {r for _, *vs in LENGTHS for v in vs for r in complete_runs(root, v)}))

@@ -47,6 +47,12 @@ def test_ladd_table_prints_paired_cis_against_fedavg_st_and_the_provenance(tmp_p
     mean = sum(diffs) / 3
     assert f"| ✓ | ✓ | ✓ | ✗ | ✗ | {mean:+.1f} [{lo:+.1f}, {hi:+.1f}] better (n=3) |" in out
     assert "| ✓ | ✓ | ✓ | ✓ | ✓ | +10.0 (n=1, no interval) |" in out
+    # a run against its own source-only model (the end of its source stage, 10% in every fixture run)
+    lo, hi = stats.ttest_rel([100 * base[s] for s in base], [10.0] * 3).confidence_interval()
+    mean = sum(100 * v - 10 for v in base.values()) / 3
+    assert f"| self-training after FDA - its source-only model | {mean:+.1f} [{lo:+.1f}, {hi:+.1f}] better (n=3) |" in out
+    assert "| LADD (cls) - its source-only model | +20.0 (n=1, no interval) |" in out
+    assert "LADD (all)" not in out.split("other comparisons")[1]  # no runs: no row
     prov = out[out.index("## Provenance"):]
     assert "of the 7 runs" in prov and "`abcdef012345`" in prov and "Test CPU (cpu_capability AVX2, blas mkl)" in prov
     assert "`fedsight run examples/ladd.toml`" in prov
@@ -55,16 +61,23 @@ def test_ladd_table_prints_paired_cis_against_fedavg_st_and_the_provenance(tmp_p
 def test_feddrive_table_compares_heterogeneous_rows_with_heterogeneous_fedavg(tmp_path, capsys):
     import feddrive_table
 
-    for seed, (a, b) in enumerate([(0.10, 0.12), (0.14, 0.13), (0.12, 0.15)]):
-        for variant, v in (("het_fedavg", a), ("het_fedadam", b)):
+    for seed, (a, b, c) in enumerate([(0.10, 0.12, 0.30), (0.14, 0.13, 0.33), (0.12, 0.15, 0.31)]):
+        for variant, v in (("het_fedavg", a), ("het_fedadam", b), ("het_silobn", b)):
             _run(tmp_path, variant, seed, v)
             path = tmp_path / variant / f"seed{seed}" / "metrics.jsonl"
             path.write_text(json.dumps({"round": 5, "test/miou": v, "test_unseen/miou": v / 2}) + "\n")
+        # SiloBN's final checkpoint already evaluated with statistics by domain (read back, not re-evaluated)
+        row = {"set": {"recipe.sharing.test_stats": "domain"}, "test/miou": c}
+        (tmp_path / "het_silobn" / f"seed{seed}" / "evaluations.jsonl").write_text(json.dumps(row) + "\n")
     feddrive_table.main(tmp_path)
     out = capsys.readouterr().out
     lo, hi = stats.ttest_rel([12, 13, 15], [10, 14, 12]).confidence_interval()
     assert f"| FedAdam | - | " in out and f"+1.3 [{lo:+.1f}, {hi:+.1f}] within noise (n=3) |" in out
-    assert "## Provenance" in out and "of the 6 runs" in out
+    lo, hi = stats.ttest_rel([30, 33, 31], [10, 14, 12]).confidence_interval()
+    assert f"| SiloBN by domain - heterogeneous FedAvg, seen | +19.3 [{lo:+.1f}, {hi:+.1f}] better (n=3) |" in out
+    assert "| SiloBN | - | 6.7 ± 0.8 | 13.3 ± 1.5 | 31.3 ± 1.5 | 3 |" in out
+    assert "uniform" not in out.split("other comparisons")[1]  # no uniform runs: no row
+    assert "## Provenance" in out and "of the 9 runs" in out
     assert sys.modules["feddrive_table"].ci_cell({0: 1.0}, {1: 1.0}) == "- (no common seed)"
 
 
