@@ -3,10 +3,10 @@ through torchrun's own elastic API (``torch.distributed.launcher``: a c10d rende
 restarts), the ranks' output passed through. It is ``torchrun --standalone --nproc-per-node N -m fedsight run
 CONFIG``; several machines use torchrun itself (docs/distributed.md).
 
-The parent checks what it can before starting anything (the config, its device, ``--dist-backend``, ``--jobs``); the ranks
-check the rest together before the run starts (``run``). When the run fails, rank 0 has said why in one line and
-the launcher exits with its code; when a rank died without a word (killed, out of memory) the launcher says which
-rank and how, in one line.
+The parent checks what it can before starting anything (the config, its device, ``--dist-backend``, ``--jobs``);
+the ranks check the rest together before the run starts (``run``). When the run fails, rank 0 has said why in one
+line and the launcher exits with its code; when a rank died without a word (killed, out of memory) the launcher
+says which rank and how, in one line.
 """
 
 from __future__ import annotations

@@ -50,9 +50,9 @@ def check_ranks(cfg: Any, ranks: int) -> None:
 def execute(cfg: Any, run_dir: str | Path, execute_one: Any, **kwargs: Any) -> Any:
     """``api.execute`` on a rank of a distributed run (``kwargs``: its keywords): rank 0 runs it with the
     distributed backend; any other rank serves it (``serve_run``) and returns an ``Outcome`` whose status is
-    "served" (the run ran, to its end or to the failure rank 0 raises) or "refused" (rank 0 did not start it), so
-    that a script calling ``fedsight.api.execute`` runs unchanged on every rank under torchrun (or "failed": the
-    run started and rank 0 stopped it with an error, which it raises). ``execute_one``:
+    "served" (the run ran to its end, or to ``stop_after``), "failed" (rank 0 stopped it with an error, which rank
+    0 raises) or "refused" (rank 0 did not start it), so that a script calling ``fedsight.api.execute`` runs
+    unchanged on every rank under torchrun. ``execute_one``:
     ``api.execute`` itself, which rank 0 calls with the distributed simulation (passed in, so that this package
     never imports ``api``)."""
     from ..build import Outcome, build_simulation
