@@ -31,7 +31,8 @@ from ppfl_table import by_seed, config, fmt, header, last, load_model
 
 SETTINGS = [("", "3 clients: high / mid / low"), ("onehigh_", "1 high + n low")]
 METHODS = [("fedavg", "FedAvg", None), ("raf_fedavg", "FedAvg + RAF", "fedavg"),
-           ("fedprox", "FedProx", None), ("raf_fedprox", "FedProx + RAF", "fedprox")]
+           ("fedprox", "FedProx", None), ("raf_fedprox", "FedProx + RAF", "fedprox"),
+           ("fedprox_mu1e4", "FedProx, mu 1e-4", None), ("raf_fedprox_mu1e4", "FedProx, mu 1e-4 + RAF", "fedprox_mu1e4")]
 MODES = ("bilinear", "area", "bicubic")
 
 
@@ -44,7 +45,7 @@ def sizes(run: Path) -> list[tuple[str, str]]:
     return sorted(out, key=lambda s: [int(v) for v in s[1].split("x")])
 
 
-COMPARISONS = [("FedProx - FedAvg", "fedprox", "fedavg"),
+COMPARISONS = [("FedProx - FedAvg", "fedprox", "fedavg"), ("FedProx, mu 1e-4 - FedAvg", "fedprox_mu1e4", "fedavg"),
                ("1 high + n low FedAvg - 3-client FedAvg", "onehigh_fedavg", "fedavg")]
 GENERALISATION = [("fedavg", "FedAvg"), ("fedprox", "FedProx"), ("onehigh_fedavg", "1 high + n low FedAvg")]
 

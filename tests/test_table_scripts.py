@@ -143,6 +143,7 @@ def test_raf_table_compares_rows_and_unseen_sizes_paired_by_seed(tmp_path, capsy
         _pose_run(tmp_path, "fedavg", seed, {"64x48": 25, "96x72": 28, "128x96": fedavg[seed], "160x120": fedavg[seed] + 1})
         _pose_run(tmp_path, "fedprox", seed, {"64x48": 20, "96x72": 22, "128x96": fedprox[seed],
                                               "160x120": fedprox[seed] - seed})
+        _pose_run(tmp_path, "fedprox_mu1e4", seed, {"64x48": 26, "96x72": 28, "128x96": 31, "160x120": 32})
     assert raf_table.table_ii_comparisons(tmp_path)
     lines = capsys.readouterr().out.splitlines()
     assert "| comparison | 64x48 | 96x72 | 128x96 | 160x120 * |" in lines
@@ -151,6 +152,8 @@ def test_raf_table_compares_rows_and_unseen_sizes_paired_by_seed(tmp_path, capsy
     assert row[1].startswith("-5.0 [") and row[2].startswith("-6.0 [")  # constant differences at 64x48 and 96x72
     assert row[3] == f"-9.7 [{lo:+.1f}, {hi:+.1f}] worse (n=3)"
     assert "| FedAvg: unseen - 128x96 | - | - | - | +1.0 [+1.0, +1.0] better (n=3) |" in lines
+    row = next(line for line in lines if line.startswith("| FedProx, mu 1e-4 - FedAvg |")).split(" | ")
+    assert row[1] == "+1.0 [+1.0, +1.0] better (n=3)" and row[3].startswith("+0.0 [")
     lo, hi = stats.ttest_rel([20, 22, 19], [20, 23, 21]).confidence_interval()
     assert f"| FedProx: unseen - 128x96 | - | - | - | -1.0 [{lo:+.1f}, {hi:+.1f}] within noise (n=3) |" in lines
     assert not any(line.startswith("| 1 high + n low") for line in lines)  # no one-high runs: no such rows
