@@ -77,9 +77,10 @@ def by_domain(run: Path) -> dict:
     return evaluate_run(run, [BY_DOMAIN])[1]
 
 
-def cell(values: list[float]) -> str:
-    v = [100 * x for x in values]
-    return f"{statistics.mean(v):.1f} ± {statistics.stdev(v):.1f}" if len(v) > 1 else f"{v[0]:.1f}"
+def cell(values: list[float], digits: int = 1, scale: float = 100) -> str:
+    """The values' mean ± sample std times ``scale`` (a fraction as a percentage), or the one value."""
+    v = [scale * x for x in values]
+    return f"{statistics.mean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}" if len(v) > 1 else f"{v[0]:.{digits}f}"
 
 
 def seeds_of(runs: list[Path], value) -> dict[int, float]:

@@ -23,7 +23,8 @@ def _run(root: Path, variant: str, seed: int, miou: float) -> None:
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({"seed": seed, "run": {"name": variant}}))
     (d / "status.json").write_text(json.dumps({"state": "complete", "round": 5, "rounds": 5}))
-    rows = [{"round": 1, "stage": "source", "test/miou": 0.1}, {"round": 5, "stage": "adapt", "test/miou": miou}]
+    rows = [{"round": 1, "stage": "source", "test/miou": 0.1},
+            {"round": 5, "stage": "adapt", "test/miou": miou, "test/loss": 1.5}]
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     session = {"command": ["fedsight", "run", "examples/ladd.toml"], "git": {"fedsight": {"commit": "abcdef0123456"}},
                "torch": "2.13.0+cpu", "python": "3.11.7", "device": "cpu", "threads": 1,
@@ -47,6 +48,7 @@ def test_ladd_table_prints_paired_cis_against_fedavg_st_and_the_provenance(tmp_p
     mean = sum(diffs) / 3
     assert f"| ✓ | ✓ | ✓ | ✗ | ✗ | {mean:+.1f} [{lo:+.1f}, {hi:+.1f}] better (n=3) |" in out
     assert "| ✓ | ✓ | ✓ | ✓ | ✓ | +10.0 (n=1, no interval) |" in out
+    assert "| 60 | 22.3 ± 2.5 | 30.0 | 1.50 ± 0.00 | 1.50 | 3 / 1 |" in out  # mIoU and test loss by length
     # a run against its own source-only model (the end of its source stage, 10% in every fixture run)
     lo, hi = stats.ttest_rel([100 * base[s] for s in base], [10.0] * 3).confidence_interval()
     mean = sum(100 * v - 10 for v in base.values()) / 3
