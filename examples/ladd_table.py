@@ -6,7 +6,8 @@ without and with FDA pre-training; then which parameters are cluster-specific (T
 self-training against LADD (cls) after 60 and after 300 adaptation rounds (the ``*_long`` variants); then every
 adapted row against FedAvg + self-training, and the other comparisons the docs make (``PAIRS``: FDA against none,
 each adapted run against its own source-only model, the cluster-specific parts, the longer runs), each paired by
-seed with its 95% CI and verdict; and the runs' provenance.
+seed with its 95% CI and verdict; the frozen models' BatchNorm, running statistics against the batch's (the
+``*_running`` variants against their twins); and the runs' provenance.
 
     python examples/ladd_table.py runs/ladd
 """
@@ -33,6 +34,14 @@ ROWS = [  # (label flags FDA ST KD SWAt Cluster, variant, which round: "source" 
 ]
 PARTS = [("none (FedAvg)", "st_kd_swat"), ("head: LADD (cls)", "ladd_cls"), ("all: LADD (all)", "ladd_all")]
 LENGTHS = [(60, "fedavg_st", "ladd_cls"), (300, "fedavg_st_long", "ladd_cls_long")]
+#: the frozen models' BatchNorm (``self_training.frozen_bn``): (label, the "running" variant, its "batch" twin)
+FROZEN_BN = [
+    ("ST + KD", "st_kd_running", "st_kd"),
+    ("ST + KD + SWAt", "st_kd_swat_running", "st_kd_swat"),
+    ("ST + KD + cluster heads", "st_kd_cluster_running", "st_kd_cluster"),
+    ("LADD (cls)", "ladd_cls_running", "ladd_cls"),
+    ("LADD (all)", "ladd_all_running", "ladd_all"),
+]
 #: the other comparisons docs/ladd.md states, each (label, (variant, round), (baseline variant, round)), paired by
 #: seed; a variant's "source" round is the end of its own source stage (the same seed's pre-trained model)
 PAIRS = [
@@ -105,9 +114,22 @@ def main(root: Path) -> None:
             diff = ci_cell(seeds_of(runs, lambda r: 100 * _pick(when)(r)["test/miou"]),
                            seeds_of(base_runs, lambda r: 100 * _pick(other_when)(r)["test/miou"]))
             print(f"| {label} | {diff} |")
+    frozen = [(label, complete_runs(root, run_v), complete_runs(root, batch_v)) for label, run_v, batch_v in FROZEN_BN]
+    if any(runs for _, runs, _ in frozen):
+        print("\nThe frozen models' BatchNorm (theta^0 and the SWA teacher): running statistics against the batch's, "
+              "final test mIoU (%); difference = running - batch, paired by seed, 95% CI (Student t), verdict.\n")
+        print("| parts (lambda = 20) | running | batch | difference | seeds |")
+        print("|---|---:|---:|---:|---:|")
+        for label, runs, batch in frozen:
+            if runs and batch:
+                diff = ci_cell(seeds_of(runs, lambda r: 100 * final(r)["test/miou"]),
+                               seeds_of(batch, lambda r: 100 * final(r)["test/miou"]))
+                print(f"| {label} | {cell([final(r)['test/miou'] for r in runs])} | "
+                      f"{cell([final(r)['test/miou'] for r in batch])} | {diff} | {len(runs)} / {len(batch)} |")
     print_provenance(sorted({r for _, v, _ in ROWS for r in complete_runs(root, v)}
                             | {r for _, v in PARTS for r in complete_runs(root, v)}
-                            | {r for _, *vs in LENGTHS for v in vs for r in complete_runs(root, v)}))
+                            | {r for _, *vs in LENGTHS for v in vs for r in complete_runs(root, v)}
+                            | {r for _, v, _ in FROZEN_BN for r in complete_runs(root, v)}))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def test_ladd_table_prints_paired_cis_against_fedavg_st_and_the_provenance(tmp_p
         _run(tmp_path, "fedavg_st", seed, base[seed])
         _run(tmp_path, "st_kd", seed, kd[seed])
     _run(tmp_path, "ladd_cls", 0, 0.3)  # one seed: no interval
+    for seed in base:
+        _run(tmp_path, "st_kd_running", seed, kd[seed] - 0.01 * (seed + 1))
     ladd_table.main(tmp_path)
     out = capsys.readouterr().out
     diffs = [100 * (kd[s] - base[s]) for s in base]
@@ -49,6 +51,9 @@ def test_ladd_table_prints_paired_cis_against_fedavg_st_and_the_provenance(tmp_p
     assert f"| ✓ | ✓ | ✓ | ✗ | ✗ | {mean:+.1f} [{lo:+.1f}, {hi:+.1f}] better (n=3) |" in out
     assert "| ✓ | ✓ | ✓ | ✓ | ✓ | +10.0 (n=1, no interval) |" in out
     assert "| 60 | 22.3 ± 2.5 | 30.0 | 1.50 ± 0.00 | 1.50 | 3 / 1 |" in out  # mIoU and test loss by length
+    lo, hi = stats.ttest_rel([-1.0, -2.0, -3.0], [0.0] * 3).confidence_interval()
+    assert f"| ST + KD | 23.3 ± 1.2 | 25.3 ± 2.1 | -2.0 [{lo:+.1f}, {hi:+.1f}] within noise (n=3) | 3 / 3 |" in out
+    assert "| LADD (cls) | 30.0 |" not in out  # no running twin: no row
     # a run against its own source-only model (the end of its source stage, 10% in every fixture run)
     lo, hi = stats.ttest_rel([100 * base[s] for s in base], [10.0] * 3).confidence_interval()
     mean = sum(100 * v - 10 for v in base.values()) / 3
@@ -56,7 +61,7 @@ def test_ladd_table_prints_paired_cis_against_fedavg_st_and_the_provenance(tmp_p
     assert "| LADD (cls) - its source-only model | +20.0 (n=1, no interval) |" in out
     assert "LADD (all)" not in out.split("other comparisons")[1]  # no runs: no row
     prov = out[out.index("## Provenance"):]
-    assert "of the 7 runs" in prov and "`abcdef012345`" in prov and "Test CPU (cpu_capability AVX2, blas mkl)" in prov
+    assert "of the 10 runs" in prov and "`abcdef012345`" in prov and "Test CPU (cpu_capability AVX2, blas mkl)" in prov
     assert "`fedsight run examples/ladd.toml`" in prov
 
 
