@@ -206,6 +206,26 @@ def test_bad_launch_options_are_one_line_before_any_rank_starts(tmp_path: Path, 
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_device_this_machine_lacks_is_one_line_before_any_job_starts(tmp_path: Path) -> None:
+    """`--jobs 2` on a sweep of two runs with `--device cuda` where CUDA is not: one line from the parent, not one
+    per job, and nothing written."""
+    import tomli_w
+
+    from helpers import tiny
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CUDA is available here")
+    raw = {**tiny(**{"run.output_dir": str(tmp_path / "runs")}), "sweep": {"seeds": [0, 1]}}
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(raw))
+    code, out, err = _cli("run", str(cfg), "--jobs", "2", "--device", "cuda")
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and lines == ["error: engine.device = 'cuda' but CUDA is not available here (torch "
+                                   f"{__import__('torch').__version__}, a build without CUDA); use \"auto\" or "
+                                   "\"cpu\""], err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_fedsight_run_nproc_launches_the_ranks_and_rank_0_says_why_a_run_cannot_start(tmp_path: Path) -> None:
     """`fedsight run CONFIG --nproc 2` through the real launcher: a sweep's first run trains on 2 ranks; its second
     samples a fraction of one client a round, which only rank 0 can find out (the data decides): one line from

@@ -88,7 +88,8 @@ def dispatch(nproc: int, backend: str | None, jobs: int, configs: Sequence[objec
     """What ``fedsight run``/``resume`` does with ``--nproc`` and ``--dist-backend``, once its ``configs`` are
     validated: None to go on in this process (one process, or rank 0 of a distributed run, whose ``api.execute``
     runs distributed), or the exit code of the launched ranks (``--nproc`` above 1), or 0 after serving every run
-    as a worker rank. Bad options are a ``ConfigError`` before anything starts."""
+    as a worker rank. Bad options, and an ``engine.device`` this machine lacks, are a ``ConfigError`` before
+    anything starts (runs, ``--jobs`` workers or ranks)."""
     from ..device import resolve_device
     from ..errors import ConfigError
     from .run import check_ranks, serve_runs
@@ -97,6 +98,9 @@ def dispatch(nproc: int, backend: str | None, jobs: int, configs: Sequence[objec
     world = current()
     if backend is not None:
         check_backend(backend)
+    if world is None:  # a device this machine lacks: one line here, before any run, job or rank starts
+        for cfg in configs:
+            resolve_device(cfg.engine.device)
     if world is None and nproc == 1:
         if backend is not None:
             raise ConfigError("--dist-backend without --nproc N (N > 1) or torchrun: one process has no process group")
@@ -108,7 +112,6 @@ def dispatch(nproc: int, backend: str | None, jobs: int, configs: Sequence[objec
                           "turns on the ranks; drop --jobs")
     if world is None:
         for cfg in configs:
-            resolve_device(cfg.engine.device)  # a device this machine lacks: one line here, before any rank starts
             check_ranks(cfg, nproc)
         return launch(nproc, backend or "gloo", sys.argv[1:])
     if backend is not None:
