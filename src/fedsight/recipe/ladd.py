@@ -208,7 +208,11 @@ def report_style_clusters(run_dir: Path, facts: dict[str, torch.Tensor], task: A
         ax.set_title(title)
         ax.set_xlabel("style PC 1")
         ax.set_ylabel("style PC 2")
-        ax.legend(fontsize=7, loc="best")
+        if len(labels) > 4:  # a domain per client pair: below the panel, where it covers no point
+            ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, columnspacing=0.8,
+                      handletextpad=0.2)
+        else:
+            ax.legend(fontsize=7, loc="best")
     if table is not None and acc is not None:
         _plot_table(axes[2], table, info["table"]["domains"], acc)
     _save(fig, run_dir / "plots" / "style_clusters.png")
