@@ -132,6 +132,19 @@ def test_read_metrics_skips_blank_lines_and_keeps_events(tmp_path: Path) -> None
     assert recs[1]["event"] == "resumed"
 
 
+def test_a_torn_last_line_reads_as_the_complete_rounds_and_a_finished_bad_last_line_is_an_error(tmp_path: Path) -> None:
+    """A crash in the middle of an append leaves a last line without its newline: read as the rounds before it (as
+    ``resume`` drops it); the same text followed by a newline was written whole, and is an error naming the line."""
+    d = tmp_path / "r"
+    d.mkdir()
+    good = '{"round": 1, "stage": "fed", "test/acc": 0.5}\n'
+    (d / "metrics.jsonl").write_text(good + '{"round": 2, "stage": "fed", "te')
+    assert [r["round"] for r in read_metrics(d)] == [1]
+    (d / "metrics.jsonl").write_text(good + '{"round": 2, "stage": "fed", "te\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2: invalid JSON"):
+        read_metrics(d)
+
+
 @pytest.mark.parametrize(
     "bad_line",
     ['{"round": 3, "stage": "fed", "test/acc": 0.', "[1, 2]", '{"stage": "fed", "test/acc": 0.5}'],

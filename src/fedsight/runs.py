@@ -125,8 +125,10 @@ def _kept(r: Any, event: bool, last_round: int) -> bool:
 def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
     """All records of ``RUN_DIR/metrics.jsonl``, in file order, event lines included.
 
-    Blank lines are skipped. A line that is not a JSON object, or a metrics line (one without
-    ``"event"``) whose ``"round"`` is not an integer, raises ``ValueError`` naming ``file:line``.
+    Blank lines are skipped, and so is a torn last line (no newline after it, not JSON: a crash in the middle of an
+    append, which ``resume`` drops too), so a killed run reads as its complete rounds. Any other line that is not a
+    JSON object, or a metrics line (one without ``"event"``) whose ``"round"`` is not an integer, raises
+    ``ValueError`` naming ``file:line``.
     """
     path, text = _run_file(run_dir, METRICS_FILE)
     lines = text.splitlines()
@@ -137,6 +139,8 @@ def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
         try:
             rec = _loads(f"{path}:{lineno}", line)
         except json.JSONDecodeError as e:
+            if lineno == len(lines) and not text.endswith("\n"):
+                continue
             raise RunFileError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
         if not isinstance(rec, dict):
             raise RunFileError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
