@@ -143,6 +143,10 @@ def test_a_torn_last_line_reads_as_the_complete_rounds_and_a_finished_bad_last_l
     (d / "metrics.jsonl").write_text(good + '{"round": 2, "stage": "fed", "te\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2: invalid JSON"):
         read_metrics(d)
+    from fedsight.runs import RunDir  # the other logs of a round read the same way
+
+    (d / "client_weights.jsonl").write_text('{"round": 1, "clients": [0], "weights": [1.0]}\n{"round": 2, "cli')
+    assert [r["round"] for r in RunDir(d).read_client_weights()] == [1]
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,24 @@ def _loads(where: str, text: str) -> Any:
     return loads_json(text, where, RunFileError)
 
 
+def _jsonl(path: Path, text: str) -> list[tuple[int, Any]]:
+    """(line number, parsed value) of each line of a JSONL log; blank lines and a torn last line (no newline
+    after it, not JSON: a crash in the middle of an append, which ``resume`` drops) are skipped; any other line
+    that is not JSON is a ``RunFileError`` naming ``file:line``."""
+    lines = text.splitlines()
+    out = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((lineno, _loads(f"{path}:{lineno}", line)))
+        except json.JSONDecodeError as e:
+            if lineno == len(lines) and not text.endswith("\n"):
+                continue
+            raise RunFileError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+    return out
+
+
 def _json_object(path: Path, text: str) -> dict[str, Any]:
     """``text`` (the content of ``path``) parsed as a JSON object; a ValueError naming the file otherwise."""
     try:
@@ -131,17 +149,8 @@ def read_metrics(run_dir: StrPath) -> list[dict[str, Any]]:
     ``ValueError`` naming ``file:line``.
     """
     path, text = _run_file(run_dir, METRICS_FILE)
-    lines = text.splitlines()
     records: list[dict[str, Any]] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = _loads(f"{path}:{lineno}", line)
-        except json.JSONDecodeError as e:
-            if lineno == len(lines) and not text.endswith("\n"):
-                continue
-            raise RunFileError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+    for lineno, rec in _jsonl(path, text):
         if not isinstance(rec, dict):
             raise RunFileError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
         if "event" not in rec:
@@ -306,15 +315,10 @@ class RunDir:
         """Every line of ``client_metrics.jsonl`` (``[]`` without local evaluation)."""
         path = self.path / CLIENT_METRICS_FILE
         out = []
-        for lineno, line in enumerate(read_text(path).splitlines() if exists(path) else [], start=1):
-            try:
-                rec = _loads(f"{path}:{lineno}", line) if line.strip() else None
-            except json.JSONDecodeError as e:
-                raise RunFileError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-            if rec is not None:
-                if not (isinstance(rec, dict) and isinstance(rec.get("clients"), dict)):
-                    raise RunFileError(f"{path}:{lineno}: expected {{\"round\": int, \"clients\": {{...}}}}")
-                out.append(rec)
+        for lineno, rec in _jsonl(path, read_text(path)) if exists(path) else []:
+            if not (isinstance(rec, dict) and isinstance(rec.get("clients"), dict)):
+                raise RunFileError(f"{path}:{lineno}: expected {{\"round\": int, \"clients\": {{...}}}}")
+            out.append(rec)
         return out
 
     def append_evaluation(self, row: dict[str, Any]) -> None:
@@ -410,17 +414,12 @@ class RunDir:
         if not exists(self.weights_path):
             return []
         out = []
-        for lineno, line in enumerate(read_text(self.weights_path).splitlines(), start=1):
-            if line.strip():
-                try:
-                    rec = _loads(f"{self.weights_path}:{lineno}", line)
-                except json.JSONDecodeError as e:
-                    raise RunFileError(f"{self.weights_path}:{lineno}: invalid JSON: {e.msg}") from None
-                if not (isinstance(rec, dict) and type(rec.get("round")) is int and isinstance(rec.get("clients"), list)
-                        and isinstance(rec.get("weights"), (list, dict))):
-                    raise RunFileError(f"{self.weights_path}:{lineno}: expected {{\"round\": int, \"clients\": [...], "
-                                       "\"weights\": [...]}")
-                out.append(rec)
+        for lineno, rec in _jsonl(self.weights_path, read_text(self.weights_path)):
+            if not (isinstance(rec, dict) and type(rec.get("round")) is int and isinstance(rec.get("clients"), list)
+                    and isinstance(rec.get("weights"), (list, dict))):
+                raise RunFileError(f"{self.weights_path}:{lineno}: expected {{\"round\": int, \"clients\": [...], "
+                                   "\"weights\": [...]}")
+            out.append(rec)
         return out
 
     # -- checkpoints ------------------------------------------------------------------------------
