@@ -43,11 +43,16 @@ FROZEN_BN = [
     ("LADD (all)", "ladd_all_running", "ladd_all"),
 ]
 #: the other comparisons docs/ladd.md states, each (label, (variant, round), (baseline variant, round)), paired by
-#: seed; a variant's "source" round is the end of its own source stage (the same seed's pre-trained model)
+#: seed; a variant's "source" round is the end of its own source stage (the same seed's pre-trained model), "first"
+#: the first evaluation of its adaptation stage
 PAIRS = [
     ("FDA pre-training: source-only with FDA - without", ("fedavg_st", "source"), ("st_nofda", "source")),
     ("self-training after FDA - its source-only model", ("fedavg_st", "final"), ("fedavg_st", "source")),
     ("self-training without FDA - its source-only model", ("st_nofda", "final"), ("st_nofda", "source")),
+    ("self-training after FDA, first adaptation evaluation - its source-only model", ("fedavg_st", "first"),
+     ("fedavg_st", "source")),
+    ("FedAvg + self-training: final - first adaptation evaluation", ("fedavg_st", "final"), ("fedavg_st", "first")),
+    ("LADD (cls): final - first adaptation evaluation", ("ladd_cls", "final"), ("ladd_cls", "first")),
     ("LADD without FDA - its source-only model", ("ladd_nofda", "final"), ("ladd_nofda", "source")),
     ("LADD (cls) - its source-only model", ("ladd_cls", "final"), ("ladd_cls", "source")),
     ("LADD (cls) - the same parts without cluster heads", ("ladd_cls", "final"), ("st_kd_swat", "final")),
@@ -65,8 +70,14 @@ def source_end(run: Path) -> dict:
     return [r for r in rows if r.get("stage") == "source" and "test/miou" in r][-1]
 
 
+def adapt_first(run: Path) -> dict:
+    """The first evaluation of the adaptation stage (round 20 in examples/ladd.toml: 4 rounds in)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in rows if r.get("stage") == "adapt" and "test/miou" in r)
+
+
 def _pick(when: str):
-    return source_end if when == "source" else final
+    return {"source": source_end, "first": adapt_first}.get(when, final)
 
 
 def main(root: Path) -> None:

@@ -59,6 +59,8 @@ def test_ladd_table_prints_paired_cis_against_fedavg_st_and_the_provenance(tmp_p
     mean = sum(100 * v - 10 for v in base.values()) / 3
     assert f"| self-training after FDA - its source-only model | {mean:+.1f} [{lo:+.1f}, {hi:+.1f}] better (n=3) |" in out
     assert "| LADD (cls) - its source-only model | +20.0 (n=1, no interval) |" in out
+    # the fixture's one adaptation evaluation is also its last
+    assert "| FedAvg + self-training: final - first adaptation evaluation | +0.0 [+0.0, +0.0] within noise (n=3) |" in out
     assert "LADD (all)" not in out.split("other comparisons")[1]  # no runs: no row
     prov = out[out.index("## Provenance"):]
     assert "of the 10 runs" in prov and "`abcdef012345`" in prov and "Test CPU (cpu_capability AVX2, blas mkl)" in prov
