@@ -14,6 +14,7 @@ each paired by seed with its 95% CI and verdict; then the commit, command and ma
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -59,11 +60,17 @@ def complete_runs(root: Path, variant: str) -> list[Path]:
             and json.loads((r / "status.json").read_text()).get("state") == "complete"]
 
 
+@functools.cache
+def metric_rows(run: Path) -> list[dict]:
+    """The rows of the run's metrics.jsonl, read once however many comparisons use them."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def final(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "test/miou" in r][-1]
+    return [r for r in metric_rows(run) if "test/miou" in r][-1]
 
 
+@functools.cache
 def by_domain(run: Path) -> dict:
     """The final checkpoint evaluated with statistics by domain (once; later calls read evaluations.jsonl)."""
     path = run / "evaluations.jsonl"

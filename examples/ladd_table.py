@@ -14,11 +14,10 @@ seed with its 95% CI and verdict; the frozen models' BatchNorm, running statisti
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from feddrive_table import cell, ci_cell, complete_runs, final, print_provenance, seeds_of
+from feddrive_table import cell, ci_cell, complete_runs, final, metric_rows, print_provenance, seeds_of
 
 YES, NO = "✓", "✗"
 ROWS = [  # (label flags FDA ST KD SWAt Cluster, variant, which round: "source" end of source stage or final)
@@ -66,14 +65,12 @@ PAIRS = [
 
 
 def source_end(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("stage") == "source" and "test/miou" in r][-1]
+    return [r for r in metric_rows(run) if r.get("stage") == "source" and "test/miou" in r][-1]
 
 
 def adapt_first(run: Path) -> dict:
     """The first evaluation of the adaptation stage (round 20 in examples/ladd.toml: 4 rounds in)."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return next(r for r in rows if r.get("stage") == "adapt" and "test/miou" in r)
+    return next(r for r in metric_rows(run) if r.get("stage") == "adapt" and "test/miou" in r)
 
 
 def _pick(when: str):

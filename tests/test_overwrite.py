@@ -134,3 +134,17 @@ def test_a_damaged_line_before_the_last_is_named(tmp_path) -> None:
     (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:1: invalid JSON"):
         execute(cfg, part, resume=True)
+
+
+def test_a_bad_last_line_that_ends_in_a_newline_is_named_not_dropped(tmp_path) -> None:
+    """Resume drops what the readers skip (``runs._jsonl``): a torn last line has no newline after it; a finished
+    line that is not JSON was not torn by a crash, so it is named and the files are left as they are."""
+    cfg = validate(tiny(**{"server.rounds": 3}))
+    part = tmp_path / "part"
+    execute(cfg, part, stop_after=2)
+    path = part / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"round": 3, "train/lo\n')
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=r"metrics.jsonl:\d+: invalid JSON"):
+        execute(cfg, part, resume=True)
+    assert path.read_bytes() == before

@@ -93,10 +93,11 @@ def _loads(where: str, text: str) -> Any:
     return loads_json(text, where, RunFileError)
 
 
-def _jsonl(path: Path, text: str) -> list[tuple[int, Any]]:
+def _jsonl(path: Path, text: str, torn: list[int] | None = None) -> list[tuple[int, Any]]:
     """(line number, parsed value) of each line of a JSONL log; blank lines and a torn last line (no newline
-    after it, not JSON: a crash in the middle of an append, which ``resume`` drops) are skipped; any other line
-    that is not JSON is a ``RunFileError`` naming ``file:line``."""
+    after it, not JSON: a crash in the middle of an append, which ``resume`` drops) are skipped, the torn line's
+    number appended to ``torn`` when given; any other line that is not JSON is a ``RunFileError`` naming
+    ``file:line``."""
     lines = text.splitlines()
     out = []
     for lineno, line in enumerate(lines, start=1):
@@ -106,6 +107,8 @@ def _jsonl(path: Path, text: str) -> list[tuple[int, Any]]:
             out.append((lineno, _loads(f"{path}:{lineno}", line)))
         except json.JSONDecodeError as e:
             if lineno == len(lines) and not text.endswith("\n"):
+                if torn is not None:
+                    torn.append(lineno)
                 continue
             raise RunFileError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
     return out
@@ -360,19 +363,13 @@ class RunDir:
             if not exists(path):
                 continue
             text = read_text(path)
-            lines = [(i, line) for i, line in enumerate(text.splitlines(), start=1) if line.strip()]
+            torn: list[int] = []
             rows = []
-            for j, (i, line) in enumerate(lines):
-                try:
-                    row = _loads(f"{path}:{i}", line)
-                except json.JSONDecodeError as exc:
-                    if j == len(lines) - 1:
-                        repaired.append(f"{path.name}:{i}: a torn last line was dropped")
-                        continue
-                    raise RunFileError(f"{path}:{i}: invalid JSON: {exc.msg}") from None
+            for i, row in _jsonl(path, text, torn):
                 if not isinstance(row, dict):
                     raise RunFileError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
                 rows.append(row)
+            repaired += [f"{path.name}:{i}: a torn last line was dropped" for i in torn]
             keep[path] = [r for r in rows if _kept(r.get("round"), "event" in r, last_round)]
         for path, kept in keep.items():
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
