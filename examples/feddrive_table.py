@@ -43,6 +43,7 @@ PAIRS = [
     ("class imbalance - uniform FedAvg, seen", ("ci_fedavg", "seen"), ("uniform_fedavg", "seen")),
     ("SiloBN by domain - heterogeneous FedAvg, seen", ("het_silobn", "domain"), ("het_fedavg", "seen")),
     ("FedBN by domain - heterogeneous FedAvg, seen", ("het_fedbn", "domain"), ("het_fedavg", "seen")),
+    ("FedBN by domain - uniform FedAvg, seen", ("het_fedbn", "domain"), ("uniform_fedavg", "seen")),
     ("SiloBN: by domain - standard, seen", ("het_silobn", "domain"), ("het_silobn", "seen")),
     ("FedBN: by domain - standard, seen", ("het_fedbn", "domain"), ("het_fedbn", "seen")),
     ("SiloBN + LAB - SiloBN, unseen", ("het_silobn_lab", "unseen"), ("het_silobn", "unseen")),
