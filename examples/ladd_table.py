@@ -93,14 +93,16 @@ def main(root: Path) -> None:
             print(f"| {label} | {cell([final(r)['test/miou'] for r in runs])} | {len(runs)} |")
     print()
     print("| adaptation rounds | FedAvg + self-training | LADD (cls) | test loss: FedAvg + ST | test loss: LADD (cls) "
-          "| seeds |")
-    print("|---:|---:|---:|---:|---:|---:|")
+          "| test loss: FedAvg + ST - LADD (cls), paired | seeds |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for rounds, *variants in LENGTHS:
         groups = [complete_runs(root, v) for v in variants]
         if all(groups):
             cells = " | ".join(cell([final(r)["test/miou"] for r in runs]) for runs in groups)
             losses = " | ".join(cell([final(r)["test/loss"] for r in runs], digits=2, scale=1) for runs in groups)
-            print(f"| {rounds} | {cells} | {losses} | {' / '.join(str(len(runs)) for runs in groups)} |")
+            loss_diff = ci_cell(*(seeds_of(runs, lambda r: final(r)["test/loss"]) for runs in groups), digits=2,
+                                higher=False)
+            print(f"| {rounds} | {cells} | {losses} | {loss_diff} | {' / '.join(str(len(runs)) for runs in groups)} |")
     base = complete_runs(root, "fedavg_st")
     print("\nEach adapted row minus FedAvg + self-training (FDA, final round), paired by seed: mIoU points, 95% CI "
           "(Student t), verdict.\n")
