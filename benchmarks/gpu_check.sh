@@ -20,8 +20,8 @@ fi
 export PYTHONUNBUFFERED=1
 "$py" -m pytest -m cuda tests/test_device.py tests/test_vectorized.py -p no:cacheprovider -rs 2>&1 | tee "$out/cuda_tests.log"
 tests=${PIPESTATUS[0]}
-"$py" -m fedsight.cli bench --device cuda --no-flower --no-memory --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
-"$py" -m fedsight.cli bench --device cuda -w cnn --clients 200 --nproc 2 --no-flower --no-memory --json "$out/bench_cnn200.json" \
+"$py" -m fedsight.cli bench --device cuda --no-flower --no-memory --force --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+"$py" -m fedsight.cli bench --device cuda -w cnn --clients 200 --nproc 2 --no-flower --no-memory --force --json "$out/bench_cnn200.json" \
     2>&1 | tee "$out/bench_cnn200.log"
 "$py" benchmarks/vectorised_recipes.py --device cuda --clients 12 --rounds 4 2>&1 | tee "$out/recipes.log"
 "$py" benchmarks/dp_vectorized.py --device cuda --clients 20 --rounds 2 2>&1 | tee "$out/dp_vectorized.log"

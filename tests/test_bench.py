@@ -68,6 +68,31 @@ def test_bench_refuses_bad_arguments_in_one_line_before_measuring(args, says):
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("kind", ["file", "fifo", "symlink"])
+def test_bench_refuses_a_json_path_it_may_not_write_before_measuring(tmp_path, kind):
+    """``--json`` passes the output guard of every verb (``fedsight.safe_write``) before minutes of measuring: an
+    existing file needs --force, a FIFO or a symbolic link is never written through; nothing is changed."""
+    out = tmp_path / "bench.json"
+    if kind == "file":
+        out.write_text("earlier results\n")
+    elif kind == "fifo":
+        os.mkfifo(out)
+    else:
+        (tmp_path / "target.json").write_text("kept\n")
+        out.symlink_to(tmp_path / "target.json")
+    before = {p.name: (p.is_symlink(), p.read_text() if p.is_file() and not p.is_symlink() else None)
+              for p in tmp_path.iterdir()}
+    proc = subprocess.run([sys.executable, "-m", "fedsight.cli", "bench", "--no-flower", "--no-memory", "--json", str(out)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.splitlines()[0]
+    assert line.startswith("error: --json") and str(out) in line, proc.stderr
+    assert ("pass --force" in line) == (kind == "file")
+    assert proc.stdout == ""
+    assert {p.name: (p.is_symlink(), p.read_text() if p.is_file() and not p.is_symlink() else None)
+            for p in tmp_path.iterdir()} == before
+
+
 def test_bench_without_flower_says_how_to_get_it(monkeypatch):
     """No flwr: the Flower row says how to install it instead of failing the benchmark."""
     import builtins

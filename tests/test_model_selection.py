@@ -187,3 +187,24 @@ def test_evaluate_model_best_is_the_selected_model_of_a_real_selecting_run(selec
     r, metrics = evaluate_run(selected_run, model="best")
     assert r == best["round"] == last["selected/round"] != last["round"]
     assert metrics["test/acc"] == pytest.approx(last["selected/test/acc"], abs=1e-12)
+
+
+def test_the_selected_models_numbers_reach_tensorboard_and_the_comparison_table(tmp_path, selected_run):
+    """What the docs promise beyond metrics.jsonl and summary.md: ``selected/*`` scalars in the TensorBoard event
+    files at the last round, with metrics.jsonl's values, and ``selected/test/*`` rows in ``fedsight report``."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "tb"
+    assert execute(validate(tiny(**{**SELECTING, "run.tensorboard": True})), run_dir).status == "complete"
+    final = _rows(run_dir)[-1]
+    ea = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    ea.Reload()
+    for key in ("selected/round", "selected/val/acc", "selected/test/acc"):
+        (event,) = ea.Scalars(key)
+        assert event.step == final["round"] and event.value == pytest.approx(final[key], rel=1e-6)
+    result = CliRunner().invoke(app, ["report", str(selected_run), "--out", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    table = (tmp_path / "report" / "report.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| selected/test/acc"))
+    assert f"{_rows(selected_run)[-1]['selected/test/acc']:.4f}" in row

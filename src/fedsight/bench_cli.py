@@ -12,7 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench as B
+from .cli_common import guard
 from .errors import ConfigError
+from .safe_write import atomic_write_text, check_output
 
 console = Console(highlight=False)
 
@@ -60,6 +62,7 @@ def bench(
     memory_clients: Annotated[str, typer.Option(help="comma-separated client counts of the memory runs")] = "100,10000,100000",
     memory_rounds: Annotated[int, typer.Option(min=1, help="rounds of each memory run (50 clients a round)")] = 20,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write every measurement to this JSON file")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --json file.")] = False,
     nproc: Annotated[int, typer.Option(min=1, help="also time the distributed backend on 1..NPROC ranks (vectorised)")] = 1,
 ) -> None:
     """Seconds per round and client updates/s of a plain PyTorch loop, the sequential and the vectorised engine (one
@@ -75,6 +78,8 @@ def bench(
         raise ConfigError(f"--memory-clients {memory_clients!r}: expected comma-separated integers") from None
     if any(c < 1 for c in counts):
         raise ConfigError(f"--memory-clients {memory_clients!r}: every count must be >= 1")
+    if json_out is not None:  # refused before minutes of measuring, not after
+        json_out = guard(check_output, json_out, "--json", force=force)
     threads = sorted({1, os.cpu_count() or 1})
     results: dict[str, Any] = {"device": device, "threads": threads, "workloads": {}}
     for name in workload:
@@ -104,4 +109,4 @@ def bench(
         console.print(table)
         results["memory"] = mem
     if json_out is not None:
-        json_out.write_text(json.dumps(results, indent=2) + "\n")
+        atomic_write_text(json_out, json.dumps(results, indent=2) + "\n")
