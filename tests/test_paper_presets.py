@@ -303,3 +303,20 @@ def test_stl10_binary_release_into_train_test_class_folders(tmp_path, capsys):
     assert _cifar_script().main([str(src), str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "test_y.bin: 2 labels for 1 images" in err and not (tmp_path / "out2").exists()
+
+
+def test_the_cost_script_prints_a_row_for_every_preset(capsys, monkeypatch):
+    """``python benchmarks/paper_presets_cost.py`` (docs/paper_presets.md's times): one row per preset file, each an
+    estimate or the paper's reported time (a preset added without either stopped the script with a KeyError)."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    sys.modules.pop("paper_presets_cost", None)
+    import paper_presets_cost
+
+    paper_presets_cost.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
+    presets = sorted(p.stem for p in (root / "examples" / "paper").glob("*.toml"))
+    assert [re.match(r"\| `([^`]+)`", line).group(1) for line in rows] == presets
+    assert all("GPU-hours" in line or "the paper:" in line for line in rows)
