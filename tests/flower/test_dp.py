@@ -127,6 +127,15 @@ def test_dp_refuses_recipes_it_does_not_cover(tmp_path):
         run_direct(validate(tiny(**{**DP_RUN, "model.norm": "batch"})), tmp_path / "bn", tmp_path / "n2", options=DP_OPTS)
     with pytest.raises(ValueError, match="scaffold"):  # SCAFFOLD's control variates would leave un-noised
         run_direct(validate(tiny(**{**DP_RUN, "recipe.components": ["scaffold"]})), tmp_path / "s", tmp_path / "n3", options=DP_OPTS)
+    with pytest.raises(ConfigError, match="'uniform' and recipe.aggregator = 'mean'.*'median'"):
+        run_direct(validate(tiny(**{**DP_RUN, "recipe.aggregator": "median"})), tmp_path / "m", tmp_path / "n4", options=DP_OPTS)
+    with pytest.raises(ConfigError, match="trains nothing"):  # a statistics pass releases no model update
+        run_direct(validate(tiny(**{**DP_RUN, "recipe.components": ["fedncm"]})), tmp_path / "f", tmp_path / "n5", options=DP_OPTS)
+    with pytest.raises(ConfigError, match="shares no trainable parameter"):  # the head personal, the backbone frozen
+        run_direct(validate(tiny(**{**DP_RUN, "recipe.sharing": {"name": "personal", "part": "head"},
+                                    "train.freeze": ["backbone"]})), tmp_path / "p", tmp_path / "n6", options=DP_OPTS)
+    for name in ("w", "bn", "s", "m", "f", "p"):
+        assert not (tmp_path / name).exists()  # refused before the run directory is written
 
 
 # -- the accountant choice: rdp / pld, no amplification / sampling without replacement ---------------

@@ -208,6 +208,7 @@ def test_shares_that_do_not_reconstruct_skip_the_round_not_the_run(tmp_path) -> 
 
 @pytest.mark.parametrize("over,options,msg", [
     ({"recipe.aggregator": "median"}, {}, "recipe.aggregator = 'median'"),
+    ({"recipe.weighting": "fedvg", "validation.source": "carve"}, {}, "recipe.weighting = 'fedvg'"),
     ({"recipe.components": [{"name": "norm_bound", "bound": 1.0}]}, {}, "recipe.components norm_bound"),
     ({"recipe.components": ["scaffold"]}, {}, "recipe.components scaffold"),
     ({"recipe.components": [{"name": "feddyn"}], "recipe.weighting": "data_size"}, {}, "recipe.weighting = 'uniform'"),
