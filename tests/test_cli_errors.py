@@ -69,3 +69,21 @@ def test_a_mistyped_command_is_one_line_with_one_suggestion() -> None:
     lines = _lines(out.stderr)
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert "No such command 'evaluat'" in lines[0] and lines[0].count("Did you mean") == 1, lines[0]
+
+
+def test_fedsight_debug_shows_the_traceback_that_the_one_line_error_hides(tmp_path):
+    """``FEDSIGHT_DEBUG=1`` (docs/configuration.md): the same bad input, with the traceback behind the line."""
+    import os
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nlr = -1\n")
+    env = {k: v for k, v in os.environ.items() if k != "FEDSIGHT_DEBUG"}
+    plain = subprocess.run([sys.executable, "-m", "fedsight.cli", "run", str(bad)], capture_output=True, text=True,
+                           env=env, cwd=tmp_path, check=False)
+    debug = subprocess.run([sys.executable, "-m", "fedsight.cli", "run", str(bad)], capture_output=True, text=True,
+                           env={**env, "FEDSIGHT_DEBUG": "1"}, cwd=tmp_path, check=False)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr and "train.lr" in plain.stderr, plain.stderr
+    assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr, debug.stderr
+    assert not (tmp_path / "runs").exists()

@@ -209,6 +209,22 @@ def test_a_refused_site_in_a_matrix_writes_nothing(sweep, tmp_path, monkeypatch)
                       for n, r in sweep.items()}
 
 
+def test_the_matrix_goes_to_crosseval_by_default_and_replaces_its_files_only_with_force(sweep, tmp_path, monkeypatch):
+    """``--out`` defaults to ``crosseval/``; a second matrix into it is refused (one line, exit 2, the files as they
+    were) until ``--force``."""
+    monkeypatch.chdir(tmp_path)
+    args = ["evaluate", str(sweep["fedavg"].parent), "--site", "own"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    before = {p.name: p.read_bytes() for p in Path("crosseval").iterdir()}
+    assert {"crosseval.md", "crosseval.csv", "crosseval.json"} <= set(before)
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and "--force" in res.output, res.output
+    assert {p.name: p.read_bytes() for p in Path("crosseval").iterdir()} == before
+    res = runner.invoke(app, [*args, "--force"])
+    assert res.exit_code == 0, res.output
+
+
 def test_site_data_that_cannot_be_loaded_is_one_error_naming_the_keys(sweep, tmp_path):
     with pytest.raises(ConfigError, match=r"^--set data.name, data.train_dir: the site's data \(imagefolder\): image "
                                           r"folder '.*nowhere' does not exist$"):

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import cli_common as term
-from .cli_common import fail, find_runs, guard, progress, say
+from .cli_common import DEBUG_ENV, fail, find_runs, guard, progress, say
 from .errors import ConfigError, OutputPathError, describe_error
 from .help_text import reflow_help
 from .run_lines import complete_variants
@@ -467,9 +467,6 @@ from .bench_cli import bench  # noqa: E402  (speed and memory of the engines)
 app.command()(bench)
 reflow_help(app)  # every command's help paragraphs joined (fedsight.help_text)
 
-
-#: set to show the traceback of an unexpected error instead of its one-line summary
-DEBUG_ENV = "FEDSIGHT_DEBUG"
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -5,6 +5,9 @@ directories. The commands' modules (``cli``, ``evaluate_cli``, ``pretrain_cli``,
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +18,16 @@ from rich.markup import escape
 console = Console()
 err_console = Console(stderr=True)
 
+#: set to show the traceback behind an error's one-line summary
+DEBUG_ENV = "FEDSIGHT_DEBUG"
+
 
 def fail(msg: str, code: int = 2) -> None:
-    """``msg`` as one line on stderr (never read as markup: paths may hold ``[..]``), then exit ``code``."""
+    """``msg`` as one line on stderr (never read as markup: paths may hold ``[..]``), then exit ``code``. Called
+    while an exception is being handled and with ``FEDSIGHT_DEBUG`` set, the exception's traceback comes first
+    (the one error boundary, ``cli.main``, does the same for the errors no command catches)."""
+    if os.environ.get(DEBUG_ENV) and sys.exc_info()[0] is not None:
+        traceback.print_exc()
     err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
