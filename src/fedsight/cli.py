@@ -468,7 +468,6 @@ app.command()(bench)
 reflow_help(app)  # every command's help paragraphs joined (fedsight.help_text)
 
 
-
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
