@@ -80,8 +80,11 @@ def test_bench_refuses_a_json_path_it_may_not_write_before_measuring(tmp_path, k
     else:
         (tmp_path / "target.json").write_text("kept\n")
         out.symlink_to(tmp_path / "target.json")
-    before = {p.name: (p.is_symlink(), p.read_text() if p.is_file() and not p.is_symlink() else None)
-              for p in tmp_path.iterdir()}
+    def snapshot():  # each entry: a link or not, and a regular file's text
+        return {p.name: (p.is_symlink(), p.read_text() if p.is_file() and not p.is_symlink() else None)
+                for p in tmp_path.iterdir()}
+
+    before = snapshot()
     proc = subprocess.run([sys.executable, "-m", "fedsight.cli", "bench", "--no-flower", "--no-memory", "--json", str(out)],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 2, proc.stderr
@@ -89,8 +92,7 @@ def test_bench_refuses_a_json_path_it_may_not_write_before_measuring(tmp_path, k
     assert line.startswith("error: --json") and str(out) in line, proc.stderr
     assert ("pass --force" in line) == (kind == "file")
     assert proc.stdout == ""
-    assert {p.name: (p.is_symlink(), p.read_text() if p.is_file() and not p.is_symlink() else None)
-            for p in tmp_path.iterdir()} == before
+    assert snapshot() == before
 
 
 def test_bench_without_flower_says_how_to_get_it(monkeypatch):
