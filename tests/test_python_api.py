@@ -105,3 +105,69 @@ def test_plugins_listed_in_a_toml_config_register_before_validation(tmp_path, mo
     with pytest.raises(fedsight.ConfigError, match="plugins: cannot import 'no_such_module'"):
         fedsight.run(raw)
     monkeypatch.delitem(sys.modules, "lab_parts", raising=False)
+
+
+def test_a_plugin_that_fails_to_import_is_one_config_error_naming_it(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken_parts.py").write_text("raise RuntimeError('lab server unreachable')\n")
+    monkeypatch.delitem(sys.modules, "broken_parts", raising=False)
+    raw = tiny(**{"server.rounds": 1})
+    raw["plugins"] = ["broken_parts"]
+    with pytest.raises(fedsight.ConfigError,
+                       match=r"plugins: cannot import 'broken_parts' \(RuntimeError: lab server unreachable\)"):
+        fedsight.run(raw)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_registering_a_name_twice_is_refused_unless_it_is_the_same_definition(clean_registries):
+    from fedsight.registry import PARTITIONERS
+
+    def lab_split(params, **context):
+        return None
+
+    PARTITIONERS.register("lab_split")(lab_split)
+    PARTITIONERS.register("lab_split")(lab_split)  # the same definition again (a notebook cell run twice)
+    assert PARTITIONERS.get("lab_split").factory is lab_split
+
+    def other(params, **context):
+        return None
+
+    with pytest.raises(ValueError, match="partitioner 'lab_split' is registered twice"):
+        PARTITIONERS.register("lab_split")(other)
+    assert PARTITIONERS.get("lab_split").factory is lab_split  # the first one stays
+    with pytest.raises(ValueError, match="registered twice"):
+        PARTITIONERS.register("iid")(other)  # a built-in name
+
+
+def test_load_run_of_a_run_without_model_io_is_a_config_error_naming_run_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = fedsight.run(tiny(**{"server.rounds": 1}))
+    meta_path = result.run_dir / "run.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["model_io"]  # as a run written before FedSight recorded it
+    meta_path.write_text(json.dumps(meta))
+    loaded = fedsight.load_run(result.run_dir)
+    assert loaded.status == "complete" and loaded.final == result.final  # the rest reads back
+    with pytest.raises(fedsight.ConfigError, match=r"run\.json: no model_io .*build_task\(config\)\.build_model\(\)"):
+        loaded.model
+
+
+def test_client_metrics_and_dataframe_read_what_the_run_wrote(tmp_path, monkeypatch):
+    import sys
+
+    import pandas as pd
+
+    monkeypatch.chdir(tmp_path)
+    result = fedsight.run(tiny(**{"server.rounds": 4, "eval.every": 2}))
+    lines = [json.loads(x) for x in (result.run_dir / "client_metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in result.client_metrics] == [2, 4] and result.client_metrics == lines
+    assert len(result.client_metrics[0]["clients"]) == 6  # tiny(): 6 clients, each with a local test set
+    frame = result.dataframe()
+    assert isinstance(frame, pd.DataFrame) and list(frame.index) == [r["round"] for r in result.history]
+    assert frame.loc[4, "test/acc"] == result.final["test/acc"]
+    assert frame["test/acc"].dropna().index.tolist() == [r["round"] for r in result.history if "test/acc" in r]
+    monkeypatch.setitem(sys.modules, "pandas", None)  # an environment without pandas
+    with pytest.raises(ImportError, match=r"needs pandas \(pip install pandas\); RunResult.history"):
+        result.dataframe()
