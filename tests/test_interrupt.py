@@ -97,6 +97,38 @@ def test_an_interrupted_jobs_sweep_stops_its_workers_and_marks_their_runs(tmp_pa
     assert status["state"] == "interrupted" and 1 <= status["round"] < 400
 
 
+def test_an_interrupted_jobs_sweep_starts_no_queued_run(tmp_path, monkeypatch):
+    """``run --jobs 2`` of four runs stopped while two train: the pool had already handed a third run to a worker
+    (a process pool queues one call ahead), and that worker, its run interrupted, went on to train it unseen while
+    the parent waited for it (found by a SIGTERM to a long sweep; the next ``fedsight run`` then met it mid-run)."""
+    import multiprocessing as mp
+
+    import pytest
+
+    from fedsight.parallel import run_parallel
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.toml").write_text(tomli_w.dumps({**RAW, "sweep": {"seeds": [0, 1, 2, 3]}}))
+    training: set[int] = set()
+
+    def ctrl_c(msg):  # both workers have finished a round of their first run
+        if msg[0] == "round":
+            training.add(msg[1])
+            if len(training) == 2:
+                raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_parallel(Path("c.toml"), [], [], 4, 2, on_message=ctrl_c)
+        for seed in (0, 1):
+            assert json.loads((tmp_path / f"runs/tiny/seed{seed}/status.json").read_text())["state"] == "interrupted"
+        assert not (tmp_path / "runs/tiny/seed2").exists() and not (tmp_path / "runs/tiny/seed3").exists()
+        assert not [p for p in mp.active_children() if p.is_alive()]  # every worker has ended
+    finally:
+        for p in mp.active_children():
+            p.kill()
+
+
 def test_ctrl_c_on_another_command_names_it_and_does_not_promise_a_resume(monkeypatch, capsys):
     """Ctrl-C during `report` (or any command but `run` / `resume`) said "resume with `fedsight resume RUN_DIR`",
     a command that does not apply to it; now it names the command that stopped."""

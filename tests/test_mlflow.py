@@ -22,6 +22,7 @@ from fedsight.cli import app  # noqa: E402
 from fedsight.config import ConfigError, validate  # noqa: E402
 from fedsight.errors import TrackingError  # noqa: E402
 from fedsight.mlflow_tracking import MlflowLog, metric_name  # noqa: E402
+from fuzz_helpers import cli, error_problems  # noqa: E402
 from helpers import tiny  # noqa: E402
 
 
@@ -184,3 +185,40 @@ def test_a_run_without_mlflow_never_imports_it(tmp_path, monkeypatch):
     assert execute(plain, tmp_path / "run").status == "complete"
     with pytest.raises(TrackingError, match="import of mlflow"):  # (the check can fail: a tracked run imports it)
         execute(tracked, tmp_path / "tracked")
+
+
+def test_an_unreachable_store_stops_the_run_before_its_first_round_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries would take minutes
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    uri = "http://127.0.0.1:9"  # the discard port: nothing listens there
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(tiny(**{"server.rounds": 2, "run.output_dir": str(tmp_path / "runs"),
+                                         "run.mlflow": True, "run.mlflow_uri": uri})))
+    res = cli(["run", str(cfg)])  # the console script's function, its error boundary included
+    assert error_problems(res, codes=(1,)) == [] and f"error: MLflow tracking at {uri}: " in res.err, res.show()
+    run_dir = next((tmp_path / "runs").rglob("run.json")).parent
+    rounds = [r["round"] for r in _rows(run_dir)] if (run_dir / "metrics.jsonl").exists() else []
+    assert max(rounds, default=0) == 0 and not list(run_dir.glob("checkpoint*"))  # no round trained
+
+
+def test_a_failure_mid_run_stops_after_the_rounds_checkpoint_marks_the_run_failed_and_resumes(tmp_path, monkeypatch):
+    cfg = validate(tiny(**{"server.rounds": 3, "eval.every": 1, "run.mlflow": True}))
+    run_dir = tmp_path / "run"
+    real = MlflowLog._log
+
+    def store_gone_at_2(self, values):
+        if any(r == 2 for _, _, r in values):
+            raise OSError("connection reset by peer")  # as the client's call into an unreachable store
+        real(self, values)
+
+    monkeypatch.setattr(MlflowLog, "_log", store_gone_at_2)
+    with pytest.raises(TrackingError, match=r"MLflow tracking at .*connection reset by peer"):
+        execute(cfg, run_dir)
+    client, run_id = _client(run_dir)
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert [r["round"] for r in _rows(run_dir)][-1] == 2  # round 2 was checkpointed before MLflow failed
+    monkeypatch.setattr(MlflowLog, "_log", real)
+    assert execute(cfg, run_dir).status == "complete"
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [s for s, _ in _history(run_dir, "test/acc")] == [1, 2, 3]
+    assert _history(run_dir, "test/acc") == _expected(run_dir, "test/acc")

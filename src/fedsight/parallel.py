@@ -23,12 +23,16 @@ Message = tuple[str, int, int, dict[str, Any]]
 
 
 _MESSAGES: Any = None
+#: this worker's state: a run is executing (SIGTERM interrupts it), and SIGTERM has come (no run starts after it)
+_RUNNING = False
+_STOPPED = False
 
 
 def _init(messages: Any, parent: int | None = None) -> None:
     """A worker's start: the queue to the parent, SIGTERM stopping it as Ctrl-C does (its run is then
-    marked interrupted at its last recorded round), and the worker ending with its parent (a SIGKILLed
-    ``fedsight run --jobs N`` leaves no run going on unseen; each is resumable as after a kill)."""
+    marked interrupted at its last recorded round, and no later run starts in it: the pool may have queued
+    one already), and the worker ending with its parent (a SIGKILLed ``fedsight run --jobs N`` leaves no run
+    going on unseen; each is resumable as after a kill)."""
     import signal
 
     from .lifeline import die_with_parent
@@ -39,7 +43,10 @@ def _init(messages: Any, parent: int | None = None) -> None:
     _MESSAGES = messages
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        global _STOPPED
+        _STOPPED = True
+        if _RUNNING:  # between runs the worker just takes no further run (an exception there breaks the pool)
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
 
@@ -47,6 +54,9 @@ def _init(messages: Any, parent: int | None = None) -> None:
 def _worker(config: str, overrides: Sequence[str], only: Sequence[str], index: int, overwrite: bool,
             stop_after: int | None, smoke: bool) -> tuple[int, str, str | None]:
     """Run sweep member ``index``; (index, status, error message or None)."""
+    global _RUNNING
+    if _STOPPED:  # the pool had queued this run before the stop: it never starts
+        return index, "interrupted", None
     _MESSAGES.put(("phase", index, 0, {"phase": "starting"}))
     from .api import execute
     from .errors import FedSightError
@@ -58,12 +68,17 @@ def _worker(config: str, overrides: Sequence[str], only: Sequence[str], index: i
         _MESSAGES.put(("round", index, r, {k: v for k, v in row.items() if isinstance(v, (int, float, str))}))
 
     try:
+        _RUNNING = True
+        if _STOPPED:  # SIGTERM came while this run was being set up
+            raise KeyboardInterrupt
         out = execute(spec.config, spec.run_dir, overwrite=overwrite, stop_after=stop_after, on_round=on_round,
                       on_phase=lambda text: _MESSAGES.put(("phase", index, 0, {"phase": text})))
     except (FedSightError, FileNotFoundError, ValueError, OSError) as exc:
         return index, "failed", " ".join(str(exc).split())
     except KeyboardInterrupt:
         return index, "interrupted", None
+    finally:
+        _RUNNING = False
     return index, out.status, None
 
 
