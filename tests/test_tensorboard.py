@@ -57,6 +57,22 @@ def test_a_resumed_run_logs_every_round_once_with_the_values_of_metrics_jsonl(tm
     assert logged == [(r["round"], pytest.approx(r["test/acc"], rel=1e-6)) for r in _rows(run_dir)]
 
 
+def test_tensorboard_turned_on_at_resume_holds_the_earlier_rounds_too(tmp_path):
+    """Turned on for a resumed run, the event files held only this session's rounds (MLflow logged the earlier
+    ones); on, off and on again, the rounds of the session without it were missing."""
+    run_dir = tmp_path / "run"
+    raw = tiny(**{"server.rounds": 6, "eval.every": 1})
+    execute(validate(raw), run_dir, stop_after=2)
+    execute(validate({**raw, "run": {**raw.get("run", {}), "tensorboard": True}}), run_dir, stop_after=3)
+    execute(validate(raw), run_dir, stop_after=4)  # a session without it
+    assert execute(validate({**raw, "run": {**raw.get("run", {}), "tensorboard": True}}), run_dir).status == "complete"
+    ea = _read(run_dir / "tensorboard")
+    for key in ("test/acc", "train/loss"):
+        logged = [(e.step, e.value) for e in ea.Scalars(key)]
+        assert logged == [(r["round"], pytest.approx(r[key], rel=1e-6)) for r in _rows(run_dir) if key in r], key
+    assert [e.step for e in ea.Scalars("test/acc")] == [1, 2, 3, 4, 5, 6]
+
+
 def test_tensorboard_without_the_package_fails_at_validation(monkeypatch):
     monkeypatch.setattr("fedsight.tensorboard.available", lambda: False)
     with pytest.raises(ConfigError, match=r"run.tensorboard = True: needs the tensorboard package"):

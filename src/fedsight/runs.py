@@ -283,7 +283,8 @@ class RunDir:
         if self.events is None:
             from .tensorboard import EventLog
 
-            self.events = EventLog(self.path, first_round=r)
+            earlier = [x for x in self.read_metrics() if "event" not in x] if self.metrics_path.is_file() else []
+            self.events = EventLog(self.path, first_round=r, earlier=earlier)
         self.events.round(r, row)
 
     def open_tracking(self, settings: Any) -> None:

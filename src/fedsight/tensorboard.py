@@ -3,8 +3,9 @@
 Every numeric metric of every round is a scalar at step = round (events such as ``client_lost`` are not);
 when the run completes, its plots (``plots/*.png``) are images and the config's scalar settings with the final
 metrics are an hparams record (``RUN_DIR/tensorboard/hparams``). ``tensorboard --logdir runs/`` then shows
-every run of a sweep side by side. A resumed session opens the log with ``purge_step`` = its first round, so
-TensorBoard drops what a killed session had logged after the checkpoint it resumes from: every round appears
+every run of a sweep side by side. A resumed session opens the log with ``purge_step`` = the run's first
+round and logs ``metrics.jsonl``'s rows up to its checkpoint again, so TensorBoard drops what a killed session
+had logged after that checkpoint and holds the rounds of sessions that ran without it: every round appears
 once, with the values of ``metrics.jsonl``. Needs the ``tensorboard`` package (``pip install
 'fedsight[tensorboard]'``); ``run.tensorboard = true`` without it fails at validation, before anything runs."""
 
@@ -23,13 +24,21 @@ def available() -> bool:
 
 
 class EventLog:
-    """One session's writer into ``run_dir/tensorboard``; ``first_round``: the first round this session logs."""
+    """One session's writer into ``run_dir/tensorboard``; ``first_round``: the first round this session logs;
+    ``earlier``: the rows of ``metrics.jsonl`` before it (a resumed run's, cut back to its checkpoint). These
+    are logged again over whatever the event files hold from them on (``purge_step``), so every round of the
+    run appears once, with its ``metrics.jsonl`` values, also when TensorBoard was turned on at a resume or
+    off for some sessions."""
 
-    def __init__(self, run_dir: Path, first_round: int):
+    def __init__(self, run_dir: Path, first_round: int, earlier: list[dict[str, Any]] = ()):
         from torch.utils.tensorboard import SummaryWriter
 
+        earlier = [row for row in earlier if row["round"] < first_round]
+        purge = earlier[0]["round"] if earlier else (first_round if first_round > 1 else None)
         self.dir = Path(run_dir) / LOG_DIR
-        self.writer = SummaryWriter(log_dir=str(self.dir), purge_step=first_round if first_round > 1 else None)
+        self.writer = SummaryWriter(log_dir=str(self.dir), purge_step=purge)
+        for row in earlier:
+            self.round(row["round"], row)
 
     def round(self, r: int, row: dict[str, Any]) -> None:
         for key, value in row.items():
