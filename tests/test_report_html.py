@@ -122,6 +122,28 @@ def test_pictures_beyond_a_runs_share_are_listed_not_inlined(tmp_path: Path, mon
     assert "not inlined: plots/c.png (not a readable PNG" in page and "<figcaption>plots/b.png" in page
 
 
+def test_pictures_over_the_size_limits_are_listed_not_inlined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 4 MiB a picture and 16 MiB of run pictures a report (shrunk here to the test's pictures' sizes): a
+    picture over the first is listed, and once the second is spent the runs' own curves go before task pictures."""
+    from fedsight.reporting import html
+
+    small, big = _png(10, 10, (0, 0, 0)), _png(200, 200, (7, 9, 250))
+    pics = {"visuals.png": small, "big.png": big, "curves.png": small}
+    d = _run(tmp_path, "r", "x", "classification", "digits", 0, [{"round": 1, "test/acc": 0.5}], {"test/acc": True},
+             "test/acc", pictures=pics)
+    monkeypatch.setattr(html, "MAX_IMAGE_BYTES", len(big) - 1)
+    report([d], tmp_path / "rep")
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert "not inlined: plots/big.png (not a readable PNG" in page
+    assert "<figcaption>plots/visuals.png" in page and "<figcaption>plots/curves.png" in page
+    monkeypatch.setattr(html, "MAX_IMAGE_BYTES", 4 << 20)
+    monkeypatch.setattr(html, "MAX_RUN_IMAGE_BYTES", len(small) + len(big))  # the two task pictures, not the curves
+    report([d], tmp_path / "rep2")
+    page = (tmp_path / "rep2" / "report.html").read_text()
+    assert "<figcaption>plots/visuals.png" in page and "<figcaption>plots/big.png" in page
+    assert "not inlined: plots/curves.png (the report&#x27;s" in page and "of run pictures are spent" in page  # escaped
+
+
 def _assert_renders(path: Path, n_images: int) -> None:
     page = check_page(path)
     assert page.title.startswith("FedSight comparison") and page.text_chars > 500
