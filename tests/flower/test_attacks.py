@@ -62,6 +62,8 @@ ATTACKS = {
     "negative flops": lambda c: _set_meta(c, "flops", -1.0),
     "negative steps": lambda c: _set_meta(c, "num-steps", -3),
     "other client id": lambda c: _set_meta(c, "client-id", 0),
+    # unreadable, it fell back on the client the node is known to hold and was aggregated (found by Hypothesis)
+    "fractional partition id": lambda c: _set_meta(c, "partition-id", 0.5),
     "string metric": lambda c: c.__setitem__("metrics", MetricRecord({"train/loss": [1.0, 2.0]})),
     "no meta": lambda c: c.__delitem__("meta"),
     "no delta": lambda c: c.__delitem__("delta"),

@@ -244,10 +244,15 @@ def _meta_float(meta: MetricRecord, key: str) -> float:
     return float(v)
 
 
+def read_partition(content: RecordDict) -> int:
+    """The partition a reply says it answers for; ``MalformedReply`` when it names none readable."""
+    return _meta_int(_meta(content), "partition-id")
+
+
 def reply_partition(content: RecordDict) -> int | None:
     """The partition a reply says it answers for (None when it names none readable)."""
     try:
-        return _meta_int(_meta(content), "partition-id")
+        return read_partition(content)
     except MalformedReply:
         return None
 

@@ -243,6 +243,7 @@ class FlowerBackend:
                 got[pid] = Reply(pid, None, False, refusal[0], {"node": node, **refusal[1]}, refused=True)
                 continue
             try:
+                FR.read_partition(reply.content)  # unreadable: the reply is refused, though its node's client is known
                 res, ok = FR.read_result(reply.content, self.max_reply_bytes)
                 if pid not in wanted:
                     raise FR.MalformedReply(f"a reply for partition {pid}, which was not sampled")
