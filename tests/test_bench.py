@@ -1,18 +1,18 @@
 """``fedsight bench``: the plain loop does the engine's work, and the command prints and records every row (no
-assertion on speed: tests never time anything)."""
+assertion on speed: tests never time anything). The command runs through the console script's function in this
+process (``fuzz_helpers.cli``): a fresh interpreter would add its start-up to each case."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from fedsight.api import build_simulation
 from fedsight.bench import cnn_workload, plain_round
 from fedsight.config import validate
+from fuzz_helpers import cli
 from helpers import close
 
 
@@ -34,12 +34,10 @@ def test_the_plain_loop_does_what_a_sequential_client_does():
 
 def test_bench_prints_and_records_every_engine_and_the_memory_runs(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fedsight.cli", "bench", "-w", "cnn", "--clients", "3", "--rounds", "2", "--no-flower",
-         "--memory-clients", "5,30", "--memory-rounds", "1", "--json", str(out)],
-        capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"}, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert "small CNN on digits: 3 clients a round" in proc.stdout and "peak RSS" in proc.stdout
+    proc = cli(["bench", "-w", "cnn", "--clients", "3", "--rounds", "2", "--no-flower", "--memory-clients", "5,30",
+                "--memory-rounds", "1", "--json", str(out)], env={"COLUMNS": "120"})
+    assert proc.code == 0, proc.show()
+    assert "small CNN on digits: 3 clients a round" in proc.out and "peak RSS" in proc.out
     got = json.loads(out.read_text())
     rows = got["workloads"]["cnn"]
     engines = {(r["engine"], r["threads"]) for r in rows}
@@ -61,11 +59,10 @@ def test_bench_prints_and_records_every_engine_and_the_memory_runs(tmp_path):
     (["--device", "tpu"], "error: config: engine.device = 'tpu': expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\""),
 ])
 def test_bench_refuses_bad_arguments_in_one_line_before_measuring(args, says):
-    proc = subprocess.run([sys.executable, "-m", "fedsight.cli", "bench", "--no-flower", "--no-memory", *args],
-                          capture_output=True, text=True, check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines()[0].startswith(says), proc.stderr
-    assert proc.stdout == ""
+    proc = cli(["bench", "--no-flower", "--no-memory", *args])
+    assert proc.code == 2, proc.show()
+    assert proc.err.splitlines()[0].startswith(says), proc.show()
+    assert proc.out == ""
 
 
 @pytest.mark.parametrize("kind", ["file", "fifo", "symlink"])
@@ -85,13 +82,12 @@ def test_bench_refuses_a_json_path_it_may_not_write_before_measuring(tmp_path, k
                 for p in tmp_path.iterdir()}
 
     before = snapshot()
-    proc = subprocess.run([sys.executable, "-m", "fedsight.cli", "bench", "--no-flower", "--no-memory", "--json", str(out)],
-                          capture_output=True, text=True, check=False)
-    assert proc.returncode == 2, proc.stderr
-    line = proc.stderr.splitlines()[0]
-    assert line.startswith("error: --json") and str(out) in line, proc.stderr
+    proc = cli(["bench", "--no-flower", "--no-memory", "--json", str(out)])
+    assert proc.code == 2, proc.show()
+    line = proc.err.splitlines()[0]
+    assert line.startswith("error: --json") and str(out) in line, proc.show()
     assert ("pass --force" in line) == (kind == "file")
-    assert proc.stdout == ""
+    assert proc.out == ""
     assert snapshot() == before
 
 
