@@ -147,11 +147,21 @@ def test_same_seed_same_numbers_other_seed_differs(tmp_path):
     assert not all(torch.equal(ma[k], mc[k]) for k in ma)
 
 
-def test_rerun_of_same_config_skips_and_other_config_is_refused(tmp_path):
+def test_rerun_of_same_config_skips_and_other_config_is_refused(tmp_path, monkeypatch):
+    from fedsight import api
+
     cfg = validate(tiny(**{"server.rounds": 2}))
     assert execute(cfg, tmp_path / "r").status == "complete"
-    assert execute(cfg, tmp_path / "r").status == "skipped"
+    assert api.is_complete(cfg, tmp_path / "r") and not api.is_complete(cfg, tmp_path / "none")
+
+    def build(*a, **kw):
+        raise AssertionError("a complete run is skipped before its data is loaded")
+
+    with monkeypatch.context() as m:
+        m.setattr(api, "build_simulation", build)
+        assert execute(cfg, tmp_path / "r").status == "skipped"
     other = validate(tiny(**{"server.rounds": 3}))
+    assert not api.is_complete(other, tmp_path / "r")
     try:
         execute(other, tmp_path / "r")
     except ValueError as exc:

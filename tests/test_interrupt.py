@@ -92,7 +92,7 @@ def test_an_interrupted_jobs_sweep_stops_its_workers_and_marks_their_runs(tmp_pa
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_parallel(Path("c.toml"), [], [], 1, 1, on_message=ctrl_c)
+        run_parallel(Path("c.toml"), [], [], [0], 1, on_message=ctrl_c)
     status = json.loads((tmp_path / RUN / "status.json").read_text())
     assert status["state"] == "interrupted" and 1 <= status["round"] < 400
 
@@ -119,7 +119,7 @@ def test_an_interrupted_jobs_sweep_starts_no_queued_run(tmp_path, monkeypatch):
 
     try:
         with pytest.raises(KeyboardInterrupt):
-            run_parallel(Path("c.toml"), [], [], 4, 2, on_message=ctrl_c)
+            run_parallel(Path("c.toml"), [], [], range(4), 2, on_message=ctrl_c)
         for seed in (0, 1):
             assert json.loads((tmp_path / f"runs/tiny/seed{seed}/status.json").read_text())["state"] == "interrupted"
         assert not (tmp_path / "runs/tiny/seed2").exists() and not (tmp_path / "runs/tiny/seed3").exists()

@@ -156,15 +156,8 @@ def execute(
 
 def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: int | None,
              on_round: OnRound | None, sim: Simulation | None = None, phase: OnPhase = _no_phase) -> Outcome:
-    res = experiment(resolved(cfg))
     if run.exists() and not overwrite:
-        old = experiment(run.read_config())
-        if old != res:
-            try:  # a run written before a section or default was added resolves to the same config now
-                old = experiment(resolved(validate(run.read_config(), str(run.path / "config.json"))))
-            except ConfigError:
-                pass
-        if old != res:
+        if not _same_experiment(run, cfg):
             raise ConfigError(
                 f"{run.path} holds a run of a different config; pick another run.name or output_dir, "
                 "or pass --overwrite to replace it"
@@ -175,18 +168,16 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
         raise RunFileError(f"{run.path} is a Flower run: it cannot continue in-process (its client state lives on "
                            "the nodes, and central DP's noise would be dropped); run it again with `fedsight flower "
                            "... --overwrite`")
+    rows = _complete_rows(run, cfg) if resume else None
+    if rows is not None:  # skipped before anything is built: rerunning a finished sweep loads no data
+        for note in _swept(run):  # a kill while its plots or summary were written
+            run.append_metrics({"event": "run_repaired", "round": rows[-1]["round"], "stage": rows[-1].get("stage"),
+                                "note": note})
+        return Outcome(run.path, "skipped", rows[-1])
     # load data and build everything first: bad input must fail before a run directory is written (a new run's
     # simulation is built before its lock is taken: ``execute``)
     if sim is None:
         sim = build_simulation(cfg, run_dir=run.path, on_phase=phase)
-    status = run.read_status() if resume else {}
-    if status.get("state") == "complete" and status["round"] >= cfg.server.rounds:
-        rows = [r for r in run.read_metrics() if "event" not in r] if run.metrics_path.is_file() else []
-        if _finished(run, rows, cfg):
-            for note in _swept(run):  # a kill while its plots or summary were written
-                run.append_metrics({"event": "run_repaired", "round": rows[-1]["round"], "stage": rows[-1].get("stage"),
-                                    "note": note})
-            return Outcome(run.path, "skipped", rows[-1])
     # --overwrite: the old run is set aside now and deleted once the new one has recorded a round
     replaced = Replacement(run.path) if overwrite and not resume else None
     try:
@@ -195,6 +186,38 @@ def _execute(cfg: Any, run: RunDir, resume: bool, overwrite: bool, stop_after: i
         if replaced is not None:
             replaced.undo()
         raise
+
+
+def _complete_rows(run: RunDir, cfg: Any) -> list[dict[str, Any]] | None:
+    """The metric rows (events left out) of a run that its ``status.json`` says is complete and that is
+    (``_finished``); None for any other run."""
+    status = run.read_status()
+    if status.get("state") != "complete" or status["round"] < cfg.server.rounds:
+        return None
+    rows = [r for r in run.read_metrics() if "event" not in r] if run.metrics_path.is_file() else []
+    return rows if _finished(run, rows, cfg) else None
+
+
+def _same_experiment(run: RunDir, cfg: Any) -> bool:
+    """Whether the run in ``run`` is of ``cfg``'s experiment (``config.experiment``: what its numbers depend on)."""
+    res = experiment(resolved(cfg))
+    if experiment(run.read_config()) == res:
+        return True
+    try:  # a run written before a section or default was added resolves to the same config now
+        return experiment(resolved(validate(run.read_config(), str(run.path / "config.json")))) == res
+    except ConfigError:
+        return False
+
+
+def is_complete(cfg: Any, run_dir: str | Path) -> bool:
+    """Whether ``execute(cfg, run_dir)`` would skip the run as complete: a run of the same experiment whose status,
+    metrics and newest checkpoint reach the last round. Reads only; a run it cannot read is not complete (running
+    it says why)."""
+    run = RunDir(run_dir)
+    try:
+        return run.exists() and _same_experiment(run, cfg) and _complete_rows(run, cfg) is not None
+    except (FedSightError, OSError, ValueError):
+        return False
 
 
 def _finished(run: RunDir, rows: list[dict[str, Any]], cfg: Any) -> bool:

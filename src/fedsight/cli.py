@@ -170,17 +170,21 @@ def _run_specs(config: Path, sets: list[str], variants: list[str], specs: list[A
 def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[Any], jobs: int, overwrite: bool,
               stop_after: int | None, smoke: bool) -> list[Path]:
     """``run --jobs``: the sweep's runs in ``jobs`` processes (``fedsight.parallel``), with a bar per run (or,
-    off a terminal, a line per round); the run directories, or exit 1 naming every run that failed."""
-    from .api import progress_keys
+    off a terminal, a line per round); the run directories, or exit 1 naming every run that failed. Runs already
+    complete are skipped here, as a serial sweep skips them, before any worker starts (a worker takes seconds to
+    start; none starts when the whole sweep is complete)."""
+    from .api import is_complete, progress_keys
     from .live import RunView
     from .parallel import run_parallel
 
     labels = [_spec_label(s, i, len(specs)) for i, s in enumerate(specs)]
+    done = [] if overwrite else [i for i, s in enumerate(specs) if is_complete(s.config, s.run_dir)]
+    results = [(i, _execute_with_progress(specs[i].config, specs[i].run_dir, labels[i]).status, None) for i in done]
+    members = [i for i in range(len(specs)) if i not in done]
     keys, start = progress_keys(specs[0].config), time.monotonic()
     with progress() if term.console.is_terminal else contextlib.nullcontext() as shown:
-        views = [RunView(shown, say, label, s.config.server.rounds, keys, start=start,
-                         phase="waiting for a worker" if shown is not None else "")
-                 for label, s in zip(labels, specs)]
+        views = {i: RunView(shown, say, labels[i], specs[i].config.server.rounds, keys, start=start,
+                            phase="waiting for a worker" if shown is not None else "") for i in members}
 
         def on_message(msg: Any) -> None:
             kind, i, r, row = msg
@@ -189,10 +193,11 @@ def _run_jobs(config: Path, sets: list[str], variants: list[str], specs: list[An
             else:
                 views[i].round(r, row)
 
-        results = run_parallel(config, sets, variants, len(specs), jobs, overwrite=overwrite, stop_after=stop_after,
-                               smoke=smoke, on_message=on_message)
-        for i, status, _ in results:
+        ran = run_parallel(config, sets, variants, members, jobs, overwrite=overwrite, stop_after=stop_after,
+                           smoke=smoke, on_message=on_message) if members else []
+        for i, status, _ in ran:
             views[i].finish(status)
+    results = sorted(results + ran)
     failed = [(labels[i], err) for i, status, err in results if status == "failed"]
     for i, status, _ in results:
         if status == "skipped":

@@ -82,18 +82,19 @@ def _worker(config: str, overrides: Sequence[str], only: Sequence[str], index: i
     return index, out.status, None
 
 
-def run_parallel(config: Path, overrides: Sequence[str], only: Sequence[str], count: int, jobs: int, *,
+def run_parallel(config: Path, overrides: Sequence[str], only: Sequence[str], members: Sequence[int], jobs: int, *,
                  overwrite: bool = False, stop_after: int | None = None, smoke: bool = False,
                  on_message: Callable[[Message], None] | None = None) -> list[tuple[int, str, str | None]]:
-    """Run the ``count`` members of a sweep in ``jobs`` processes; one (index, status, error) per member, in
-    index order. ``on_message`` hears every finished round and every phase of every member (``Message``)."""
+    """Run the sweep's ``members`` (indices into the expanded sweep) in ``jobs`` processes; one (index, status,
+    error) per member, in index order. ``on_message`` hears every finished round and every phase of every member
+    (``Message``)."""
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
-    pool = ProcessPoolExecutor(max_workers=max(1, min(jobs, count)), mp_context=ctx, initializer=_init,
+    pool = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(members))), mp_context=ctx, initializer=_init,
                                initargs=(messages, os.getpid()))
     try:
         pending = {pool.submit(_worker, str(config), list(overrides), list(only), i, overwrite, stop_after, smoke)
-                   for i in range(count)}
+                   for i in members}
         results = []
         while pending:
             done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
