@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from scipy import stats
 
 from fedsight.reporting import compare, report
@@ -42,6 +44,20 @@ def test_matches_scipy_and_the_enumeration(seed: int) -> None:
     diffs = list(rng.normal(0.3, 1.0, size=3 + seed))
     assert wilcoxon_p(diffs) == pytest.approx(float(stats.wilcoxon(diffs, method="exact").pvalue))
     assert wilcoxon_p(diffs) == pytest.approx(exact_two_sided(diffs))
+
+
+@given(st.lists(st.sampled_from([-3.0, -2.0, -1.5, -1.0, 0.0, 0.5, 1.0, 2.0, 3.0]), min_size=2, max_size=9))
+def test_ties_and_zeros_give_scipys_p(diffs: list[float]) -> None:
+    """With tied |d| or zero differences, the vectorised permutation test equals ``scipy.stats.wilcoxon``'s (its
+    statistic called once a sign pattern; ``max_size`` keeps that reference fast: 2^9 patterns)."""
+    want = float(stats.wilcoxon(diffs).pvalue) if any(diffs) else None
+    assert wilcoxon_p(diffs) == (pytest.approx(want, rel=1e-12) if want is not None else None)
+
+
+@pytest.mark.parametrize("diffs", [[0.0, 1.0, 1.0, -2.0, 3.0, 4.0, 5.0, -6.0, 7.0, 8.0, 9.0, 10.0, 11.0],
+                                   [0.5] * 6 + [-0.5] * 2, [2.0, -2.0]])
+def test_thirteen_pairs_with_ties_give_scipys_p(diffs: list[float]) -> None:
+    assert wilcoxon_p(diffs) == pytest.approx(float(stats.wilcoxon(diffs).pvalue), rel=1e-12)
 
 
 def test_smallest_p_is_all_differences_of_one_sign() -> None:

@@ -61,7 +61,20 @@ def wilcoxon_p(differences: Sequence[float]) -> float | None:
     arr = np.asarray(differences, dtype=np.float64)
     if not np.all(np.isfinite(arr)) or not np.any(arr != 0):
         return None
-    return float(stats.wilcoxon(arr).pvalue)
+    if not 2 <= len(arr) <= 13 or len(np.unique(np.abs(arr))) == len(arr) and np.all(arr != 0):
+        return float(stats.wilcoxon(arr).pvalue)  # exact (no ties, no zeros) or, past 13 pairs, asymptotic
+    # ties or zeros in 2 to 13 pairs: scipy's permutation test of the rank sum of the positive differences over
+    # every sign pattern, as stats.wilcoxon runs it, but vectorised (it calls the statistic once a pattern: 0.57 s
+    # for 12 pairs with a tie). The ranks (average ranks of |d|, zeros left out, as its zero_method "wilcox") do not
+    # change when signs flip; a zero, flipped or not, is never positive and adds nothing
+    ranks = np.zeros_like(arr)
+    ranks[arr != 0] = stats.rankdata(np.abs(arr[arr != 0]))
+
+    def r_plus(d: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.sum((np.moveaxis(d, axis, -1) > 0) * ranks, axis=-1)
+
+    return float(stats.permutation_test((arr,), r_plus, permutation_type="samples", vectorized=True,
+                                        n_resamples=np.inf, alternative="two-sided").pvalue)
 
 
 def paired_difference(method: Mapping[int, float], baseline: Mapping[int, float],
