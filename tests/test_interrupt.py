@@ -20,7 +20,7 @@ from fedsight.cli import app
 
 from helpers import tiny
 
-RAW = tiny(**{"server.rounds": 400, "eval.every": 100, "engine.threads": 1})
+RAW = tiny(**{"server.rounds": 4000, "eval.every": 100, "engine.threads": 1})
 RUN = Path("runs/tiny/seed0")
 
 
@@ -49,8 +49,8 @@ def _interrupt_after(proc: subprocess.Popen, folder: Path, rounds: int, sig: int
 
 def _said(out: str, err: str, folder: Path, command: str) -> None:
     status = json.loads((folder / RUN / "status.json").read_text())
-    assert status["state"] == "interrupted" and 2 <= status["round"] < 400
-    line = f"interrupted at round {status['round']} of 400 ({RUN}); resume with: {command}"
+    assert status["state"] == "interrupted" and 2 <= status["round"] < 4000
+    line = f"interrupted at round {status['round']} of 4000 ({RUN}); resume with: {command}"
     assert line in (out + err).splitlines(), out + err
 
 
@@ -94,7 +94,7 @@ def test_an_interrupted_jobs_sweep_stops_its_workers_and_marks_their_runs(tmp_pa
     with pytest.raises(KeyboardInterrupt):
         run_parallel(Path("c.toml"), [], [], [0], 1, on_message=ctrl_c)
     status = json.loads((tmp_path / RUN / "status.json").read_text())
-    assert status["state"] == "interrupted" and 1 <= status["round"] < 400
+    assert status["state"] == "interrupted" and 1 <= status["round"] < 4000
 
 
 def test_an_interrupted_jobs_sweep_starts_no_queued_run(tmp_path, monkeypatch):

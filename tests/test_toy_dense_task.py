@@ -173,7 +173,7 @@ def raw(**over: Any) -> dict[str, Any]:
     from fedsight.config import set_path
 
     out = {
-        "seed": 0, "run": {"name": "dense", "checkpoint_keep": 1}, "task": "toy_dense",
+        "seed": 0, "run": {"name": "dense", "checkpoint_keep": 1, "plots": False}, "task": "toy_dense",
         "data": {"name": "toy_scenes"}, "model": {"name": "toy_fcn"},
         "partition": {"name": "classes", "classes_per_client": 1, "num_clients": 6, "local_test_fraction": 0.25},
         "train": {"epochs": 5, "batch_size": 8, "lr": 0.05, "momentum": 0.9}, "server": {"rounds": 3, "clients_per_round": 3},

@@ -56,7 +56,7 @@ def _pipeline():
 
 def _video(tmp_path):
     return {
-        "seed": 0, "run": {"name": "vsr", "output_dir": str(tmp_path), "checkpoint_keep": 1}, "task": {"name": "video_sr"},
+        "seed": 0, "run": {"name": "vsr", "output_dir": str(tmp_path), "checkpoint_keep": 1, "plots": False}, "task": {"name": "video_sr"},
         "data": {"name": "synthetic_video", "sources": ["astronaut", "coffee", "chelsea", "rocket"], "test_sources": ["china"],
                  "clips_per_source": 2, "test_clips_per_source": 2, "clip_length": 5, "frame_size": 48, "scale": 4,
                  "num_frames": 3, "patch_size": 6},

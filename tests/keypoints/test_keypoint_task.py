@@ -29,7 +29,7 @@ MODEL = {"name": "vitpose", "patch": 4, "dim": 16, "depth": 1, "heads": 2, "deco
 def raw_config(tmp_path, **over):
     raw = {
         "seed": 0,
-        "run": {"name": "kp", "output_dir": str(tmp_path), "checkpoint_keep": 1},
+        "run": {"name": "kp", "output_dir": str(tmp_path), "checkpoint_keep": 1, "plots": False},
         "task": {"name": "keypoints", "ladder": LADDER},
         "data": {"name": "builtin_pose", "num_train": 18, "num_test": 6, "image_size": [96, 72]},
         "partition": {"name": "iid", "num_clients": 3, "local_test_fraction": 0.0},

@@ -26,7 +26,8 @@ load_builtin()
 
 STREET = {"name": "street", "height": 32, "width": 48, "setting": "none", "cameras": ["car"]}
 BASE: dict[str, Any] = {
-    "seed": 0, "run": {"name": "ladd", "checkpoint_keep": 1},
+    # (no figures: drawing the segmentation panels was most of a run's time here; the clusters' test draws them)
+    "seed": 0, "run": {"name": "ladd", "checkpoint_keep": 1, "plots": False},
     "task": {"name": "segmentation", "crop": [24, 40], "scale": [0.8, 1.2], "labels": "eval_only",
              "source": {**STREET, "towns": ["downtown"], "conditions": ["clear-day"], "per_domain": 6}},
     # four target domains, one per client: two towns x two weathers (the styles to cluster)
@@ -105,7 +106,7 @@ def _weighted_mean(states: list[dict[str, torch.Tensor]], n: list[float], key: s
 
 
 def test_clusters_follow_the_planted_weather_and_are_reported(tmp_path) -> None:
-    out = execute(config([STYLES_STAGE]), tmp_path / "run")
+    out = execute(config([STYLES_STAGE], **{"run.plots": True}), tmp_path / "run")
     info = json.loads((out.run_dir / "clusters.json").read_text())
     weather = [c["domain"].split("/")[1] for c in info["clients"]]
     cluster = [c["cluster"] for c in info["clients"]]

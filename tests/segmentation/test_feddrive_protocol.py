@@ -20,7 +20,7 @@ from fedsight.plugins import load_builtin
 load_builtin()
 
 BASE: dict[str, Any] = {
-    "seed": 0, "run": {"name": "s", "checkpoint_keep": 0},
+    "seed": 0, "run": {"name": "s", "checkpoint_keep": 0, "plots": False},
     "task": {"name": "segmentation", "crop": [32, 48], "scale": [1.0, 1.0]},
     "data": {"name": "street", "towns": ["suburb", "rural"], "conditions": ["clear-day", "rain-day"], "cameras": ["car"],
              "per_domain": 5, "height": 32, "width": 48},
