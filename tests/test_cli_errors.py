@@ -1,5 +1,7 @@
-"""The CLI's one error boundary, through real processes: bad input gives one line on stderr, a non-zero exit
-and no traceback (``FEDSIGHT_DEBUG=1`` shows it)."""
+"""The CLI's one error boundary: bad input gives one line on stderr, a non-zero exit and no traceback
+(``FEDSIGHT_DEBUG=1`` shows it). Through ``fedsight.cli.main``, the console script's function, in this process
+(``fuzz_helpers.cli``: its exit status, stdout and stderr; an exception past it is exit -1), and through real
+processes for ``FEDSIGHT_DEBUG``."""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ import sys
 import pytest
 import tomli_w
 
+from fuzz_helpers import cli
 from helpers import tiny
 
 
-def fedsight(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from fedsight.cli import main; main()", *args],
-                          capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+def fedsight(*args: str) -> subprocess.CompletedProcess:
+    res = cli(list(args))
+    return subprocess.CompletedProcess(["fedsight", *args], res.code, res.out, res.err)
 
 
 def _lines(text: str) -> list[str]:
