@@ -27,7 +27,12 @@ RUN = Path("runs/tiny/seed0")
 def _start(folder: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("FEDSIGHT_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-m", "fedsight", *args], cwd=folder, env=env, stdout=subprocess.PIPE,
+    # ``python -m fedsight`` with Python's own Ctrl-C handler: a process started in the background of a script
+    # (``cmd &``, as a CI runner may start the suite) inherits SIGINT ignored, and Python then installs none, so a
+    # SIGINT did nothing and the run went on to finish (exit 0)
+    start = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "runpy.run_module('fedsight', run_name='__main__', alter_sys=True)")
+    return subprocess.Popen([sys.executable, "-c", start, *args], cwd=folder, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
