@@ -71,6 +71,9 @@ MODEL_CASES += [(n, {**SMALL_SIZE[n], **v}) for n, v in MODEL_CASES if n in SMAL
 #: with the suite's slow flag only; tests/models/test_weights.py loads every one of them
 SIBLING_CASES = {("vit_b16", "{}"), ("resnet34_imagenet", "{'norm': 'batch'}"), ("resnet34_imagenet", "{'norm': 'group'}"),
                  ("resnet50_imagenet", "{'norm': 'group'}")} | PAPER_SIZE
+#: and the CIFAR ResNet-18 (11M parameters; in float64 among the costliest vectorised cases), whose classes (``ResNet``
+#: of BasicBlock stages) resnet8 runs at each norm
+SIBLING_CASES |= {("resnet18", "{'norm': 'batch'}"), ("resnet18", "{'norm': 'group'}")}
 
 
 def model_params(cases: list[tuple[str, dict]]) -> list[Any]:
