@@ -61,7 +61,8 @@ def wilcoxon_p(differences: Sequence[float]) -> float | None:
     arr = np.asarray(differences, dtype=np.float64)
     if not np.all(np.isfinite(arr)) or not np.any(arr != 0):
         return None
-    if not 2 <= len(arr) <= 13 or len(np.unique(np.abs(arr))) == len(arr) and np.all(arr != 0):
+    untied = bool(np.all(arr != 0)) and len(np.unique(np.abs(arr))) == len(arr)
+    if untied or not 2 <= len(arr) <= 13:
         return float(stats.wilcoxon(arr).pvalue)  # exact (no ties, no zeros) or, past 13 pairs, asymptotic
     # ties or zeros in 2 to 13 pairs: scipy's permutation test of the rank sum of the positive differences over
     # every sign pattern, as stats.wilcoxon runs it, but vectorised (it calls the statistic once a pattern: 0.57 s
