@@ -2,9 +2,9 @@ import os
 
 # A thread waiting at an OpenMP barrier sleeps instead of spinning. Set before torch loads its OpenMP runtime, here
 # and in every process a test starts: a run or benchmark that asks for 2 threads (``fedsight bench``, torchrun ranks)
-# on 2 cores that the other pytest worker also uses spun for its descheduled partner, measured 100x slower a round
-# (82 s against 15 s for ``fedsight bench -w cnn --clients 3 --rounds 2 --no-flower --no-memory`` beside two busy
-# processes on 2 cores).
+# on 2 cores that the other pytest worker also uses spun for its descheduled partner: 60 to 100 times slower a round
+# than at one thread, and 82 s against 15 s for the whole ``fedsight bench -w cnn --clients 3 --rounds 2 --no-flower
+# --no-memory`` beside two busy processes on 2 cores (one run each).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
